@@ -1,0 +1,220 @@
+"""What each epoch yields: the batches of dataset indices, starting at any cursor in O(1).
+
+An epoch's *global order* is the sequence of dataset indices it visits; the loader's cursor
+counts how much of it the user has received. A ``Source`` turns (epoch, cursor) into the
+remaining batches:
+
+- ``NativeOrder``: ``shuffle`` on or off, with unbroken's per-index shuffle. Batches are
+  contiguous runs of positions, so starting at sample k computes nothing before k.
+- ``UserSampler``/``UserBatchSampler``: the user's own sampler or batch sampler, restored
+  through its ``state_dict``/``load_state_dict`` when it has them, otherwise fast-forwarded by
+  skipping what was consumed (O(k), with a warning).
+
+Each batch is a ``Keys`` list of dataset indices that also carries the epoch's key and the
+position of its first sample, which is all a worker needs to seed every sample's RNGs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from ._shuffle import IndexShuffle, derive_key
+from ._state import from_jsonable, to_jsonable
+
+# Indices are computed in blocks of at least this many positions: one numpy call per block
+# keeps the per-index cost at ~0.1 us without holding more than a block in memory.
+_BLOCK = 4096
+
+
+class Keys(list):
+    """A batch of dataset indices; ``epoch_key`` and ``start`` let a worker seed each sample."""
+
+    def __init__(self, indices, epoch_key: int, start: int) -> None:
+        super().__init__(indices)
+        self.epoch_key = epoch_key
+        self.start = start
+
+    def __reduce__(self):  # workers receive batches pickled; keep it small and explicit
+        return (Keys, (list(self), self.epoch_key, self.start))
+
+
+class Cursor:
+    """Where the user is in an epoch: samples and batches received, and the sampler's state."""
+
+    __slots__ = ("samples", "batches", "sampler_state")
+
+    def __init__(self, samples: int = 0, batches: int = 0, sampler_state: Any = None) -> None:
+        self.samples, self.batches, self.sampler_state = samples, batches, sampler_state
+
+
+class NativeOrder:
+    """Sequential or shuffled order over a map-style dataset of length ``n``."""
+
+    kind = "native"
+
+    def __init__(self, n: int, batch_size: int | None, drop_last: bool, shuffle: bool) -> None:
+        self.n, self.batch_size, self.drop_last, self.shuffle = n, batch_size, drop_last, shuffle
+        step = batch_size or 1
+        self.epoch_samples = n - n % step if drop_last else n
+
+    def fingerprint(self) -> dict:
+        return {"sampler": "unbroken", "shuffle": self.shuffle}
+
+    def __len__(self) -> int:
+        return math.ceil(self.epoch_samples / (self.batch_size or 1))
+
+    def check_cursor(self, cursor: Cursor, what: str) -> None:
+        step = self.batch_size or 1
+        expected = min(cursor.batches * step, self.epoch_samples)
+        if cursor.samples != expected or cursor.batches > len(self):
+            raise ValueError(
+                f"{what} state is inconsistent: samples={cursor.samples} and "
+                f"batches={cursor.batches} do not describe a position of an epoch of "
+                f"{self.epoch_samples} samples in batches of {step}; the state is corrupt"
+            )
+
+    def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
+        epoch_key = derive_key(seed, epoch)
+        step = self.batch_size or 1
+        shuffle = IndexShuffle(self.n, derive_key(seed, epoch, 1)) if self.shuffle else None
+        block = step * max(1, _BLOCK // step)
+        start, end = cursor.samples, self.epoch_samples
+        for block_start in range(start, end, block):
+            block_end = min(block_start + block, end)
+            if shuffle is None:
+                indices = range(block_start, block_end)
+            else:
+                indices = shuffle.range(block_start, block_end)
+            for offset in range(0, block_end - block_start, step):
+                first = block_start + offset
+                last = min(first + step, block_end)
+                done.append((last, None))
+                yield Keys(indices[offset : offset + step], epoch_key, first)
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+class _UserOrder:
+    """Shared logic of a user sampler or batch sampler: epoch, state, or skipping."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.stateful = _has_state(sampler)
+        self._warned = False
+
+    def fingerprint(self) -> dict:
+        cls = type(self.sampler)
+        return {"sampler": f"{cls.__module__}.{cls.__qualname__}", "shuffle": None}
+
+    def check_cursor(self, cursor: Cursor, what: str) -> None:
+        if cursor.samples < cursor.batches:
+            raise ValueError(
+                f"{what} state is inconsistent: samples={cursor.samples} < "
+                f"batches={cursor.batches}; the state is corrupt"
+            )
+
+    def _start(self, epoch: int, cursor: Cursor) -> tuple[Iterator, int]:
+        """Set up the sampler for ``epoch``; return its iterator and how much to skip."""
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)
+        if cursor.samples == 0:
+            return iter(self.sampler), 0
+        if self.stateful and cursor.sampler_state is not None:
+            self.sampler.load_state_dict(from_jsonable(cursor.sampler_state))
+            return iter(self.sampler), 0
+        return iter(self.sampler), self._skip_count(cursor)
+
+    def _skip(self, iterator: Iterator, count: int, unit: str) -> None:
+        if count == 0:
+            return
+        self._warn_skip(count, unit)
+        skipped = sum(1 for _ in itertools.islice(iterator, count))
+        if skipped < count:
+            raise ValueError(
+                f"unbroken: the state says {count} {unit} of {type(self.sampler).__qualname__} "
+                f"were consumed this epoch, but it yields only {skipped}; was the state saved "
+                "with a different sampler?"
+            )
+
+    def _warn_skip(self, count: int, unit: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"unbroken: {type(self.sampler).__qualname__} has no state_dict()/"
+                f"load_state_dict(), so resuming skips {count} {unit} of it one by one: this "
+                "costs O(k) and is exact only if the sampler yields the same order again for "
+                "the same epoch. Give it state_dict/load_state_dict to resume in O(1).",
+                stacklevel=4,
+            )
+
+    def _snapshot(self) -> Any:
+        if not self.stateful:
+            return None
+        return to_jsonable(self.sampler.state_dict(), "sampler.state_dict()")
+
+
+class UserSampler(_UserOrder):
+    """A user ``sampler`` (yields dataset indices), batched by ``batch_size``."""
+
+    kind = "sampler"
+
+    def __init__(self, sampler: Any, batch_size: int | None, drop_last: bool) -> None:
+        super().__init__(sampler)
+        self.batch_size, self.drop_last = batch_size, drop_last
+
+    def __len__(self) -> int:
+        n, step = len(self.sampler), self.batch_size or 1
+        return n // step if self.drop_last else math.ceil(n / step)
+
+    def _skip_count(self, cursor: Cursor) -> int:
+        return cursor.samples
+
+    def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
+        epoch_key = derive_key(seed, epoch)
+        step = self.batch_size or 1
+        indices, skip = self._start(epoch, cursor)
+        self._skip(indices, skip, "indices")
+        position = cursor.samples
+        batch: list = []
+        for index in indices:
+            batch.append(index)
+            if len(batch) == step:
+                position += step
+                done.append((position, self._snapshot()))
+                yield Keys(batch, epoch_key, position - step)
+                batch = []
+        if batch and not self.drop_last:
+            done.append((position + len(batch), self._snapshot()))
+            yield Keys(batch, epoch_key, position)
+
+
+class UserBatchSampler(_UserOrder):
+    """A user ``batch_sampler`` (yields lists of dataset indices)."""
+
+    kind = "batch_sampler"
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def _skip_count(self, cursor: Cursor) -> int:
+        return cursor.batches
+
+    def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
+        epoch_key = derive_key(seed, epoch)
+        batches, skip = self._start(epoch, cursor)
+        self._skip(batches, skip, "batches")
+        position = cursor.samples
+        for batch in batches:
+            first = position
+            position += len(batch)
+            done.append((position, self._snapshot()))
+            yield Keys(batch, epoch_key, first)

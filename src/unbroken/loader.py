@@ -1,0 +1,263 @@
+"""``unbroken.DataLoader``: torch's DataLoader for map-style datasets, resumable exactly in O(1).
+
+It wraps a real ``torch.utils.data.DataLoader`` (workers, pinning, prefetching are torch's)
+and gives it two things: a batch sampler that starts each epoch at a cursor, and a dataset
+wrapper that seeds every sample's RNGs from (seed, epoch, position). The loader itself only
+counts what it *yields*; batches prefetched by workers are never counted, so
+``state_dict()`` describes exactly what the user received.
+
+State: ``{"format", "version", "seed", "epoch", "samples", "batches", "sampler",
+"fingerprint"}``, a few integers plus a user sampler's own state if it has one.
+Per-batch cost: one deque append/pop and a generator step (< 1 us), plus the per-sample
+seeding described in ``_rng`` (``global_rngs`` chooses it).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, SequentialSampler
+
+from ._fetch import SeededDataset
+from ._order import Cursor, NativeOrder, UserBatchSampler, UserSampler
+from ._rng import GLOBAL_RNGS, check_global_rngs
+from ._shuffle import derive_key
+from ._state import StateReader, mismatch
+
+FORMAT = "unbroken.DataLoader"
+VERSION = 1
+_FIELDS = {"format", "version", "seed", "epoch", "samples", "batches", "sampler", "fingerprint"}
+_SEED_LIMIT = 1 << 64
+
+
+class DataLoader:
+    """A drop-in for ``torch.utils.data.DataLoader`` whose position survives a restart.
+
+    Takes torch's arguments plus keyword-only ``seed`` and ``global_rngs``:
+
+    - ``seed``: the run's data seed (an int in [0, 2**64)). The shuffle order and every
+      sample's randomness derive from it. ``None`` picks a random one (or
+      ``generator.initial_seed()`` if a ``generator`` is given); ``load_state_dict`` then
+      adopts the saved seed, so a restarted run continues the same order.
+    - ``global_rngs``: which process-global generators are seeded before each sample:
+      any of ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves
+      its seeding cost (see ``unbroken._rng``) but makes draws from it inside ``__getitem__``
+      depend on the worker, so they no longer repeat after a resume; ``sample_rng()`` and
+      ``sample_seed()`` stay exact either way.
+
+    ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
+    the next epoch (the first is epoch 0).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Iterable | None = None,
+        batch_sampler: Iterable | None = None,
+        num_workers: int = 0,
+        collate_fn=None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        global_rngs: Iterable[str] = GLOBAL_RNGS,
+    ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "unbroken.DataLoader resumes map-style datasets (with __getitem__ and __len__); "
+                f"{type(dataset).__qualname__} is an IterableDataset, which it does not support yet"
+            )
+        if not in_order:
+            raise ValueError(
+                "unbroken.DataLoader needs in_order=True: batches delivered out of order would make "
+                "the received position ambiguous, so a resume could repeat or skip batches"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.global_rngs = check_global_rngs(global_rngs)
+        self.seed = _check_seed(seed, generator)
+        self._seed_given = seed is not None or generator is not None
+        self._order = _make_order(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last)
+        self.sampler, self.batch_sampler = sampler, batch_sampler
+
+        # Progress: the epoch, what of it the user received, and whether an iteration of it is
+        # open (started and not finished) or a loaded state waits for the next iter().
+        self._epoch = 0
+        self._cursor = Cursor()
+        self._open = False
+        self._resume_pending = False
+        self._done: deque = deque()  # (samples, sampler state) per batch drawn, not yet yielded
+
+        # The inner loader draws its workers' base seed from this private generator, never from
+        # torch's global one, so iterating a loader leaves the training process's RNG untouched.
+        self._worker_seeds = torch.Generator()
+        self._plan = _EpochPlan(self)
+        auto_batch = batch_size is not None or batch_sampler is not None
+        self._inner = torch.utils.data.DataLoader(
+            SeededDataset(dataset, self.global_rngs),
+            batch_size=1 if auto_batch else None,  # torch's default, required with batch_sampler
+            sampler=None if auto_batch else self._plan,
+            batch_sampler=self._plan if auto_batch else None,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=self._worker_seeds,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
+
+    def __len__(self) -> int:
+        """Batches in a whole epoch (like torch's DataLoader), not in what remains of it."""
+        return len(self._order)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the loader is in, or will start at the next ``iter()``."""
+        return self._epoch
+
+    def __iter__(self) -> Iterator:
+        if not self._resume_pending:
+            if self._open:  # the previous iteration was abandoned: torch starts afresh too
+                self._epoch += 1
+            self._cursor = Cursor()
+        self._resume_pending = False
+        self._open = True
+        self._done.clear()
+        self._worker_seeds.manual_seed(derive_key(self.seed, self._epoch, 2))
+        return self._yield(iter(self._inner))
+
+    def _yield(self, batches: Iterator) -> Iterator:
+        cursor, done = self._cursor, self._done
+        for batch in batches:
+            cursor.samples, cursor.sampler_state = done.popleft()
+            cursor.batches += 1
+            yield batch
+        # Only reached when the user's for-loop asks past the last batch: the epoch is over,
+        # and a state taken now starts the next epoch (inside the loop it would not).
+        if cursor is self._cursor:
+            self._epoch += 1
+            self._cursor = Cursor()
+            self._open = False
+
+    def state_dict(self) -> dict:
+        """What the user has received so far: JSON-serializable (``json.dumps`` works)."""
+        cursor = self._cursor
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "samples": cursor.samples,
+            "batches": cursor.batches,
+            "sampler": cursor.sampler_state,
+            "fingerprint": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next ``iter()`` continue right after the last batch the saved loader yielded.
+
+        Raises ``ValueError`` naming the field if the state is malformed, from another version,
+        or was saved with a different dataset length, seed, batch size, drop_last, shuffle or
+        sampler. Nothing changes unless the whole state is valid.
+        """
+        what = "unbroken.DataLoader"
+        reader = StateReader(state, what, _FIELDS, FORMAT, VERSION)
+        saved_seed = reader.int("seed", 0, _SEED_LIMIT - 1)
+        if self._seed_given and saved_seed != self.seed:
+            raise mismatch(what, "seed", saved_seed, self.seed,
+                           "Pass the saved seed, or seed=None to adopt it.")
+        saved_print = reader.dict("fingerprint")
+        for field, current in self._fingerprint().items():
+            if field not in saved_print:
+                raise ValueError(f"{what} state is malformed: fingerprint lacks '{field}'")
+            if saved_print[field] != current:
+                raise mismatch(what, field, saved_print[field], current)
+        cursor = Cursor(reader.int("samples"), reader.int("batches"), state["sampler"])
+        self._order.check_cursor(cursor, what)
+        epoch = reader.int("epoch")
+
+        self.seed = saved_seed
+        self._epoch, self._cursor = epoch, cursor
+        self._resume_pending, self._open = True, False
+
+    def _fingerprint(self) -> dict:
+        return {
+            "dataset_length": _length(self.dataset),
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "global_rngs": list(self.global_rngs),
+            **self._order.fingerprint(),
+        }
+
+
+class _EpochPlan(torch.utils.data.Sampler):
+    """The batch sampler the inner torch loader iterates: the current epoch from its cursor."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._loader = loader
+
+    def __iter__(self) -> Iterator:
+        loader = self._loader
+        # A copy: the loader's cursor moves as batches are yielded, this plan's start does not.
+        start = Cursor(loader._cursor.samples, loader._cursor.batches, loader._cursor.sampler_state)
+        return loader._order.batches(loader.seed, loader._epoch, start, loader._done)
+
+    def __len__(self) -> int:
+        return len(self._loader._order)
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:  # a map-style dataset may lack __len__ when a sampler drives it
+        return None
+
+
+def _check_seed(seed: int | None, generator: torch.Generator | None) -> int:
+    if seed is None:
+        if generator is not None:
+            return generator.initial_seed() % _SEED_LIMIT
+        return secrets.randbits(63)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def _make_order(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last):
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size <= 0):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
+                "and drop_last"
+            )
+        return UserBatchSampler(batch_sampler)
+    if sampler is not None:
+        if shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if isinstance(sampler, SequentialSampler) and sampler.data_source is dataset:
+            return NativeOrder(len(dataset), batch_size, drop_last, shuffle=False)
+        return UserSampler(sampler, batch_size, drop_last)
+    return NativeOrder(len(dataset), batch_size, drop_last, shuffle=bool(shuffle))
