@@ -116,6 +116,16 @@ class _UserOrder:
         return {"sampler": f"{cls.__module__}.{cls.__qualname__}", "shuffle": None}
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
+        saved = cursor.sampler_state
+        well_formed = saved is None or (
+            isinstance(saved, dict) and set(saved) == {"state", "end"}
+            and isinstance(saved["end"], bool)
+        )
+        if not well_formed:
+            raise ValueError(
+                f"{what} state field 'sampler': expected None or {{'state': ..., 'end': bool}}, "
+                f"got {saved!r}"
+            )
         if cursor.samples < cursor.batches:
             raise ValueError(
                 f"{what} state is inconsistent: samples={cursor.samples} < "
@@ -126,12 +136,24 @@ class _UserOrder:
         """Set up the sampler for ``epoch``; return its iterator and how much to skip."""
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)
+        saved = cursor.sampler_state
+        if saved is not None and saved["end"]:
+            return iter(()), 0  # saved right after the epoch's last batch: nothing remains
         if cursor.samples == 0:
             return iter(self.sampler), 0
-        if self.stateful and cursor.sampler_state is not None:
-            self.sampler.load_state_dict(from_jsonable(cursor.sampler_state))
+        if self.stateful and saved is not None and saved["state"] is not None:
+            self.sampler.load_state_dict(from_jsonable(saved["state"]))
             return iter(self.sampler), 0
         return iter(self.sampler), self._skip_count(cursor)
+
+    def _received(self, batch_end: int, last: bool) -> tuple[int, dict]:
+        """What ``done`` records for a batch: where it ends, the sampler's state after it, and
+        whether it is the epoch's last (samplers may reset themselves once exhausted, so their
+        own state cannot say that)."""
+        state = None
+        if self.stateful:
+            state = to_jsonable(self.sampler.state_dict(), "sampler.state_dict()")
+        return batch_end, {"state": state, "end": last}
 
     def _skip(self, iterator: Iterator, count: int, unit: str) -> None:
         if count == 0:
@@ -156,11 +178,6 @@ class _UserOrder:
                 stacklevel=4,
             )
 
-    def _snapshot(self) -> Any:
-        if not self.stateful:
-            return None
-        return to_jsonable(self.sampler.state_dict(), "sampler.state_dict()")
-
 
 class UserSampler(_UserOrder):
     """A user ``sampler`` (yields dataset indices), batched by ``batch_size``."""
@@ -184,17 +201,17 @@ class UserSampler(_UserOrder):
         indices, skip = self._start(epoch, cursor)
         self._skip(indices, skip, "indices")
         position = cursor.samples
-        batch: list = []
-        for index in indices:
-            batch.append(index)
-            if len(batch) == step:
-                position += step
-                done.append((position, self._snapshot()))
-                yield Keys(batch, epoch_key, position - step)
-                batch = []
-        if batch and not self.drop_last:
-            done.append((position + len(batch), self._snapshot()))
+        # Each batch is recorded with the sampler's state right after drawing it; the next batch
+        # is drawn only then, to learn whether this one is the epoch's last.
+        batch = list(itertools.islice(indices, step))
+        while batch and (len(batch) == step or not self.drop_last):
+            following = list(itertools.islice(indices, step)) if len(batch) == step else []
+            received = self._received(position + len(batch), False)
+            received[1]["end"] = not following or (len(following) < step and self.drop_last)
+            done.append(received)
             yield Keys(batch, epoch_key, position)
+            position += len(batch)
+            batch = following
 
 
 class UserBatchSampler(_UserOrder):
@@ -213,8 +230,12 @@ class UserBatchSampler(_UserOrder):
         batches, skip = self._start(epoch, cursor)
         self._skip(batches, skip, "batches")
         position = cursor.samples
-        for batch in batches:
-            first = position
+        batch = next(batches, None)
+        while batch is not None:
+            received = self._received(position + len(batch), False)
+            batch, following = list(batch), next(batches, None)
+            received[1]["end"] = following is None
+            done.append(received)
+            yield Keys(batch, epoch_key, position)
             position += len(batch)
-            done.append((position, self._snapshot()))
-            yield Keys(batch, epoch_key, first)
+            batch = following

@@ -1,0 +1,210 @@
+"""Resume latency: load_state_dict on a fresh loader -> first batch, early vs late in an epoch.
+
+A shuffled epoch of ``--samples`` (default 10 million) samples whose ``__getitem__`` returns
+``torch.tensor(i)``, batch_size 64, num_workers 0, a collate_fn that keeps the list (cheap).
+For unbroken.DataLoader (seed=0) and torchdata's StatefulDataLoader (shuffle=True, defaults):
+
+1. Capture, one pass per library: iterate the loader and call ``state_dict()`` right after
+   receiving the batch at 1%, 50% and 99% of the epoch; serialize it (``json.dumps`` for
+   unbroken, ``pickle.dumps`` for torchdata, whose state holds a tensor) and remember the batch
+   that came next.
+2. Measure, ``--reps`` times per point (libraries and points interleaved): construct a fresh
+   loader, deserialize the state (both untimed), then time ``load_state_dict(state)``,
+   ``iter()`` and ``next()``. The received batch is checked against the one the capture pass
+   got next, so a fast but wrong resume cannot pass. A fresh start (no state) is timed the
+   same way as a baseline.
+
+    .venv/bin/python benchmarks/resume_latency.py           # 10M samples, ~3-4 minutes
+    .venv/bin/python benchmarks/resume_latency.py --quick   # smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pickle
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import unbroken  # noqa: E402
+from _common import environment, load_line, table  # noqa: E402
+
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+except ImportError:
+    StatefulDataLoader = None
+
+BATCH = 64
+POINTS = (0.01, 0.50, 0.99)
+
+
+class IndexDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor(i)
+
+
+def keep_list(batch):
+    return batch
+
+
+def as_ints(batch) -> list[int]:
+    return [int(x) for x in batch]
+
+
+class Library:
+    def __init__(self, name: str, make, dumps, loads) -> None:
+        self.name, self.make, self.dumps, self.loads = name, make, dumps, loads
+
+
+def libraries(dataset, global_rngs) -> list[Library]:
+    libs = [Library(
+        "unbroken",
+        lambda: unbroken.DataLoader(dataset, batch_size=BATCH, shuffle=True, seed=0,
+                                    collate_fn=keep_list, global_rngs=global_rngs),
+        lambda s: json.dumps(s).encode(), json.loads)]
+    if StatefulDataLoader is not None:
+        libs.append(Library(
+            "torchdata",
+            lambda: StatefulDataLoader(dataset, batch_size=BATCH, shuffle=True,
+                                       collate_fn=keep_list),
+            pickle.dumps, pickle.loads))
+    return libs
+
+
+def capture(lib: Library, stops: list[int]) -> tuple[dict, float]:
+    """One pass: {batches received: (serialized state, the batch that came next)}."""
+    loader = lib.make()
+    wanted, got, pending = set(stops), {}, None
+    start = time.perf_counter()
+    for received, batch in enumerate(loader, start=1):
+        if pending is not None:
+            got[pending] = (got[pending], as_ints(batch))
+            pending = None
+            if len(got) == len(wanted):
+                break
+        if received in wanted:
+            got[received] = lib.dumps(loader.state_dict())
+            pending = received
+    seconds = time.perf_counter() - start
+    del loader
+    gc.collect()
+    return got, seconds
+
+
+def time_resume(lib: Library, blob: bytes | None) -> tuple[float, list[int]]:
+    loader = lib.make()
+    state = lib.loads(blob) if blob is not None else None
+    gc.collect()
+    start = time.perf_counter()
+    if state is not None:
+        loader.load_state_dict(state)
+    first = next(iter(loader))
+    seconds = time.perf_counter() - start
+    del loader
+    return seconds, as_ints(first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=10_000_000, help="epoch length")
+    parser.add_argument("--reps", type=int, default=5, help="timed resumes per point and library")
+    parser.add_argument("--global-rngs", default="torch,numpy,random",
+                        help="unbroken's global_rngs, comma-separated ('' for none); seeding "
+                             "makes the capture pass slower, not the resume")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 200k samples, 2 reps")
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.reps = 200_000, 2
+    global_rngs = tuple(x for x in args.global_rngs.split(",") if x)
+    torch.set_num_threads(1)
+
+    n_batches = -(-args.samples // BATCH)
+    stops = [max(1, round(p * n_batches)) for p in POINTS]
+    dataset = IndexDataset(args.samples)
+    libs = libraries(dataset, global_rngs)
+
+    print("# Resume latency: load_state_dict -> first batch\n")
+    print("\n".join(environment()))
+    print(f"- epoch: {args.samples:,} samples, shuffle=True, batch_size {BATCH} ({n_batches:,} "
+          "batches), num_workers 0, __getitem__ returns torch.tensor(i), collate_fn keeps the list")
+    print(f"- unbroken.DataLoader(seed=0, global_rngs={global_rngs!r}); torchdata "
+          "StatefulDataLoader(shuffle=True) with its defaults")
+    print(f"- {args.reps} timed resumes per point and library, each on a freshly constructed "
+          "loader; timed: load_state_dict + iter + next (construction and deserialization not "
+          "timed)")
+    if StatefulDataLoader is None:
+        print("- torchdata is not installed: its columns are left out")
+    sys.stdout.flush()
+
+    states, capture_s = {}, {}
+    for lib in libs:
+        states[lib.name], capture_s[lib.name] = capture(lib, stops)
+        print(f"[captured {lib.name} states in {capture_s[lib.name]:.0f} s]", file=sys.stderr,
+              flush=True)
+
+    labels = ["0% (fresh, no state)"] + [f"{p:.0%}" for p in POINTS]
+    blobs = {lib.name: [None] + [states[lib.name][k][0] for k in stops] for lib in libs}
+    expected = {lib.name: [None] + [states[lib.name][k][1] for k in stops] for lib in libs}
+    times = {lib.name: [[] for _ in labels] for lib in libs}
+    wrong = []
+    for lib in libs:  # warm-up: imports, allocator, first-call costs
+        time_resume(lib, blobs[lib.name][1])
+    for rep in range(args.reps):
+        for i in range(len(labels)):
+            order = libs if (rep + i) % 2 == 0 else libs[::-1]
+            for lib in order:
+                seconds, first = time_resume(lib, blobs[lib.name][i])
+                times[lib.name][i].append(seconds)
+                if expected[lib.name][i] is not None and first != expected[lib.name][i]:
+                    wrong.append(f"{lib.name} at {labels[i]}")
+        print(f"[round {rep + 1}/{args.reps} done]", file=sys.stderr, flush=True)
+
+    med = {name: [statistics.median(t) for t in ts] for name, ts in times.items()}
+    header = ["position", "samples before"]
+    for lib in libs:
+        header += [f"{lib.name} median s", f"{lib.name} min-max s"]
+    if len(libs) == 2:
+        header.append("unbroken / torchdata")
+    rows = []
+    for i, label in enumerate(labels):
+        row = [label, f"{0 if i == 0 else stops[i - 1] * BATCH:,}"]
+        for lib in libs:
+            ts = times[lib.name][i]
+            row += [f"{med[lib.name][i]:.4f}", f"{min(ts):.4f}-{max(ts):.4f}"]
+        if len(libs) == 2:
+            row.append(f"{med['unbroken'][i] / med['torchdata'][i]:.4f}")
+        rows.append(row)
+
+    print("\n## Time from load_state_dict to the first batch\n")
+    print(table(header, rows))
+    print("\n## Flatness and state size\n")
+    print(table(
+        ["library", "99% / 1% (medians)", "50% / 1% (medians)", "state bytes at 1%",
+         "state bytes at 99%", "capture pass s"],
+        [[lib.name, f"{med[lib.name][3] / med[lib.name][1]:.3f}",
+          f"{med[lib.name][2] / med[lib.name][1]:.3f}", f"{len(blobs[lib.name][1]):,}",
+          f"{len(blobs[lib.name][3]):,}", f"{capture_s[lib.name]:.0f}"] for lib in libs]))
+    print("\nstate bytes: len(json.dumps(state)) for unbroken, len(pickle.dumps(state)) for "
+          "torchdata. capture pass: iterating to 99% (+1 batch) and taking the three states.")
+    print("\nresumed first batch == the batch the uninterrupted pass got next: "
+          + ("yes, at every point" if not wrong else "NO: " + ", ".join(sorted(set(wrong)))))
+    print()
+    print(load_line())
+
+
+if __name__ == "__main__":
+    main()

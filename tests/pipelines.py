@@ -1,0 +1,44 @@
+"""Datasets shared by the tests: small, deterministic, and random in every way users are."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+import unbroken
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each sample draws from torch's, numpy's and random's global RNGs and sample_rng()."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> dict:
+        return {
+            "index": torch.tensor(index),
+            "torch": torch.rand(2),
+            "numpy": torch.from_numpy(np.random.rand(2)),
+            "random": torch.tensor([random.random()]),
+            "own": torch.randint(0, 1 << 30, (2,), generator=unbroken.sample_rng()),
+        }
+
+
+class Counting(torch.utils.data.Dataset):
+    """Counts fetches (in this process), to prove that resuming reads nothing it skips."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.fetched.append(index)
+        return torch.tensor(index)

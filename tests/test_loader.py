@@ -1,0 +1,178 @@
+"""Resume equivalence of unbroken.DataLoader: every cut point, every setting that may change."""
+
+import json
+import tracemalloc
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import unbroken
+from pipelines import Augmented, Counting
+from unbroken.testing import assert_resumes_exactly, assert_same
+
+
+def _factory(n, batch_size, shuffle, drop_last, seed, workers, persistent=False, **kw):
+    def make():
+        return unbroken.DataLoader(
+            Augmented(n),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            num_workers=workers,
+            persistent_workers=persistent and workers > 0,
+            seed=seed,
+            **kw,
+        )
+
+    return make
+
+
+@given(
+    n=st.integers(0, 40),
+    batch_size=st.integers(1, 7),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**64 - 1),
+)
+@settings(max_examples=60)
+def test_every_cut_point_resumes_exactly_in_process(n, batch_size, shuffle, drop_last, seed):
+    make = _factory(n, batch_size, shuffle, drop_last, seed, workers=0)
+    checked = assert_resumes_exactly(make, epochs=2)
+    batches = len(make())
+    assert checked == 1 + 2 * (batches + 1)  # before, after every batch, after every epoch
+
+
+@given(
+    n=st.integers(1, 30),
+    batch_size=st.integers(1, 5),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**32),
+    saved_workers=st.integers(0, 3),
+    resumed_workers=st.integers(0, 3),
+    persistent=st.booleans(),
+    data=st.data(),
+)
+@settings(max_examples=25)
+def test_a_cut_resumes_exactly_with_another_number_of_workers(
+    n, batch_size, shuffle, drop_last, seed, saved_workers, resumed_workers, persistent, data
+):
+    make = _factory(n, batch_size, shuffle, drop_last, seed, saved_workers, persistent)
+    resume = _factory(n, batch_size, shuffle, drop_last, seed, resumed_workers, persistent)
+    cut_points = 1 + 3 * (len(make()) + 1)
+    cut = data.draw(st.integers(0, cut_points - 1), label="cut")
+    assert assert_resumes_exactly(make, epochs=3, resume_with=resume, cuts=[cut]) == 1
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_fixed_edge_cuts_with_workers(workers):
+    # Cut points: start, middle, last batch, exact end inside the loop, after the loop, and in
+    # a later epoch, over three epochs of 10 samples in batches of 3 (the last one partial).
+    make = _factory(10, 3, True, False, 5, workers, persistent=True)
+    assert assert_resumes_exactly(make, epochs=3, resume_with=_factory(10, 3, True, False, 5, 1))
+    assert assert_resumes_exactly(make, epochs=3) == 1 + 3 * 5
+
+
+def test_epoch_boundary_inside_versus_after_the_loop():
+    loader = unbroken.DataLoader(Counting(4), batch_size=2, shuffle=True, seed=3)
+    for _ in loader:
+        inside = loader.state_dict()
+    after = loader.state_dict()
+    assert (inside["epoch"], inside["samples"]) == (0, 4)
+    assert (after["epoch"], after["samples"]) == (1, 0)
+
+    resumed = unbroken.DataLoader(Counting(4), batch_size=2, shuffle=True, seed=3)
+    resumed.load_state_dict(inside)
+    assert resumed.epoch == 0 and list(resumed) == []  # the rest of epoch 0 is empty
+    assert resumed.epoch == 1
+    resumed.load_state_dict(after)
+    assert resumed.epoch == 1 and len(list(resumed)) == 2
+
+
+def test_state_is_what_was_received_not_what_was_prefetched():
+    loader = unbroken.DataLoader(Counting(64), batch_size=4, num_workers=2, prefetch_factor=4, seed=0)
+    iterator = iter(loader)
+    first = next(iterator)
+    state = loader.state_dict()
+    assert (state["samples"], state["batches"]) == (4, 1)  # workers have prefetched far more
+    resumed = unbroken.DataLoader(Counting(64), batch_size=4, seed=0)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed)), first + 4)
+
+
+def test_an_abandoned_iteration_is_followed_by_the_next_epoch():
+    loader = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    reference = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    epochs = [list(reference) for _ in range(2)]
+    next(iter(loader))  # break out of epoch 0 after one batch
+    assert loader.epoch == 0
+    assert_same(list(loader), epochs[1])
+    assert loader.epoch == 2
+
+
+def test_resume_reads_only_what_remains():
+    dataset = Counting(1000)
+    loader = unbroken.DataLoader(dataset, batch_size=10, shuffle=True, seed=1)
+    for i, _ in enumerate(loader):
+        if i == 98:
+            state = loader.state_dict()
+            break
+    fresh = Counting(1000)
+    resumed = unbroken.DataLoader(fresh, batch_size=10, shuffle=True, seed=1)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == 1 and len(fresh.fetched) == 10  # the other 990 are never touched
+
+
+def test_iterating_does_not_consume_the_global_torch_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    loader = unbroken.DataLoader(Counting(8), batch_size=2, shuffle=True, num_workers=2, seed=0)
+    for _ in range(2):
+        list(loader)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_billion_samples_start_at_once_in_constant_memory():
+    class Huge(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**9
+
+        def __getitem__(self, index):
+            return torch.tensor(index)
+
+    tracemalloc.start()
+    loader = unbroken.DataLoader(Huge(), batch_size=256, shuffle=True, seed=0)
+    first = next(iter(loader))
+    state = loader.state_dict()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert first.shape == (256,) and len(set(first.tolist())) == 256
+    assert peak < 8 * 2**20, f"peak {peak} bytes"
+    state["samples"], state["batches"] = 256 * 3_900_000, 3_900_000  # ~99.8% of the epoch
+    loader.load_state_dict(state)
+    assert next(iter(loader)).shape == (256,)
+
+
+def test_unbatched_loading_resumes_exactly():
+    make = _factory(9, None, True, False, 2, workers=0)
+    assert assert_resumes_exactly(make, epochs=2) == 1 + 2 * 10
+    sample = next(iter(make()))
+    assert sample["index"].shape == ()
+
+
+def test_sequential_sampler_on_the_dataset_is_native():
+    dataset = Counting(5)
+    loader = unbroken.DataLoader(dataset, sampler=torch.utils.data.SequentialSampler(dataset))
+    assert loader.state_dict()["fingerprint"]["sampler"] == "unbroken"
+    assert [int(b) for b in loader] == [0, 1, 2, 3, 4]
+
+
+def test_state_dict_is_json():
+    loader = _factory(10, 3, True, True, 1, 0)()
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    assert json.loads(json.dumps(state)) == state
