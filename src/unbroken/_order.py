@@ -146,14 +146,11 @@ class _UserOrder:
             return iter(self.sampler), 0
         return iter(self.sampler), self._skip_count(cursor)
 
-    def _received(self, batch_end: int, last: bool) -> tuple[int, dict]:
-        """What ``done`` records for a batch: where it ends, the sampler's state after it, and
-        whether it is the epoch's last (samplers may reset themselves once exhausted, so their
-        own state cannot say that)."""
-        state = None
-        if self.stateful:
-            state = to_jsonable(self.sampler.state_dict(), "sampler.state_dict()")
-        return batch_end, {"state": state, "end": last}
+    def _snapshot(self) -> Any:
+        """The sampler's own state right after a batch was drawn (None if it has none)."""
+        if not self.stateful:
+            return None
+        return to_jsonable(self.sampler.state_dict(), "sampler.state_dict()")
 
     def _skip(self, iterator: Iterator, count: int, unit: str) -> None:
         if count == 0:
@@ -205,10 +202,11 @@ class UserSampler(_UserOrder):
         # is drawn only then, to learn whether this one is the epoch's last.
         batch = list(itertools.islice(indices, step))
         while batch and (len(batch) == step or not self.drop_last):
+            state = self._snapshot()
             following = list(itertools.islice(indices, step)) if len(batch) == step else []
-            received = self._received(position + len(batch), False)
-            received[1]["end"] = not following or (len(following) < step and self.drop_last)
-            done.append(received)
+            last = not following or (len(following) < step and self.drop_last)
+            # The sampler may reset itself once exhausted, so "end" says what its state can't.
+            done.append((position + len(batch), {"state": state, "end": last}))
             yield Keys(batch, epoch_key, position)
             position += len(batch)
             batch = following
@@ -232,10 +230,9 @@ class UserBatchSampler(_UserOrder):
         position = cursor.samples
         batch = next(batches, None)
         while batch is not None:
-            received = self._received(position + len(batch), False)
+            state = self._snapshot()
             batch, following = list(batch), next(batches, None)
-            received[1]["end"] = following is None
-            done.append(received)
+            done.append((position + len(batch), {"state": state, "end": following is None}))
             yield Keys(batch, epoch_key, position)
             position += len(batch)
             batch = following
