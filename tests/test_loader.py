@@ -176,3 +176,22 @@ def test_state_dict_is_json():
     next(iterator)
     state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state
+
+
+def test_spawned_workers_resume_exactly():
+    # spawn pickles the dataset wrapper and the batches: the path fork never exercises.
+    make = _factory(7, 2, True, False, 3, workers=1, multiprocessing_context="spawn")
+    assert assert_resumes_exactly(make, epochs=2, resume_with=_factory(7, 2, True, False, 3, 0),
+                                  cuts=[2]) == 1
+
+
+def test_torch_arguments_pass_through():
+    seen = []
+    loader = unbroken.DataLoader(
+        Counting(7), batch_size=3, drop_last=True, collate_fn=lambda items: [int(i) for i in items],
+        num_workers=1, worker_init_fn=lambda worker: seen.append(worker), seed=0,
+    )
+    assert len(loader) == 2 and [len(batch) for batch in loader] == [3, 3]
+    assert list(loader)[0] == [0, 1, 2]
+    seeded = unbroken.DataLoader(Counting(7), shuffle=True, generator=torch.Generator().manual_seed(42))
+    assert seeded.seed == 42
