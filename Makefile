@@ -12,7 +12,7 @@ STAMP := $(VENV)/.unbroken-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,demo]"
 	touch $(STAMP)
 
 test: $(STAMP)

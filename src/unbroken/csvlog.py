@@ -1,0 +1,69 @@
+"""``CSVLog``: an append-only metrics log that a resume rewinds to the checkpoint.
+
+A run killed after its last checkpoint has logged rows that the resumed run will log again.
+The log's state is its size in bytes when the checkpoint was taken; loading it truncates the
+file back to that size, so the file after a resume is byte for byte the uninterrupted run's.
+Values are written with ``repr`` (shortest round-trip form), so equal floats give equal text.
+
+Rows are long-format ``step,epoch,phase,name,value``: new names never change the header.
+Cost: one ``write`` per value and one ``flush`` per checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HEADER = "step,epoch,phase,name,value\n"
+
+
+class CSVLog:
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not self.path.exists() or self.path.stat().st_size == 0
+        self._file = open(self.path, "a", encoding="utf-8", newline="")
+        if fresh:
+            self._file.write(HEADER)
+            self._file.flush()
+
+    def log(self, step: int, epoch: int, phase: str, name: str, value: float) -> None:
+        self._file.write(f"{step},{epoch},{phase},{name},{float(value)!r}\n")
+
+    def flush(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+    def state_dict(self) -> dict:
+        self._file.flush()
+        return {"bytes": self._file.tell()}
+
+    def load_state_dict(self, state: dict) -> None:
+        size = state.get("bytes") if isinstance(state, dict) else None
+        if not isinstance(size, int) or size < len(HEADER):
+            raise ValueError(f"CSVLog state: expected {{'bytes': int >= {len(HEADER)}}}, got {state!r}")
+        self._file.flush()
+        current = self.path.stat().st_size
+        if current < size:
+            raise ValueError(
+                f"{self.path} has {current} bytes but the checkpoint says {size} were logged: "
+                "the log was truncated or replaced since; restore it or start a new run directory"
+            )
+        self._file.truncate(size)  # rows logged after the checkpoint are logged again on resume
+        self._file.seek(size)
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> list[dict]:
+        """The rows of a log, e.g. ``[r for r in CSVLog.read(p) if r["name"] == "loss"]``."""
+        lines = Path(path).read_text(encoding="utf-8").splitlines()[1:]
+        rows = []
+        for line in lines:
+            step, epoch, phase, name, value = line.split(",")
+            rows.append({"step": int(step), "epoch": int(epoch), "phase": phase, "name": name,
+                         "value": float(value)})
+        return rows

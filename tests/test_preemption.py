@@ -1,0 +1,48 @@
+import os
+import signal
+
+import pytest
+
+from unbroken.preemption import EXIT_CODE, Preemption
+
+
+def test_a_signal_only_sets_the_flag_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGUSR1)
+    with Preemption() as preemption:
+        assert not preemption.requested
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested and preemption.received == signal.SIGUSR1
+        assert preemption.seconds_since_signal() >= 0
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal keeps the first
+        assert preemption.received == signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert EXIT_CODE == 75
+
+
+def test_signals_are_configurable():
+    with Preemption(signals=[signal.SIGINT]) as preemption:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert preemption.received == signal.SIGINT
+
+
+def test_installing_from_another_thread_is_a_clear_error():
+    import threading
+
+    errors = []
+
+    def run():
+        try:
+            with Preemption():
+                pass
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert errors and "main thread" in errors[0]
+
+
+def test_unknown_signal_numbers_are_refused():
+    with pytest.raises(ValueError):
+        Preemption(signals=[12345])
