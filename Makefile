@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unbroken-installed
 
-.PHONY: test demo bench clean
+.PHONY: test demo demo-loader bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,11 +19,15 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
+	$(PY) demo/train_digits.py
+
+demo-loader: $(STAMP)
 	$(PY) demo/resume_demo.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/resume_latency.py
+	$(PY) benchmarks/checkpoint_blocking.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis demo_output bench_output

@@ -195,3 +195,19 @@ def test_torch_arguments_pass_through():
     assert list(loader)[0] == [0, 1, 2]
     seeded = unbroken.DataLoader(Counting(7), shuffle=True, generator=torch.Generator().manual_seed(42))
     assert seeded.seed == 42
+
+
+def test_an_iterator_that_yields_nothing_starts_no_epoch_and_keeps_a_loaded_state():
+    # tqdm.auto and other wrappers call iter() once more than they consume.
+    reference = [b.tolist() for b in unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)]
+    loader = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    iter(loader)
+    assert [b.tolist() for b in loader] == reference and loader.epoch == 1
+
+    saved = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    iterator = iter(saved)
+    next(iterator)
+    resumed = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    resumed.load_state_dict(saved.state_dict())
+    iter(resumed)
+    assert [b.tolist() for b in resumed] == reference[1:]

@@ -1,13 +1,27 @@
 """unbroken: PyTorch training that resumes exactly where a killed run stopped.
 
 Public names: ``DataLoader`` (a resumable drop-in for torch's), ``sample_rng`` and
-``sample_seed`` (the current sample's own randomness); ``unbroken.testing`` holds
-``assert_resumes_exactly`` for checking a pipeline.
+``sample_seed`` (the current sample's own randomness), ``Checkpointer`` (atomic, verified
+checkpoints), ``GlobalRNG`` (the process's RNGs as a checkpoint entry), ``Preemption``
+(signals as a flag) and ``Trainer`` (a loop that resumes bit for bit). ``unbroken.testing``
+holds ``assert_resumes_exactly`` for checking a pipeline.
 """
 
 from ._rng import sample_rng, sample_seed
+from .checkpoint import Checkpointer
+from .globalrng import GlobalRNG
 from .loader import DataLoader
+from .preemption import Preemption
+from .trainer import Trainer
 
 __version__ = "0.1.0"
-__all__ = ["DataLoader", "sample_rng", "sample_seed"]
+__all__ = [
+    "Checkpointer",
+    "DataLoader",
+    "GlobalRNG",
+    "Preemption",
+    "Trainer",
+    "sample_rng",
+    "sample_seed",
+]
 assert sorted(__all__) == __all__

@@ -136,12 +136,13 @@ class DataLoader:
         return self._epoch
 
     def __iter__(self) -> Iterator:
-        if not self._resume_pending:
-            if self._open:  # the previous iteration was abandoned: torch starts afresh too
-                self._epoch += 1
+        # An iteration that yielded a batch and was abandoned (a `break`) ends its epoch, as with
+        # torch's DataLoader. One that yielded nothing does not: a loaded state stays pending and
+        # an unstarted epoch stays unstarted, so an extra iter() (tqdm.auto makes one) is harmless.
+        if self._open:
+            self._epoch += 1
             self._cursor = Cursor()
-        self._resume_pending = False
-        self._open = True
+            self._open = False
         self._done.clear()
         self._worker_seeds.manual_seed(derive_key(self.seed, self._epoch, 2))
         return self._yield(iter(self._inner))
@@ -151,13 +152,14 @@ class DataLoader:
         for batch in batches:
             cursor.samples, cursor.sampler_state = done.popleft()
             cursor.batches += 1
+            self._open, self._resume_pending = True, False
             yield batch
         # Only reached when the user's for-loop asks past the last batch: the epoch is over,
         # and a state taken now starts the next epoch (inside the loop it would not).
         if cursor is self._cursor:
             self._epoch += 1
             self._cursor = Cursor()
-            self._open = False
+            self._open = self._resume_pending = False
 
     def state_dict(self) -> dict:
         """What the user has received so far: JSON-serializable (``json.dumps`` works)."""

@@ -80,16 +80,20 @@ class Progress:
 
 
 class _Bar:
-    def __init__(self, bar: Any, progress: Progress) -> None:
-        self._bar, self._progress = bar, progress
+    """Iterates the loader itself and only tells tqdm how far it got: tqdm never sees the
+    loader, so it cannot create iterators of its own (tqdm.auto calls ``iter()`` eagerly)."""
+
+    def __init__(self, bar: Any, loader: Any, progress: Progress) -> None:
+        self._bar, self._loader, self._progress = bar, loader, progress
         self._started, self._seen = time.perf_counter(), 0
 
     def __iter__(self):
-        for item in self._bar:
+        for item in self._loader:
             self._seen += 1
             yield item
 
     def show(self, loss: float) -> None:
+        self._bar.update(1)
         if self._bar.disable:
             return
         rate = self._seen / max(time.perf_counter() - self._started, 1e-9)
@@ -100,17 +104,16 @@ class _Bar:
 @contextmanager
 def bar(enabled: bool, loader: Any, progress: Progress, phase: str):
     """A tqdm bar over ``loader`` showing epoch, step, loss and throughput."""
-    from tqdm.auto import tqdm  # imported here: the library itself needs no tqdm to import
+    from tqdm import tqdm  # imported here: the library itself needs no tqdm to import
 
     done = progress.epoch_batches if phase == "train" else progress.val_batches
     try:
         total = len(loader)
     except TypeError:
         total = None
-    wrapped = tqdm(loader, total=total, initial=done, disable=not enabled or None,
-                   desc=f"epoch {progress.epoch} {phase} (step {progress.steps})",
-                   leave=False, dynamic_ncols=True)
+    display = tqdm(total=total, initial=done, disable=not enabled or None, leave=False,
+                   desc=f"epoch {progress.epoch} {phase}", dynamic_ncols=True)
     try:
-        yield _Bar(wrapped, progress)
+        yield _Bar(display, loader, progress)
     finally:
-        wrapped.close()
+        display.close()
