@@ -32,3 +32,12 @@ def test_a_log_shorter_than_its_checkpoint_is_an_error(tmp_path):
         CSVLog(tmp_path / "m.csv").load_state_dict(state)
     with pytest.raises(ValueError, match="expected"):
         CSVLog(tmp_path / "m.csv").load_state_dict({"bytes": "x"})
+
+
+def test_restart_empties_the_log_to_its_header(tmp_path):
+    log = CSVLog(tmp_path / "m.csv")
+    log.log(1, 0, "train", "loss", 1.0)
+    log.restart()
+    log.log(1, 0, "train", "loss", 2.0)
+    log.close()
+    assert [r["value"] for r in CSVLog.read(tmp_path / "m.csv")] == [2.0]

@@ -39,6 +39,11 @@ class CSVLog:
             self.flush()
             self._file.close()
 
+    def restart(self) -> None:
+        """Empty the log: a run with no checkpoint to resume from starts again from zero, so
+        rows that a killed process logged before its first checkpoint are not kept."""
+        self.load_state_dict({"bytes": len(HEADER)})
+
     def state_dict(self) -> dict:
         self._file.flush()
         return {"bytes": self._file.tell()}

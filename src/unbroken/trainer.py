@@ -123,6 +123,7 @@ class Trainer:
         restored = self.checkpointer.load_latest(self.entries)
         progress = self.progress
         if restored is None:
+            self.log_file.restart()
             _seed_everything(self.seed)
         self._call("on_fit_start")
         try:
@@ -301,7 +302,8 @@ def _loss_and_logs(output: Any) -> tuple[torch.Tensor, dict[str, float]]:
     if isinstance(output, torch.Tensor):
         return output, {}
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        logs = {k: float(v) for k, v in output.items() if k != "loss"}
+        logs = {k: float(v.detach() if isinstance(v, torch.Tensor) else v)
+                for k, v in output.items() if k != "loss"}
         return output["loss"], logs
     raise TypeError(
         "a step function must return the loss tensor or a dict with a 'loss' tensor and other "

@@ -1,0 +1,126 @@
+"""A tiny but complete training job for the Trainer tests, in-process or as a subprocess.
+
+Everything that can go wrong on resume is in it: a shuffled loader with torch/numpy/random
+augmentation, dropout, SGD with momentum, an LR schedule, gradient accumulation, clipping, a
+GradScaler, torchmetrics metrics, validation, and a stateful callback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import unbroken
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __init__(self, n: int = 48, features: int = 8) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, features, generator=generator)
+        self.y = torch.randint(0, 3, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index):
+        x = self.x[index] + 0.1 * torch.randn(self.x.shape[1])
+        x = x * random.uniform(0.9, 1.1) + float(np.random.normal(0, 0.01))
+        return x, self.y[index]
+
+
+class Counter:
+    """A callback with state: counts batches; its count is logged and must survive resumes."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        self.batches += 1
+
+    def on_epoch_end(self, trainer, logs) -> None:
+        trainer._log("train", {"callback_batches": self.batches})
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches = state["batches"]
+
+
+class SignalAt:
+    """Sends `signum` to this process after the given batch of the given phase (test hook)."""
+
+    def __init__(self, phase: str, batch: int, signum: int = signal.SIGTERM) -> None:
+        self.phase, self.batch, self.signum = phase, batch, signum
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        if self.phase == "train" and trainer.progress.batches == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+    def on_validation_batch_end(self, trainer, logs) -> None:
+        if self.phase == "val" and trainer.progress.ticks == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
+class Pace:
+    """Slows each batch down and reports how many this process ran (for the SIGKILL test)."""
+
+    def __init__(self, directory: Path, seconds: float) -> None:
+        self.path, self.seconds, self.ran = Path(directory) / "status", seconds, 0
+
+    def _tick(self, trainer, logs) -> None:
+        self.ran += 1
+        self.path.write_text(str(self.ran))
+        time.sleep(self.seconds)
+
+    on_train_batch_end = on_validation_batch_end = _tick
+
+
+def run(directory, *, epochs=3, pace=None, workers=0, accumulate=2, checkpoint_every=3, scaler=True,
+        scheduler_interval="step", seed=0, dataset_length=48, hidden=16, callbacks=(),
+        max_steps=None) -> nn.Module:
+    from torchmetrics.classification import MulticlassAccuracy
+
+    torch.manual_seed(123)
+    model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+    train_loader = unbroken.DataLoader(Noisy(dataset_length), batch_size=5, shuffle=True,
+                                       num_workers=workers, persistent_workers=workers > 0, seed=seed)
+    val_loader = unbroken.DataLoader(Noisy(20), batch_size=4, seed=seed)
+    train_acc, val_acc = MulticlassAccuracy(3), MulticlassAccuracy(3)
+
+    def step(metric):
+        def fn(model, batch):
+            x, y = batch
+            logits = model(x)
+            metric.update(logits, y)
+            return {"loss": nn.functional.cross_entropy(logits, y), "mean_logit": logits.mean()}
+        return fn
+
+    trainer = unbroken.Trainer(
+        directory, max_epochs=epochs, max_steps=max_steps, seed=seed,
+        checkpoint_every=checkpoint_every, accumulate=accumulate, clip_grad_norm=0.5,
+        scheduler_interval=scheduler_interval, callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
+        progress_bar=False,
+    )
+    trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,
+                scaler=torch.amp.GradScaler("cpu") if scaler else None,
+                training_step=step(train_acc), validation_step=step(val_acc),
+                train_metrics={"accuracy": train_acc}, val_metrics={"accuracy": val_acc})
+    return model
+
+
+if __name__ == "__main__":  # python trainer_job.py DIR '{"workers": 2, ...}'
+    torch.set_num_threads(1)
+    model = run(Path(sys.argv[1]), **json.loads(sys.argv[2]))
+    torch.save(model.state_dict(), Path(sys.argv[1]) / "final.pt")
