@@ -211,3 +211,14 @@ def test_an_iterator_that_yields_nothing_starts_no_epoch_and_keeps_a_loaded_stat
     resumed.load_state_dict(saved.state_dict())
     iter(resumed)
     assert [b.tolist() for b in resumed] == reference[1:]
+
+
+def test_set_epoch_starts_that_epoch_from_its_first_batch():
+    reference = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    epochs = [[b.tolist() for b in reference] for _ in range(3)]
+    loader = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    next(iter(loader))
+    loader.set_epoch(2)
+    assert loader.state_dict()["epoch"] == 2 and [b.tolist() for b in loader] == epochs[2]
+    with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+        loader.set_epoch(-1)

@@ -135,6 +135,18 @@ class DataLoader:
         """The epoch the loader is in, or will start at the next ``iter()``."""
         return self._epoch
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` start ``epoch`` from its first batch.
+
+        Whatever was open or restored is dropped. For code that numbers epochs itself (like
+        ``DistributedSampler.set_epoch``) and for wrappers that end an epoch early, e.g.
+        ``CombinedLoader`` in ``min_size`` mode.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._epoch, self._cursor = epoch, Cursor()
+        self._open = self._resume_pending = False
+
     def __iter__(self) -> Iterator:
         # An iteration that yielded a batch and was abandoned (a `break`) ends its epoch, as with
         # torch's DataLoader. One that yielded nothing does not: a loaded state stays pending and
