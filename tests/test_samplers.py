@@ -110,7 +110,7 @@ def test_a_stateful_sampler_state_travels_as_json():
     loader = unbroken.DataLoader(Augmented(8), batch_size=2, sampler=EpochShuffleSampler(8, 1), seed=0)
     iterator = iter(loader)
     next(iterator)
-    saved = loader.state_dict()["sampler"]
+    saved = loader.state_dict()["source"]
     assert saved["end"] is False
     assert saved["state"]["yielded"] == 2 and "__tensor__" in saved["state"]["order"]
 

@@ -72,7 +72,7 @@ def test_a_loader_without_a_seed_adopts_the_saved_one():
         (lambda s: s.update(samples=30, batches=10), "inconsistent"),
         (lambda s: s.update(fingerprint=[]), "'fingerprint': expected a dict"),
         (lambda s: s["fingerprint"].pop("shuffle"), "fingerprint lacks 'shuffle'"),
-        (lambda s: s.update(sampler=object()), "not plain JSON"),
+        (lambda s: s.update(source=object()), "not plain JSON"),
     ],
 )
 def test_malformed_states_are_refused_before_anything_changes(mutate, match):

@@ -46,10 +46,10 @@ class Keys(list):
 class Cursor:
     """Where the user is in an epoch: samples and batches received, and the sampler's state."""
 
-    __slots__ = ("samples", "batches", "sampler_state")
+    __slots__ = ("samples", "batches", "source")
 
-    def __init__(self, samples: int = 0, batches: int = 0, sampler_state: Any = None) -> None:
-        self.samples, self.batches, self.sampler_state = samples, batches, sampler_state
+    def __init__(self, samples: int = 0, batches: int = 0, source: Any = None) -> None:
+        self.samples, self.batches, self.source = samples, batches, source
 
 
 class NativeOrder:
@@ -64,6 +64,9 @@ class NativeOrder:
 
     def fingerprint(self) -> dict:
         return {"sampler": "unbroken", "shuffle": self.shuffle}
+
+    def fresh(self) -> None:
+        return None  # the cursor's counters say it all
 
     def __len__(self) -> int:
         return math.ceil(self.epoch_samples / (self.batch_size or 1))
@@ -111,19 +114,22 @@ class _UserOrder:
         self.stateful = _has_state(sampler)
         self._warned = False
 
+    def fresh(self) -> None:
+        return None  # the sampler's state, once a batch was drawn
+
     def fingerprint(self) -> dict:
         cls = type(self.sampler)
         return {"sampler": f"{cls.__module__}.{cls.__qualname__}", "shuffle": None}
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
-        saved = cursor.sampler_state
+        saved = cursor.source
         well_formed = saved is None or (
             isinstance(saved, dict) and set(saved) == {"state", "end"}
             and isinstance(saved["end"], bool)
         )
         if not well_formed:
             raise ValueError(
-                f"{what} state field 'sampler': expected None or {{'state': ..., 'end': bool}}, "
+                f"{what} state field 'source': expected None or {{'state': ..., 'end': bool}}, "
                 f"got {saved!r}"
             )
         if cursor.samples < cursor.batches:
@@ -136,7 +142,7 @@ class _UserOrder:
         """Set up the sampler for ``epoch``; return its iterator and how much to skip."""
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)
-        saved = cursor.sampler_state
+        saved = cursor.source
         if saved is not None and saved["end"]:
             return iter(()), 0  # saved right after the epoch's last batch: nothing remains
         if cursor.samples == 0:

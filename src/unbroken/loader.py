@@ -6,7 +6,7 @@ wrapper that seeds every sample's RNGs from (seed, epoch, position). The loader 
 counts what it *yields*; batches prefetched by workers are never counted, so
 ``state_dict()`` describes exactly what the user received.
 
-State: ``{"format", "version", "seed", "epoch", "samples", "batches", "sampler",
+State: ``{"format", "version", "seed", "epoch", "samples", "batches", "source",
 "fingerprint"}``, a few integers plus a user sampler's own state if it has one.
 Per-batch cost: one deque append/pop and a generator step (< 1 us), plus the per-sample
 seeding described in ``_rng`` (``global_rngs`` chooses it).
@@ -27,10 +27,11 @@ from ._order import Cursor, NativeOrder, UserBatchSampler, UserSampler
 from ._rng import GLOBAL_RNGS, check_global_rngs
 from ._shuffle import derive_key
 from ._state import StateReader, mismatch
+from ._stream import SKIP, StreamSource, StreamWorker, _identity
 
 FORMAT = "unbroken.DataLoader"
 VERSION = 1
-_FIELDS = {"format", "version", "seed", "epoch", "samples", "batches", "sampler", "fingerprint"}
+_FIELDS = {"format", "version", "seed", "epoch", "samples", "batches", "source", "fingerprint"}
 _SEED_LIMIT = 1 << 64
 
 
@@ -76,11 +77,6 @@ class DataLoader:
         seed: int | None = None,
         global_rngs: Iterable[str] = GLOBAL_RNGS,
     ) -> None:
-        if isinstance(dataset, IterableDataset):
-            raise TypeError(
-                "unbroken.DataLoader resumes map-style datasets (with __getitem__ and __len__); "
-                f"{type(dataset).__qualname__} is an IterableDataset, which it does not support yet"
-            )
         if not in_order:
             raise ValueError(
                 "unbroken.DataLoader needs in_order=True: batches delivered out of order would make "
@@ -93,13 +89,19 @@ class DataLoader:
         self.global_rngs = check_global_rngs(global_rngs)
         self.seed = _check_seed(seed, generator)
         self._seed_given = seed is not None or generator is not None
-        self._order = _make_order(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last)
         self.sampler, self.batch_sampler = sampler, batch_sampler
+        stream = isinstance(dataset, IterableDataset)
+        if stream:
+            self._order = _make_stream(dataset, batch_size, shuffle, sampler, batch_sampler,
+                                       drop_last, num_workers)
+            persistent_workers = False  # each epoch starts every worker from another state
+        else:
+            self._order = _make_order(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last)
 
         # Progress: the epoch, what of it the user received, and whether an iteration of it is
         # open (started and not finished) or a loaded state waits for the next iter().
         self._epoch = 0
-        self._cursor = Cursor()
+        self._cursor = self._new_cursor()
         self._open = False
         self._resume_pending = False
         self._done: deque = deque()  # (samples, sampler state) per batch drawn, not yet yielded
@@ -107,15 +109,24 @@ class DataLoader:
         # The inner loader draws its workers' base seed from this private generator, never from
         # torch's global one, so iterating a loader leaves the training process's RNG untouched.
         self._worker_seeds = torch.Generator()
-        self._plan = _EpochPlan(self)
-        auto_batch = batch_size is not None or batch_sampler is not None
+        if stream:
+            self._worker = StreamWorker(dataset, batch_size, drop_last, collate_fn, self.global_rngs)
+            self._receive = self._order.receive
+            batching = {"batch_size": None, "collate_fn": _identity}  # the worker batches itself
+        else:
+            self._worker, self._receive = SeededDataset(dataset, self.global_rngs), None
+            plan = _EpochPlan(self)
+            auto_batch = batch_size is not None or batch_sampler is not None
+            batching = {
+                "batch_size": 1 if auto_batch else None,  # torch's default, needed with batch_sampler
+                "sampler": None if auto_batch else plan,
+                "batch_sampler": plan if auto_batch else None,
+                "collate_fn": collate_fn,
+            }
         self._inner = torch.utils.data.DataLoader(
-            SeededDataset(dataset, self.global_rngs),
-            batch_size=1 if auto_batch else None,  # torch's default, required with batch_sampler
-            sampler=None if auto_batch else self._plan,
-            batch_sampler=self._plan if auto_batch else None,
+            self._worker,
+            **batching,
             num_workers=num_workers,
-            collate_fn=collate_fn,
             pin_memory=pin_memory,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -144,8 +155,11 @@ class DataLoader:
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._epoch, self._cursor = epoch, Cursor()
+        self._epoch, self._cursor = epoch, self._new_cursor()
         self._open = self._resume_pending = False
+
+    def _new_cursor(self) -> Cursor:
+        return Cursor(source=self._order.fresh())
 
     def __iter__(self) -> Iterator:
         # An iteration that yielded a batch and was abandoned (a `break`) ends its epoch, as with
@@ -153,16 +167,23 @@ class DataLoader:
         # an unstarted epoch stays unstarted, so an extra iter() (tqdm.auto makes one) is harmless.
         if self._open:
             self._epoch += 1
-            self._cursor = Cursor()
+            self._cursor = self._new_cursor()
             self._open = False
         self._done.clear()
         self._worker_seeds.manual_seed(derive_key(self.seed, self._epoch, 2))
+        if self._receive is not None:  # iterable datasets: the workers need the epoch's plan
+            self._worker.plan = self._order.plan(self.seed, self._epoch, self._cursor)
         return self._yield(iter(self._inner))
 
     def _yield(self, batches: Iterator) -> Iterator:
-        cursor, done = self._cursor, self._done
+        cursor, done, receive = self._cursor, self._done, self._receive
         for batch in batches:
-            cursor.samples, cursor.sampler_state = done.popleft()
+            if receive is None:  # map-style: what the batch sampler recorded when it was drawn
+                cursor.samples, cursor.source = done.popleft()
+            else:  # iterable: what the worker sent along with the batch
+                batch = receive(cursor, batch)
+                if batch is SKIP:
+                    continue
             cursor.batches += 1
             self._open, self._resume_pending = True, False
             yield batch
@@ -170,7 +191,7 @@ class DataLoader:
         # and a state taken now starts the next epoch (inside the loop it would not).
         if cursor is self._cursor:
             self._epoch += 1
-            self._cursor = Cursor()
+            self._cursor = self._new_cursor()
             self._open = self._resume_pending = False
 
     def state_dict(self) -> dict:
@@ -183,7 +204,7 @@ class DataLoader:
             "epoch": self._epoch,
             "samples": cursor.samples,
             "batches": cursor.batches,
-            "sampler": cursor.sampler_state,
+            "source": cursor.source,
             "fingerprint": self._fingerprint(),
         }
 
@@ -206,7 +227,7 @@ class DataLoader:
                 raise ValueError(f"{what} state is malformed: fingerprint lacks '{field}'")
             if saved_print[field] != current:
                 raise mismatch(what, field, saved_print[field], current)
-        cursor = Cursor(reader.int("samples"), reader.int("batches"), state["sampler"])
+        cursor = Cursor(reader.int("samples"), reader.int("batches"), state["source"])
         self._order.check_cursor(cursor, what)
         epoch = reader.int("epoch")
 
@@ -233,7 +254,7 @@ class _EpochPlan(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator:
         loader = self._loader
         # A copy: the loader's cursor moves as batches are yielded, this plan's start does not.
-        start = Cursor(loader._cursor.samples, loader._cursor.batches, loader._cursor.sampler_state)
+        start = Cursor(loader._cursor.samples, loader._cursor.batches, loader._cursor.source)
         return loader._order.batches(loader.seed, loader._epoch, start, loader._done)
 
     def __len__(self) -> int:
@@ -257,10 +278,24 @@ def _check_seed(seed: int | None, generator: torch.Generator | None) -> int:
     return seed
 
 
-def _make_order(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last):
+def _make_stream(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers):
+    if shuffle or sampler is not None or batch_sampler is not None:
+        raise ValueError(
+            "an IterableDataset orders itself: shuffle, sampler and batch_sampler must be left "
+            "unset (for an exact shuffle of a stream, see unbroken.shuffle_buffer)"
+        )
+    _check_batch_size(batch_size)
+    return StreamSource(dataset, batch_size, drop_last, num_workers)
+
+
+def _check_batch_size(batch_size: Any) -> None:
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
                                    or batch_size <= 0):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+
+
+def _make_order(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last):
+    _check_batch_size(batch_size)
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
             raise ValueError(

@@ -1,0 +1,342 @@
+"""``unbroken.CombinedLoader``: several resumable loaders as one, in Lightning's four modes.
+
+``CombinedLoader({"a": loader_a, "b": loader_b}, mode="max_size_cycle")`` iterates its children
+together and resumes exactly: its state holds each child's ``state_dict()`` plus a few flags,
+all taken at the combined batch the user received. The modes are PyTorch Lightning's:
+
+- ``max_size_cycle`` (default): one batch of every child per step, until the longest child is
+  exhausted; shorter children restart (begin their next epoch) when they run out.
+- ``min_size``: one batch of every child per step, until the shortest child is exhausted.
+- ``max_size``: one batch of every child per step, until all are exhausted; an exhausted
+  child gives ``None``.
+- ``sequential``: all batches of the first child, then of the second, and so on.
+
+The three zip modes yield a dict or list (a tuple for a tuple) of batches mirroring the input.
+``sequential`` yields ``(batch, batch_idx, key)``: ``batch_idx`` counts the child's batches in
+this combined epoch and ``key`` is the child's dict key or list index (Lightning yields
+``dataloader_idx``, the same as ``key`` for a list).
+
+A combined epoch is one pass in the chosen mode. A child that the pass leaves mid-epoch (cut
+short in ``min_size``, a cycled child when the longest ends, any child after a ``break``) is
+moved to its next epoch with ``child.set_epoch(child.epoch + 1)`` when the combined epoch ends,
+so a resumed child and one that was abandoned in this process continue alike. Cost per step:
+one ``next()`` per child and a few flags; nothing is replayed on resume.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ._state import StateReader, mismatch
+
+FORMAT = "unbroken.CombinedLoader"
+VERSION = 1
+MODES = ("max_size_cycle", "min_size", "max_size", "sequential")
+_FIELDS = {"format", "version", "mode", "keys", "epoch", "batches", "current", "loaders"}
+_CHILD_FIELDS = {"state", "batches", "exhausted", "open"}
+_WHAT = "unbroken.CombinedLoader"
+_END = object()  # what a step returns when the combined epoch is over
+
+
+class CombinedLoader:
+    """Iterate a dict or list of resumable loaders together; ``state_dict()`` resumes it exactly.
+
+    - ``loaders``: a dict (``str`` keys) or a list/tuple of iterables with ``state_dict()`` and
+      ``load_state_dict()``, typically ``unbroken.DataLoader``. ``min_size`` and
+      ``max_size_cycle`` also need ``epoch`` and ``set_epoch()`` to end a child's epoch early.
+    - ``mode``: ``"max_size_cycle"`` (default), ``"min_size"``, ``"max_size"`` or ``"sequential"``.
+
+    ``iter()`` continues the combined epoch that ``load_state_dict`` restored; otherwise each
+    ``iter()`` starts the next combined epoch, also after a ``break``. An ``iter()`` that yielded
+    nothing starts nothing.
+    """
+
+    def __init__(self, loaders: Mapping[str, Any] | list | tuple, mode: str = "max_size_cycle") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(loaders, Mapping):
+            bad = [key for key in loaders if not isinstance(key, str)]
+            if bad:
+                raise TypeError(f"CombinedLoader dict keys must be str (they name the loaders in "
+                                f"the saved state), got {bad[0]!r}")
+            self._keys, children = list(loaders), list(loaders.values())
+        elif isinstance(loaders, (list, tuple)):
+            self._keys, children = list(range(len(loaders))), list(loaders)
+        else:
+            raise TypeError(f"CombinedLoader takes a dict or a list of loaders, got a "
+                            f"{type(loaders).__name__}")
+        if not children:
+            raise ValueError("CombinedLoader needs at least one loader")
+        for key, child in zip(self._keys, children):
+            _check_child(key, child, mode)
+        for i, child in enumerate(children):
+            for j in range(i):
+                if children[j] is child:
+                    raise ValueError(f"CombinedLoader: the same loader is passed as "
+                                     f"{self._keys[j]!r} and {self._keys[i]!r}; pass two loaders")
+        self.loaders, self.mode, self._children = loaders, mode, children
+        self._epoch = 0
+        self._reset_progress()
+        self._open = False  # a combined iteration yielded a batch and has not finished
+        self._token = object()  # the iteration allowed to move the progress
+
+    def _reset_progress(self) -> None:
+        n = len(self._children)
+        self._batches, self._current = 0, 0
+        self._child_batches = [0] * n
+        self._exhausted = [False] * n  # ran out at least once in this combined epoch
+        self._child_open = [False] * n  # the child's own epoch is started and not ended
+        self._iters: list[Iterator | None] = [None] * n
+
+    def __len__(self) -> int:
+        """Batches in a whole combined epoch, from the children's lengths."""
+        lengths = []
+        for key, child in zip(self._keys, self._children):
+            try:
+                lengths.append(len(child))
+            except TypeError:
+                raise TypeError(f"CombinedLoader has no len(): loader {key!r} has none") from None
+        if self.mode == "min_size":
+            return min(lengths)
+        return sum(lengths) if self.mode == "sequential" else max(lengths)
+
+    @property
+    def epoch(self) -> int:
+        """The combined epoch the loader is in, or will start at the next ``iter()``."""
+        return self._epoch
+
+    def __iter__(self) -> Iterator:
+        if self._open:  # a `break` after some batches: that combined epoch is over
+            self._end_epoch()
+        self._token = token = object()
+        return self._run(token)
+
+    def _run(self, token: object) -> Iterator:
+        step = getattr(self, "_step_" + self.mode)
+        while self._token is token:  # an iter() or load_state_dict since makes this one stale
+            item = step()
+            if item is _END:
+                self._end_epoch()
+                return
+            self._batches += 1
+            self._open = True
+            yield item
+
+    def _next(self, i: int) -> Any:
+        """The child's next batch, or ``_END`` (its epoch ended: marked exhausted)."""
+        if self._iters[i] is None:
+            self._iters[i] = iter(self._children[i])
+        try:
+            batch = next(self._iters[i])
+        except StopIteration:
+            self._iters[i] = None
+            self._exhausted[i], self._child_open[i] = True, False
+            return _END
+        self._child_batches[i] += 1
+        self._child_open[i] = True
+        return batch
+
+    def _step_max_size_cycle(self) -> Any:
+        n = len(self._children)
+        # Children that have not run out yet go first: if they all run out now, the epoch ends
+        # before a cycled child draws a batch nobody receives.
+        probed = [not exhausted for exhausted in self._exhausted]
+        out = [self._next(i) if probed[i] else _END for i in range(n)]
+        if all(self._exhausted):
+            return _END
+        for i in range(n):
+            if not probed[i]:
+                out[i] = self._next(i)  # a child that is being cycled
+            if out[i] is _END:  # it ran out: restart it, which begins its next epoch
+                out[i] = self._next(i)
+                if out[i] is _END:
+                    raise ValueError(
+                        f"CombinedLoader(mode='max_size_cycle'): loader {self._keys[i]!r} yielded "
+                        "no batch right after a restart, so it cannot be cycled; use "
+                        "mode='max_size' or leave the empty loader out"
+                    )
+        return self._pack(out)
+
+    def _step_min_size(self) -> Any:
+        out = []
+        for i in range(len(self._children)):
+            batch = self._next(i)
+            if batch is _END:
+                return _END
+            out.append(batch)
+        return self._pack(out)
+
+    def _step_max_size(self) -> Any:
+        out: list = [None] * len(self._children)
+        for i in range(len(self._children)):
+            if not self._exhausted[i]:
+                batch = self._next(i)
+                out[i] = None if batch is _END else batch
+        return _END if all(self._exhausted) else self._pack(out)
+
+    def _step_sequential(self) -> Any:
+        while self._current < len(self._children):
+            i = self._current
+            batch = self._next(i)
+            if batch is not _END:
+                return batch, self._child_batches[i] - 1, self._keys[i]
+            self._current += 1
+        return _END
+
+    def _pack(self, out: list) -> Any:
+        if isinstance(self.loaders, Mapping):
+            return dict(zip(self._keys, out))
+        return tuple(out) if isinstance(self.loaders, tuple) else out
+
+    def _end_epoch(self) -> None:
+        # A child left mid-epoch begins its next epoch, whether this process iterated it or only
+        # loaded its state: for both, child.epoch is still the epoch that was cut short.
+        for i, child in enumerate(self._children):
+            if self._child_open[i]:
+                if inspect.isgenerator(self._iters[i]):
+                    self._iters[i].close()
+                if hasattr(child, "set_epoch"):
+                    child.set_epoch(child.epoch + 1)
+                # else (max_size, sequential): the child was iterated in this process, and its
+                # next iter() starts its next epoch by itself, as torch's DataLoader does.
+        self._epoch += 1
+        self._reset_progress()
+        self._open = False
+
+    def state_dict(self) -> dict:
+        """The combined batches the user received: JSON if the children's states are."""
+        n = len(self._children)
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "mode": self.mode,
+            "keys": self._saved_keys(),
+            "epoch": self._epoch,
+            "batches": self._batches,
+            "current": self._current if self.mode == "sequential" else None,
+            "loaders": [
+                {"state": self._children[i].state_dict(), "batches": self._child_batches[i],
+                 "exhausted": self._exhausted[i], "open": self._child_open[i]}
+                for i in range(n)
+            ],
+        }
+
+    def _saved_keys(self) -> list | int:
+        return list(self._keys) if isinstance(self.loaders, Mapping) else len(self._keys)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next ``iter()`` continue right after the last combined batch the saved loader
+        yielded.
+
+        Raises ``ValueError`` naming the field if the state is malformed, from another version,
+        or was saved with another mode or other loaders; a child's own ``ValueError`` is passed
+        on with its key in front. The combined position changes only if the whole state loads;
+        children loaded before a failing one get their previous states back.
+        """
+        reader = StateReader(state, _WHAT, _FIELDS, FORMAT, VERSION)
+        if state["mode"] != self.mode:
+            raise mismatch(_WHAT, "mode", state["mode"], self.mode)
+        if state["keys"] != self._saved_keys():
+            raise mismatch(_WHAT, "keys", state["keys"], self._saved_keys(),
+                           "A state resumes the same loaders under the same keys.")
+        epoch, batches = reader.int("epoch"), reader.int("batches")
+        entries = state["loaders"]
+        n = len(self._children)
+        if not isinstance(entries, list) or len(entries) != n:
+            raise ValueError(f"{_WHAT} state field 'loaders': expected a list of {n} entries, "
+                             f"got {entries!r:.200}")
+        for key, entry in zip(self._keys, entries):
+            _check_entry(key, entry)
+        current = state["current"]
+        _check_progress(self.mode, batches, current, entries)
+
+        before = []
+        try:
+            for key, child, entry in zip(self._keys, self._children, entries):
+                previous = child.state_dict()
+                try:
+                    child.load_state_dict(entry["state"])
+                except ValueError as error:
+                    raise ValueError(f"{_WHAT} loader {key!r}: {error}") from error
+                before.append((child, previous))
+        except BaseException:
+            for child, previous in before:
+                child.load_state_dict(previous)
+            raise
+
+        for i in range(n):
+            if inspect.isgenerator(self._iters[i]):
+                self._iters[i].close()
+        self._epoch = epoch
+        self._reset_progress()
+        self._batches = batches
+        self._current = 0 if current is None else current
+        self._child_batches = [entry["batches"] for entry in entries]
+        self._exhausted = [entry["exhausted"] for entry in entries]
+        self._child_open = [entry["open"] for entry in entries]
+        self._open = False
+        self._token = object()
+
+
+def _check_child(key: Any, child: Any, mode: str) -> None:
+    name = f"{type(child).__module__}.{type(child).__qualname__}"
+    if not all(callable(getattr(child, m, None)) for m in ("__iter__", "state_dict", "load_state_dict")):
+        raise TypeError(
+            f"CombinedLoader: loader {key!r} (a {name}) needs __iter__, state_dict() and "
+            "load_state_dict(): without them a resume would silently restart it. Use "
+            "unbroken.DataLoader (or any loader that saves its position)."
+        )
+    if mode in ("min_size", "max_size_cycle") and not (
+        callable(getattr(child, "set_epoch", None)) and hasattr(child, "epoch")
+    ):
+        raise TypeError(
+            f"CombinedLoader(mode={mode!r}): loader {key!r} (a {name}) needs `epoch` and "
+            "set_epoch(): this mode ends children's epochs early and moves them to their next "
+            "epoch with child.set_epoch(child.epoch + 1). Use unbroken.DataLoader, or "
+            "mode='max_size' or 'sequential'."
+        )
+
+
+def _check_entry(key: Any, entry: Any) -> None:
+    where = f"{_WHAT} state field 'loaders' entry {key!r}"
+    if not isinstance(entry, dict) or set(entry) != _CHILD_FIELDS:
+        raise ValueError(f"{where}: expected a dict with fields {sorted(_CHILD_FIELDS)}, "
+                         f"got {entry!r:.200}")
+    count = entry["batches"]
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"{where}: 'batches' must be an int >= 0, got {count!r}")
+    for flag in ("exhausted", "open"):
+        if not isinstance(entry[flag], bool):
+            raise ValueError(f"{where}: '{flag}' must be a bool, got {entry[flag]!r}")
+
+
+def _check_progress(mode: str, batches: int, current: Any, entries: list) -> None:
+    """The invariants every state that ``state_dict`` takes satisfies, per mode."""
+    counts = [entry["batches"] for entry in entries]
+    exhausted = [entry["exhausted"] for entry in entries]
+    opened = [entry["open"] for entry in entries]
+    n = len(entries)
+    if mode == "sequential":
+        first = next((i for i in range(n) if not exhausted[i]), n)
+        ok = (isinstance(current, int) and not isinstance(current, bool) and current == first < n
+              and sum(counts) == batches and not any(opened[:current] + opened[current + 1:])
+              and not any(exhausted[current:]) and not any(counts[current + 1:]))
+    else:
+        ok = current is None and all(c <= batches for c in counts) and not all(exhausted)
+        if mode == "max_size":
+            ok = ok and not any(e and o for e, o in zip(exhausted, opened))
+            ok = ok and all(c == batches for c, e in zip(counts, exhausted) if not e)
+        else:  # every child gives a batch at every step
+            ok = ok and all(c == batches for c in counts)
+            ok = ok and (mode == "max_size_cycle" or not any(exhausted))
+    if batches == 0:  # the start of a combined epoch: nothing is in progress
+        ok = ok and not any(counts) and not any(opened) and not any(exhausted)
+        ok = ok and current in (None, 0)
+    if not ok:
+        raise ValueError(
+            f"{_WHAT} state is inconsistent: batches={batches}, current={current!r} and the "
+            f"loaders' counts {counts}, exhausted {exhausted}, open {opened} do not describe a "
+            f"position in mode {mode!r}; the state is corrupt"
+        )

@@ -1,0 +1,156 @@
+"""IterableDatasets resume exactly: per-worker states shipped with batches, round-robin kept."""
+
+import json
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.utils.data import IterableDataset, get_worker_info
+
+import unbroken
+from unbroken.testing import assert_resumes_exactly
+
+
+def _shard(n):
+    """This worker's share of range(n): every num_workers-th item (uneven when n doesn't divide)."""
+    info = get_worker_info()
+    worker, workers = (info.id, info.num_workers) if info else (0, 1)
+    return list(range(worker, n, workers))
+
+
+def _item(index):
+    return {"index": torch.tensor(index), "torch": torch.rand(2),
+            "numpy": torch.tensor(np.random.rand()), "random": torch.tensor(random.random())}
+
+
+class StatefulStream(IterableDataset):
+    """torch's Stateful protocol: the state is the position in this worker's shard."""
+
+    def __init__(self, n):
+        self.n, self.position, self.epoch = n, 0, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        shard = _shard(self.n)
+        if self.epoch % 2:  # a different order every other epoch, like a reshuffle
+            shard = shard[::-1]
+        while self.position < len(shard):
+            self.position += 1
+            yield _item(shard[self.position - 1])
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class SamplerPattern(IterableDataset):
+    """Lightning's fault-tolerance pattern: self.sampler, self.sampler_iter and __next__."""
+
+    def __init__(self, n):
+        self.n = n
+        self.sampler = None
+
+    def __iter__(self):
+        self.sampler = _shard(self.n)
+        self.sampler_iter = iter(self.sampler)
+        return self
+
+    def __next__(self):
+        return _item(next(self.sampler_iter))
+
+
+class Replayed(IterableDataset):
+    """No state at all, but deterministic: resumed by re-reading (with a warning)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return (_item(i) for i in _shard(self.n))
+
+
+def _make(cls, n, batch_size, drop_last, workers, seed=3):
+    return lambda: unbroken.DataLoader(cls(n), batch_size=batch_size, drop_last=drop_last,
+                                       num_workers=workers, seed=seed)
+
+
+@given(n=st.integers(0, 23), batch_size=st.integers(1, 4), drop_last=st.booleans(),
+       cls=st.sampled_from([StatefulStream, SamplerPattern]))
+@settings(max_examples=40)
+def test_every_cut_point_resumes_exactly_in_process(n, batch_size, drop_last, cls):
+    assert assert_resumes_exactly(_make(cls, n, batch_size, drop_last, 0), epochs=3)
+
+
+@given(n=st.integers(0, 23), batch_size=st.integers(1, 3), drop_last=st.booleans(),
+       workers=st.integers(1, 3), cls=st.sampled_from([StatefulStream, SamplerPattern]),
+       data=st.data())
+@settings(max_examples=20)
+def test_a_cut_resumes_exactly_with_workers(n, batch_size, drop_last, workers, cls, data):
+    make = _make(cls, n, batch_size, drop_last, workers)
+    loader = make()
+    cut_points = 1 + sum(1 + sum(1 for _ in loader) for _ in range(2))
+    cut = data.draw(st.integers(0, cut_points - 1), label="cut")
+    assert assert_resumes_exactly(make, epochs=2, cuts=[cut]) == 1
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_all_cut_points_with_uneven_shards_and_exhausted_workers(workers):
+    # 11 items over 3 workers: shards of 4, 4, 3 -> with batch 2 the third worker ends first.
+    assert assert_resumes_exactly(_make(StatefulStream, 11, 2, False, workers), epochs=2)
+
+
+def test_state_is_what_was_received_not_what_was_prefetched():
+    loader = unbroken.DataLoader(StatefulStream(40), batch_size=2, num_workers=2, prefetch_factor=4, seed=0)
+    iterator = iter(loader)
+    next(iterator), next(iterator), next(iterator)
+    state = loader.state_dict()
+    positions = [w["state"]["position"] for w in state["source"]["workers"]]
+    assert positions == [4, 2] and state["source"]["next"] == 1 and state["samples"] == 6
+
+
+def test_a_replayed_dataset_warns_once_and_resumes_exactly():
+    with pytest.warns(UserWarning, match=r"Replayed has no state_dict.*O\(k\)"):
+        assert assert_resumes_exactly(_make(Replayed, 9, 2, False, 2), epochs=2, cuts=[3, 6])
+
+
+def test_per_item_randomness_is_derived_from_worker_and_item_count():
+    first = [b for b in _make(StatefulStream, 8, 2, False, 2)()]
+    second = [b for b in _make(StatefulStream, 8, 2, False, 2)()]
+    for a, b in zip(first, second):
+        assert torch.equal(a["torch"], b["torch"]) and torch.equal(a["random"], b["random"])
+    values = torch.cat([b["torch"] for b in first])
+    assert len({tuple(row.tolist()) for row in values}) == 8
+
+
+def test_changing_num_workers_is_refused_before_any_batch():
+    loader = _make(StatefulStream, 10, 2, False, 2)()
+    iterator = iter(loader)
+    next(iterator)
+    other = _make(StatefulStream, 10, 2, False, 3)()
+    with pytest.raises(ValueError, match="same num_workers"):
+        other.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    # 0 and 1 workers both have one replica: interchangeable
+    single = _make(StatefulStream, 10, 2, False, 0)()
+    next(iter(single))
+    _make(StatefulStream, 10, 2, False, 1)().load_state_dict(single.state_dict())
+
+
+def test_unserializable_dataset_state_names_its_key():
+    class Bad(StatefulStream):
+        def state_dict(self):
+            return {"position": self.position, "handle": object()}
+
+    with pytest.raises(ValueError, match=r"dataset\.state_dict\(\)\.handle"):
+        next(iter(unbroken.DataLoader(Bad(4), batch_size=2, seed=0)))
+
+
+def test_shuffle_and_samplers_are_refused_for_streams():
+    with pytest.raises(ValueError, match="orders itself"):
+        unbroken.DataLoader(StatefulStream(4), shuffle=True)
