@@ -24,16 +24,17 @@ class Draws(torch.utils.data.Dataset):
         return torch.tensor(index), torch.rand(1)
 
 
-def _child(n, batch_size=1, shuffle=True, seed=0, workers=0, drop_last=False):
+def _child(n, batch_size=1, shuffle=True, seed=0, workers=0):
+    # No persistent_workers: a loader holding them stalls 5 s per worker when gc frees it.
     return unbroken.DataLoader(Draws(n), batch_size=batch_size, shuffle=shuffle, seed=seed,
-                               num_workers=workers, persistent_workers=workers > 0,
-                               drop_last=drop_last)
+                               num_workers=workers)
 
 
 def _factory(mode, specs, as_dict=True, workers=0):
     """specs: (n, batch_size, shuffle) per child; seeds differ per child."""
     def make():
-        children = [_child(n, b, s, seed=10 + i, workers=workers) for i, (n, b, s) in enumerate(specs)]
+        children = [_child(n, b, shuffle, seed=10 + i, workers=workers)
+                    for i, (n, b, shuffle) in enumerate(specs)]
         loaders = dict(zip("abc", children)) if as_dict else children
         return CombinedLoader(loaders, mode=mode)
 
@@ -78,14 +79,13 @@ def test_any_children_resume_exactly(mode, sizes, batch_sizes, shuffles, as_dict
     assert assert_resumes_exactly(make, epochs=3) == 1 + 3 * (len(make()) + 1)
 
 
-@given(mode=st.sampled_from(MODES), data=st.data())
-@settings(max_examples=1)
-def test_a_cut_resumes_exactly_with_workers(mode, data):
-    make = _factory(mode, SPECS[:2], workers=2)
-    cuts = 1 + 3 * (len(make()) + 1)
-    cut = data.draw(st.integers(0, cuts - 1), label="cut")
-    assert assert_resumes_exactly(make, epochs=3, resume_with=_factory(mode, SPECS[:2]),
-                                  cuts=[cut]) == 1
+def test_a_cut_resumes_exactly_with_workers():
+    # Cut inside combined epoch 1 right after 'a' was cycled into its epoch 3; saved with two
+    # workers per child, resumed in-process.
+    make = _factory("max_size_cycle", SPECS[:2], workers=2)
+    assert len(make()) == 4
+    assert assert_resumes_exactly(make, epochs=3, resume_with=_factory("max_size_cycle", SPECS[:2]),
+                                  cuts=[1 + 5 + 4]) == 1
 
 
 def test_cycled_children_begin_their_next_epoch_when_the_longest_ends():
@@ -128,8 +128,9 @@ def test_a_child_resumed_and_never_advanced_moves_on_like_an_abandoned_one(mode,
     for _ in uninterrupted:
         state = json.loads(json.dumps(uninterrupted.state_dict()))
         b_epoch_inside = uninterrupted.loaders["b"].epoch
-    assert state["batches"] == min(lengths.values()) if mode == "min_size" else 3
-    assert state["loaders"][0]["open"] and not state["loaders"][0]["exhausted"] == (b_epoch == 1)
+    assert state["batches"] == (2 if mode == "min_size" else 3)
+    assert state["loaders"][0]["open"]
+    assert state["loaders"][0]["exhausted"] == (mode == "max_size_cycle")
     assert uninterrupted.loaders["b"].epoch == b_epoch
     resumed = make()
     resumed.load_state_dict(state)
@@ -258,7 +259,8 @@ def _saved(mode="max_size_cycle"):
 @pytest.mark.parametrize("change, match", [
     (lambda s: s.update(mode="min_size"), r"saved with mode='min_size' but this loader has "
                                           r"mode='max_size_cycle'"),
-    (lambda s: s.update(keys=["a", "b", "d"]), r"keys=\['a', 'b', 'd'\] but .* keys=\['a', 'b', 'c'\]"),
+    (lambda s: s.update(keys=["a", "b", "d"]),
+     r"keys=\['a', 'b', 'd'\] but .* keys=\['a', 'b', 'c'\]"),
     (lambda s: s.update(version=2), "version=2"),
     (lambda s: s.update(format="unbroken.DataLoader"), "format='unbroken.DataLoader'"),
     (lambda s: s.pop("current"), r"malformed: missing fields \['current'\]"),

@@ -154,3 +154,46 @@ def test_unserializable_dataset_state_names_its_key():
 def test_shuffle_and_samplers_are_refused_for_streams():
     with pytest.raises(ValueError, match="orders itself"):
         unbroken.DataLoader(StatefulStream(4), shuffle=True)
+
+
+class Ranged(IterableDataset):
+    """A global-cursor stream: read_range(start, stop) reads items [start, stop) of the epoch."""
+
+    def __init__(self, n):
+        self.n, self.epoch, self.reads = n, 0, []
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def read_range(self, start, stop):
+        self.reads.append((start, stop))
+        order = range(self.n) if self.epoch % 2 == 0 else range(self.n - 1, -1, -1)
+        return (_item(order[i]) for i in range(start, min(stop, self.n)))
+
+    def __iter__(self):  # plain torch use still works
+        return self.read_range(0, self.n)
+
+
+@given(n=st.integers(0, 23), batch_size=st.integers(1, 4), drop_last=st.booleans(),
+       saved=st.integers(0, 3), resumed=st.integers(0, 3), data=st.data())
+@settings(max_examples=15)
+def test_a_global_cursor_stream_resumes_with_any_number_of_workers(n, batch_size, drop_last, saved,
+                                                                   resumed, data):
+    make = _make(Ranged, n, batch_size, drop_last, saved)
+    cut_points = 1 + sum(1 + sum(1 for _ in make()) for _ in range(1)) * 2
+    cut = data.draw(st.integers(0, cut_points - 1), label="cut")
+    assert assert_resumes_exactly(make, epochs=2, resume_with=_make(Ranged, n, batch_size, drop_last, resumed),
+                                  cuts=[cut]) == 1
+
+
+def test_a_global_cursor_stream_is_read_once_and_resumes_without_rereading():
+    assert assert_resumes_exactly(_make(Ranged, 10, 3, False, 0), epochs=2)
+    dataset = Ranged(100)
+    loader = unbroken.DataLoader(dataset, batch_size=10, seed=0)
+    iterator = iter(loader)
+    for _ in range(7):
+        next(iterator)
+    resumed_dataset = Ranged(100)
+    resumed = unbroken.DataLoader(resumed_dataset, batch_size=10, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert len(list(resumed)) == 3 and resumed_dataset.reads[0] == (70, 80)

@@ -20,6 +20,11 @@ keeps its shard). How a worker's dataset resumes, by what it offers:
 
 Randomness: before each item, the global RNGs are seeded from (seed, epoch, worker, item count).
 Per-worker states cannot be redistributed, so ``num_workers`` must stay the same on resume.
+
+A *global-cursor* stream declares ``read_range(start, stop)`` (items [start, stop) of the epoch's
+stream, e.g. rows of Parquet row groups). Then the loader shards by batch: worker w reads global
+batches w, w + N, ..., the state is just the global cursor, ``num_workers`` may change on resume,
+and each item's randomness derives from (seed, epoch, global position), like a map-style dataset.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ def _identity(batch: Any) -> Any:
 
 
 def _kind(dataset: Any) -> str:
+    if callable(getattr(dataset, "read_range", None)):
+        return "range"
     if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
         return "stateful"
     if hasattr(dataset, "sampler") and callable(getattr(dataset, "__next__", None)):
@@ -115,13 +122,16 @@ class StreamWorker(IterableDataset):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         plan, dataset = self.plan, self.dataset
+        if callable(getattr(dataset, "set_epoch", None)):
+            dataset.set_epoch(plan["epoch"])
+        if self.kind == "range":
+            yield from self._read_ranges(worker, info.num_workers if info is not None else 1)
+            return
         saved = plan["workers"][worker]
         if saved["exhausted"]:
             return
         if worker < plan["next"]:
             yield Tagged(None, worker, PLACEHOLDER, None)  # its turn in this cycle already came
-        if callable(getattr(dataset, "set_epoch", None)):
-            dataset.set_epoch(plan["epoch"])
         if self.kind == "stateful":
             dataset.load_state_dict(self.initial if saved["state"] is None else from_jsonable(saved["state"]))
         items = iter(dataset)
@@ -163,6 +173,58 @@ class StreamWorker(IterableDataset):
             clear_sample()
 
 
+    def _read_ranges(self, worker: int, workers: int) -> Iterator[Tagged]:
+        """A global-cursor stream: worker w reads global batches first + w, first + w + N, ...
+
+        Batch b is always items [b * B, (b + 1) * B) of the epoch's stream, whoever reads it, so
+        the round-robin yields batches in global order for any number of workers."""
+        plan, step = self.plan, self.batch_size or 1
+        seed = make_seeder(self.global_rngs)
+        epoch_key = derive_key(plan["seed"], plan["epoch"])
+        batch_index = plan["first_batch"] + worker
+        try:
+            while True:
+                start = batch_index * step
+                items, batch = iter(self.dataset.read_range(start, start + step)), []
+                while len(batch) < step:
+                    seed(sample_seed_at(epoch_key, start + len(batch)))
+                    try:
+                        batch.append(next(items))
+                    except StopIteration:
+                        break
+                clear_sample()
+                if not batch or (len(batch) < step and self.drop_last):
+                    return
+                collated = self.collate_fn(batch if self.batch_size is not None else batch[0])
+                yield Tagged(collated, worker, start + len(batch), None)
+                if len(batch) < step:
+                    return
+                batch_index += workers
+        finally:
+            clear_sample()
+
+
+def warn_if_buffer_shuffled(dataset: Any) -> None:
+    """Hugging Face ``datasets``' ``shuffle(buffer_size=...)`` loses its buffer on resume: it
+    refills it and the samples that were buffered are gone for that epoch. Say so once."""
+    if not type(dataset).__module__.startswith("datasets."):
+        return
+    # HF exposes no public flag; its example iterables form a chain through `ex_iterable`.
+    node, depth = getattr(dataset, "_ex_iterable", None), 0
+    while node is not None and depth < 64:
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            warnings.warn(
+                "unbroken: this Hugging Face dataset is shuffled with shuffle(buffer_size=...), and "
+                "HF drops the buffer's contents when it loads a state, so a resumed epoch loses up "
+                "to buffer_size samples and differs from an uninterrupted run. For an exact, "
+                "resumable shuffle, leave the dataset unshuffled and wrap it: "
+                "unbroken.shuffle_buffer(dataset, size, seed).",
+                stacklevel=3,
+            )
+            return
+        node, depth = getattr(node, "ex_iterable", None), depth + 1
+
+
 class StreamSource:
     """The main-process side: fingerprint, length, state checks, and recording what arrives."""
 
@@ -172,19 +234,29 @@ class StreamSource:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.workers = max(1, num_workers)
         self.resumes_by = _kind(dataset)
+        warn_if_buffer_shuffled(dataset)
 
     def fingerprint(self) -> dict:
-        return {"sampler": "stream", "shuffle": None}
+        return {"sampler": f"stream:{self.resumes_by}", "shuffle": None}
 
     def __len__(self) -> int:
         n, step = len(self.dataset), self.batch_size or 1
         return n // step if self.drop_last else math.ceil(n / step)
 
-    def fresh(self) -> dict:
-        return fresh_workers(self.workers)
+    def fresh(self) -> dict | None:
+        return None if self.resumes_by == "range" else fresh_workers(self.workers)
 
     def check_cursor(self, cursor: Any, what: str) -> None:
         source = cursor.source
+        if self.resumes_by == "range":  # a global cursor: any number of workers resumes it
+            step = self.batch_size or 1
+            consistent = (cursor.batches - 1) * step < cursor.samples <= cursor.batches * step
+            if source is not None or not (consistent or cursor.samples == cursor.batches == 0):
+                raise ValueError(
+                    f"{what} state is inconsistent: samples={cursor.samples}, "
+                    f"batches={cursor.batches}, source={source!r} for batches of {step}"
+                )
+            return
         workers = source.get("workers") if isinstance(source, dict) else None
         if not isinstance(workers, list) or not isinstance(source.get("next"), int):
             raise ValueError(f"{what} state field 'source': expected {{'workers': [...], 'next': int}}, "
@@ -216,6 +288,9 @@ class StreamSource:
         """Record a yielded batch's worker state; placeholders are dropped (``SKIP``)."""
         if tagged.items == PLACEHOLDER:
             return SKIP
+        if self.resumes_by == "range":
+            cursor.samples = tagged.items
+            return tagged.batch
         source = cursor.source
         workers = list(source["workers"])
         count, worker = len(workers), tagged.worker
@@ -235,5 +310,7 @@ class StreamSource:
         return tagged.batch
 
     def plan(self, seed: int, epoch: int, cursor: Any) -> dict:
+        if self.resumes_by == "range":
+            return {"seed": seed, "epoch": epoch, "first_batch": cursor.batches}
         source = cursor.source
         return {"seed": seed, "epoch": epoch, "workers": source["workers"], "next": source["next"]}

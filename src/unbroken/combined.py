@@ -53,7 +53,8 @@ class CombinedLoader:
     nothing starts nothing.
     """
 
-    def __init__(self, loaders: Mapping[str, Any] | list | tuple, mode: str = "max_size_cycle") -> None:
+    def __init__(self, loaders: Mapping[str, Any] | list | tuple,
+                 mode: str = "max_size_cycle") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(loaders, Mapping):
@@ -197,7 +198,7 @@ class CombinedLoader:
             if self._child_open[i]:
                 if inspect.isgenerator(self._iters[i]):
                     self._iters[i].close()
-                if hasattr(child, "set_epoch"):
+                if _sets_epochs(child):
                     child.set_epoch(child.epoch + 1)
                 # else (max_size, sequential): the child was iterated in this process, and its
                 # next iter() starts its next epoch by itself, as torch's DataLoader does.
@@ -282,21 +283,24 @@ class CombinedLoader:
 
 def _check_child(key: Any, child: Any, mode: str) -> None:
     name = f"{type(child).__module__}.{type(child).__qualname__}"
-    if not all(callable(getattr(child, m, None)) for m in ("__iter__", "state_dict", "load_state_dict")):
+    needed = ("__iter__", "state_dict", "load_state_dict")
+    if not all(callable(getattr(child, method, None)) for method in needed):
         raise TypeError(
             f"CombinedLoader: loader {key!r} (a {name}) needs __iter__, state_dict() and "
             "load_state_dict(): without them a resume would silently restart it. Use "
             "unbroken.DataLoader (or any loader that saves its position)."
         )
-    if mode in ("min_size", "max_size_cycle") and not (
-        callable(getattr(child, "set_epoch", None)) and hasattr(child, "epoch")
-    ):
+    if mode in ("min_size", "max_size_cycle") and not _sets_epochs(child):
         raise TypeError(
             f"CombinedLoader(mode={mode!r}): loader {key!r} (a {name}) needs `epoch` and "
             "set_epoch(): this mode ends children's epochs early and moves them to their next "
             "epoch with child.set_epoch(child.epoch + 1). Use unbroken.DataLoader, or "
             "mode='max_size' or 'sequential'."
         )
+
+
+def _sets_epochs(child: Any) -> bool:
+    return callable(getattr(child, "set_epoch", None)) and hasattr(child, "epoch")
 
 
 def _check_entry(key: Any, entry: Any) -> None:
