@@ -70,7 +70,7 @@ def test_every_cut_point_resumes_exactly(mode, as_dict):
     shuffles=st.lists(st.booleans(), min_size=3, max_size=3),
     as_dict=st.booleans(),
 )
-@settings(max_examples=30)
+@settings(max_examples=50)
 def test_any_children_resume_exactly(mode, sizes, batch_sizes, shuffles, as_dict):
     if mode == "max_size_cycle" and 0 in sizes:
         sizes = [max(1, n) for n in sizes]  # an empty child cannot be cycled (tested below)

@@ -36,7 +36,7 @@ def test_a_streaming_dataset_resumes_exactly(parquet_files, workers):
     make = lambda: unbroken.DataLoader(  # noqa: E731
         _stream(parquet_files).with_format("torch"), batch_size=16, num_workers=workers, seed=0)
     batches = sum(1 for _ in make())
-    assert batches == 25
+    assert batches == (25 if workers == 0 else 26)  # with 2 workers each ends on a partial batch
     cuts = [0, 1, 7, 13, 24, 25, 26, 27, 40, 52]  # start, middle, last batch, epoch ends, epoch 1
     assert assert_resumes_exactly(make, epochs=2, cuts=cuts) == len(cuts)
 
