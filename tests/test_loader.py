@@ -105,8 +105,8 @@ def test_an_abandoned_iteration_is_followed_by_the_next_epoch():
     loader = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
     reference = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
     epochs = [list(reference) for _ in range(2)]
-    next(iter(loader))  # break out of epoch 0 after one batch
-    assert loader.epoch == 0
+    next(iter(loader))  # take one batch of epoch 0 and drop the iterator
+    assert loader.epoch == 1
     assert_same(list(loader), epochs[1])
     assert loader.epoch == 2
 
@@ -222,3 +222,30 @@ def test_set_epoch_starts_that_epoch_from_its_first_batch():
     assert loader.state_dict()["epoch"] == 2 and [b.tolist() for b in loader] == epochs[2]
     with pytest.raises(ValueError, match="epoch must be an int >= 0"):
         loader.set_epoch(-1)
+
+
+def test_a_state_taken_after_a_break_resumes_like_the_next_loop():
+    make = lambda: unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)  # noqa: E731
+    loader = make()
+    for _ in loader:
+        break
+    state = loader.state_dict()
+    assert (state["epoch"], state["samples"]) == (1, 0)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == [b.tolist() for b in loader]
+
+
+def test_freeing_a_loader_with_persistent_workers_needs_no_cycle_collection():
+    import gc
+    import weakref
+
+    loader = unbroken.DataLoader(Counting(7), batch_size=2, num_workers=2, persistent_workers=True, seed=0)
+    list(loader)
+    gc.disable()
+    try:
+        alive = weakref.ref(loader)
+        del loader
+        assert alive() is None  # freed by reference counting, workers shut down now
+    finally:
+        gc.enable()

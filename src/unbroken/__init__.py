@@ -3,12 +3,14 @@
 Public names: ``DataLoader`` (a resumable drop-in for torch's), ``sample_rng`` and
 ``sample_seed`` (the current sample's own randomness), ``Checkpointer`` (atomic, verified
 checkpoints), ``GlobalRNG`` (the process's RNGs as a checkpoint entry), ``Preemption``
-(signals as a flag) and ``Trainer`` (a loop that resumes bit for bit). ``unbroken.testing``
+(signals as a flag), ``CombinedLoader`` (several loaders as one, Lightning's modes) and
+``Trainer`` (a loop that resumes bit for bit). ``unbroken.testing``
 holds ``assert_resumes_exactly`` for checking a pipeline.
 """
 
 from ._rng import sample_rng, sample_seed
 from .checkpoint import Checkpointer
+from .combined import CombinedLoader
 from .globalrng import GlobalRNG
 from .loader import DataLoader
 from .preemption import Preemption
@@ -17,6 +19,7 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 __all__ = [
     "Checkpointer",
+    "CombinedLoader",
     "DataLoader",
     "GlobalRNG",
     "Preemption",

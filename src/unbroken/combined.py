@@ -196,10 +196,11 @@ class CombinedLoader:
         # loaded its state: for both, child.epoch is still the epoch that was cut short.
         for i, child in enumerate(self._children):
             if self._child_open[i]:
+                cut_short = getattr(child, "epoch", None)  # before close(), which may end it
                 if inspect.isgenerator(self._iters[i]):
                     self._iters[i].close()
                 if _sets_epochs(child):
-                    child.set_epoch(child.epoch + 1)
+                    child.set_epoch(cut_short + 1)
                 # else (max_size, sequential): the child was iterated in this process, and its
                 # next iter() starts its next epoch by itself, as torch's DataLoader does.
         self._epoch += 1

@@ -15,6 +15,7 @@ seeding described in ``_rng`` (``global_rngs`` chooses it).
 from __future__ import annotations
 
 import secrets
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -166,9 +167,7 @@ class DataLoader:
         # torch's DataLoader. One that yielded nothing does not: a loaded state stays pending and
         # an unstarted epoch stays unstarted, so an extra iter() (tqdm.auto makes one) is harmless.
         if self._open:
-            self._epoch += 1
-            self._cursor = self._new_cursor()
-            self._open = False
+            self._end_epoch()
         self._done.clear()
         self._worker_seeds.manual_seed(derive_key(self.seed, self._epoch, 2))
         if self._receive is not None:  # iterable datasets: the workers need the epoch's plan
@@ -177,22 +176,33 @@ class DataLoader:
 
     def _yield(self, batches: Iterator) -> Iterator:
         cursor, done, receive = self._cursor, self._done, self._receive
-        for batch in batches:
-            if receive is None:  # map-style: what the batch sampler recorded when it was drawn
-                cursor.samples, cursor.source = done.popleft()
-            else:  # iterable: what the worker sent along with the batch
-                batch = receive(cursor, batch)
-                if batch is SKIP:
-                    continue
-            cursor.batches += 1
-            self._open, self._resume_pending = True, False
-            yield batch
+        try:
+            for batch in batches:
+                if receive is None:  # map-style: what the batch sampler recorded when drawn
+                    cursor.samples, cursor.source = done.popleft()
+                else:  # iterable: what the worker sent along with the batch
+                    batch = receive(cursor, batch)
+                    if batch is SKIP:
+                        continue
+                cursor.batches += 1
+                self._open, self._resume_pending = True, False
+                yield batch
+        except GeneratorExit:
+            # The loop let go of this iterator mid-epoch (a `break`; CPython closes it at once):
+            # the epoch ends now, so a state taken after the loop starts the next one, as the
+            # uninterrupted run's next iter() will.
+            if cursor is self._cursor and self._open:
+                self._end_epoch()
+            raise
         # Only reached when the user's for-loop asks past the last batch: the epoch is over,
         # and a state taken now starts the next epoch (inside the loop it would not).
         if cursor is self._cursor:
-            self._epoch += 1
-            self._cursor = self._new_cursor()
-            self._open = self._resume_pending = False
+            self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        self._epoch += 1
+        self._cursor = self._new_cursor()
+        self._open = self._resume_pending = False
 
     def state_dict(self) -> dict:
         """What the user has received so far: JSON-serializable (``json.dumps`` works)."""
@@ -249,16 +259,18 @@ class _EpochPlan(torch.utils.data.Sampler):
     """The batch sampler the inner torch loader iterates: the current epoch from its cursor."""
 
     def __init__(self, loader: DataLoader) -> None:
-        self._loader = loader
+        # A weak reference: a cycle would leave freeing the loader (and shutting down persistent
+        # workers, 5 s each) to the cycle collector, at some random later moment.
+        self._loader = weakref.ref(loader)
 
     def __iter__(self) -> Iterator:
-        loader = self._loader
+        loader = self._loader()
         # A copy: the loader's cursor moves as batches are yielded, this plan's start does not.
         start = Cursor(loader._cursor.samples, loader._cursor.batches, loader._cursor.source)
         return loader._order.batches(loader.seed, loader._epoch, start, loader._done)
 
     def __len__(self) -> int:
-        return len(self._loader._order)
+        return len(self._loader()._order)
 
 
 def _length(dataset: Any) -> int | None:
