@@ -94,6 +94,18 @@ def test_other_configurations_resume_bit_for_bit(tmp_path, config):
     _same_run(interrupted, reference)
 
 
+def test_a_combined_map_and_iterable_loader_resumes_bit_for_bit(tmp_path):
+    config = {"combined": True, "workers": 2}
+    reference = tmp_path / "reference"
+    torch.save(run(reference, **config).state_dict(), reference / "final.pt")
+    for batch in (3, 11, 17):  # mid-epoch, start of epoch 1 (after validation), mid epoch 1
+        interrupted = tmp_path / f"interrupted-{batch}"
+        with pytest.raises(SystemExit):
+            run(interrupted, callbacks=[SignalAt("train", batch)], **config)
+        _finish(interrupted, **config)
+        _same_run(interrupted, reference)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -110,15 +122,19 @@ def test_a_directory_from_another_configuration_is_a_clear_error(tmp_path, chang
         run(tmp_path, **change)
 
 
-def test_sigkill_at_random_moments_including_inside_saves(tmp_path):
-    """Kill a real training process with SIGKILL >= 20 times; the finished run is bit-exact."""
-    config = json.dumps({"workers": 2, "epochs": 6, "checkpoint_every": 2, "pace": 0.01})
+@pytest.mark.parametrize("job, count", [
+    ({}, 20),
+    ({"combined": True}, 6),  # a CombinedLoader of a map-style and an iterable loader
+])
+def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
+    """Kill a real training process with SIGKILL `count` times; the finished run is bit-exact."""
+    config = json.dumps({"workers": 2, "epochs": 6, "checkpoint_every": 2, "pace": 0.01, **job})
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     subprocess.run([sys.executable, str(JOB), str(reference), config], check=True)
     rng = random.Random(os.environ.get("UNBROKEN_KILL_SEED"))
     status, checkpoints = interrupted / "status", interrupted / "checkpoints"
     kills = inside_saves = 0
-    while kills < 20:
+    while kills < count:
         status.unlink(missing_ok=True)
         process = subprocess.Popen([sys.executable, str(JOB), str(interrupted), config])
         # Every third kill waits for a checkpoint being written; the others land after a random
@@ -138,6 +154,6 @@ def test_sigkill_at_random_moments_including_inside_saves(tmp_path):
             break  # it finished before the kill it was meant to get
         assert process.returncode == -signal.SIGKILL, process.returncode
     subprocess.run([sys.executable, str(JOB), str(interrupted), config], check=True)
-    assert kills == 20, f"the run finished after {kills} kills"
-    assert inside_saves >= 3, f"only {inside_saves} kills landed inside a checkpoint write"
+    assert kills == count, f"the run finished after {kills} kills"
+    assert inside_saves >= count // 6, f"only {inside_saves} kills landed inside a checkpoint write"
     _same_run(interrupted, reference)

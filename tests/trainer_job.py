@@ -85,7 +85,35 @@ class Pace:
     on_train_batch_end = on_validation_batch_end = _tick
 
 
-def run(directory, *, epochs=3, pace=None, workers=0, accumulate=2, checkpoint_every=3, scaler=True,
+class NoisyStream(torch.utils.data.IterableDataset):
+    """An iterable twin of Noisy with torch's Stateful protocol, sharded over workers."""
+
+    def __init__(self, n: int = 30) -> None:
+        self.data, self.position = Noisy(n), 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        shard = range(info.id, len(self.data), info.num_workers) if info else range(len(self.data))
+        while self.position < len(shard):
+            self.position += 1
+            yield self.data[shard[self.position - 1]]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def _combined_step(step):
+    def fn(model, batch):  # both loaders' batches in one step: one loss over their union
+        x = torch.cat([batch["map"][0], batch["stream"][0]])
+        y = torch.cat([batch["map"][1], batch["stream"][1]])
+        return step(model, (x, y))
+    return fn
+
+
+def run(directory, *, epochs=3, pace=None, combined=False, workers=0, accumulate=2, checkpoint_every=3, scaler=True,
         scheduler_interval="step", seed=0, dataset_length=48, hidden=16, callbacks=(),
         max_steps=None) -> nn.Module:
     from torchmetrics.classification import MulticlassAccuracy
@@ -97,6 +125,9 @@ def run(directory, *, epochs=3, pace=None, workers=0, accumulate=2, checkpoint_e
     train_loader = unbroken.DataLoader(Noisy(dataset_length), batch_size=5, shuffle=True,
                                        num_workers=workers, persistent_workers=workers > 0, seed=seed)
     val_loader = unbroken.DataLoader(Noisy(20), batch_size=4, seed=seed)
+    if combined:  # a map-style and an iterable loader, Lightning's max_size_cycle
+        stream = unbroken.DataLoader(NoisyStream(), batch_size=3, num_workers=workers, seed=seed)
+        train_loader = unbroken.CombinedLoader({"map": train_loader, "stream": stream})
     train_acc, val_acc = MulticlassAccuracy(3), MulticlassAccuracy(3)
 
     def step(metric):
@@ -115,7 +146,8 @@ def run(directory, *, epochs=3, pace=None, workers=0, accumulate=2, checkpoint_e
     )
     trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,
                 scaler=torch.amp.GradScaler("cpu") if scaler else None,
-                training_step=step(train_acc), validation_step=step(val_acc),
+                training_step=_combined_step(step(train_acc)) if combined else step(train_acc),
+                validation_step=step(val_acc),
                 train_metrics={"accuracy": train_acc}, val_metrics={"accuracy": val_acc})
     return model
 
