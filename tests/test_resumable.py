@@ -198,9 +198,10 @@ def test_skipping_past_the_end_of_a_shorter_iterable_is_a_clear_error():
     stream = resumable(lambda epoch: range(10))
     for i, _ in enumerate(stream):
         if i == 6:
+            state = stream.state_dict()
             break
     shorter = resumable(lambda epoch: range(5))
-    shorter.load_state_dict(stream.state_dict())
+    shorter.load_state_dict(state)
     with pytest.raises(ValueError, match="7 items of epoch 0 were received, but the re-made "
                                          "range yields only 5; the iterable is not deterministic"):
         list(shorter)
@@ -251,15 +252,27 @@ def test_epoch_boundary_inside_versus_after_the_loop():
     assert [b["epoch"] for b in resumed] == [1, 1, 1]
 
 
-def test_break_ends_the_epoch_and_an_unused_iter_starts_nothing():
+def test_break_ends_the_epoch_at_once_and_an_unused_iter_starts_nothing():
     make = lambda: resumable(lambda epoch: [(epoch, i) for i in range(3)])  # noqa: E731
     stream = make()
-    next(iter(stream))  # break after one item
+    for _ in stream:
+        break
+    state = stream.state_dict()  # as with unbroken.DataLoader: the next epoch
+    assert (stream.epoch, state["epoch"], state["items"]) == (1, 1, 0)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert list(resumed) == list(stream) == [(1, 0), (1, 1), (1, 2)]
+
+    stream = make()
+    held = iter(stream)
+    next(held)  # an iterator still held ends its epoch at the next iter()
     assert stream.epoch == 0
-    iter(stream)  # the next epoch starts here, even if this iterator is never used
-    assert stream.epoch == 1
     iter(stream)
+    assert stream.epoch == 1
+    iter(stream)  # an iter() that yielded nothing starts nothing
     assert list(stream) == [(1, 0), (1, 1), (1, 2)] and stream.epoch == 2
+    del held  # dropping an old iterator changes nothing
+    assert stream.epoch == 2
 
 
 def test_callables_iterables_and_one_shot_iterators():

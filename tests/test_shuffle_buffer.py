@@ -69,7 +69,8 @@ def cut_points(n, epochs):
 
 
 @given(n=st.integers(0, 16), size=st.integers(1, 6), seed=st.integers(0, 2**64 - 1),
-       epochs=st.integers(1, 3), kind=st.sampled_from(["list", "generator", "stateful"]))
+       epochs=st.integers(1, 3),
+       kind=st.sampled_from(["list", "generator", "stateful", "own epochs"]))
 @settings(max_examples=200)
 @example(n=41, size=7, seed=2**64 - 1, epochs=3, kind="stateful")
 @example(n=40, size=8, seed=0, epochs=3, kind="generator")
@@ -80,10 +81,12 @@ def test_every_cut_resumes_exactly(n, size, seed, epochs, kind):
         make = lambda: shuffle_buffer(items, size, seed=seed)  # noqa: E731
     elif kind == "generator":
         make = lambda: shuffle_buffer(lambda e: generator_items(n, e), size, seed=seed)  # noqa: E731
-    else:
+    elif kind == "stateful":
         make = lambda: reader_buffer(n, size, seed)  # noqa: E731
+    else:
+        make = lambda: shuffle_buffer(OwnEpochs(n), size, seed=seed)  # noqa: E731
     with warnings.catch_warnings():
-        if kind == "stateful":
+        if kind in ("stateful", "own epochs"):
             warnings.simplefilter("error")  # restored through its state: no skip warning
         assert assert_resumes_exactly(make, epochs=epochs) == cut_points(n, epochs)
 
@@ -162,9 +165,10 @@ def test_a_non_deterministic_upstream_is_caught():
     buffer = shuffle_buffer(lambda epoch: range(10), 4, seed=0)
     for i, _ in enumerate(buffer):
         if i == 6:  # 3 of window 1 emitted
+            state = buffer.state_dict()
             break
     shorter = shuffle_buffer(lambda epoch: range(6), 4, seed=0)
-    shorter.load_state_dict(buffer.state_dict())
+    shorter.load_state_dict(state)
     with pytest.raises(ValueError, match="3 items of window 1 of epoch 0 were emitted, but the "
                                          "upstream now yields 2 for it"):
         list(shorter)
@@ -188,16 +192,66 @@ def test_epoch_boundary_inside_versus_after_the_loop():
         assert list(resumed) == epochs[1]
 
 
-def test_break_ends_the_epoch_and_a_state_before_the_next_item_is_the_next_epoch():
-    reference = reader_buffer(7, 3, seed=4)
+class OwnEpochs:
+    """Stateful like torchdata's StatefulDataLoader: each iter() starts its next epoch (unless a
+    loaded state is pending), dropping an iterator ends nothing, and it has no ``epoch``."""
+
+    def __init__(self, n):
+        self.n, self.next_epoch, self.current, self.position = n, 0, None, 0
+        self.in_epoch = self.resume = False
+
+    def __iter__(self):
+        if not self.resume:
+            self.current, self.position, self.next_epoch = self.next_epoch, 0, self.next_epoch + 1
+        self.resume, self.in_epoch = False, True
+        return self._items()
+
+    def _items(self):
+        while self.position < self.n:
+            self.position += 1
+            yield (self.current, self.position - 1)
+        self.in_epoch = False
+
+    def state_dict(self):
+        return {"next_epoch": self.next_epoch, "current": self.current,
+                "position": self.position, "in_epoch": self.in_epoch}
+
+    def load_state_dict(self, state):
+        self.next_epoch, self.current = state["next_epoch"], state["current"]
+        self.position, self.in_epoch = state["position"], state["in_epoch"]
+        self.resume = self.in_epoch
+
+
+@pytest.mark.parametrize("upstream", ["resumable", "own epochs"])
+@pytest.mark.parametrize("n", [7, 5])  # the break falls in a full window, or in the last one
+def test_break_ends_the_epoch_at_once_for_the_upstream_too(upstream, n):
+    def make():
+        if upstream == "resumable":
+            return reader_buffer(n, 3, seed=4)
+        return shuffle_buffer(OwnEpochs(n), 3, seed=4)
+
+    reference = make()
     epochs = [list(reference) for _ in range(3)]
-    buffer = reader_buffer(7, 3, seed=4)
-    next(iter(buffer))  # break after one item
-    iterator = iter(buffer)  # the next epoch starts here, for the upstream too
+    assert all(item[0] == epoch for epoch, items in enumerate(epochs) for item in items)
+    for cut in range(n):
+        buffer = make()
+        for i, _ in enumerate(buffer):
+            if i == cut:
+                break
+        state = buffer.state_dict()  # as with unbroken.DataLoader: the next epoch
+        assert (buffer.epoch, state["epoch"], state["window"], state["emitted"]) == (1, 1, 0, 0)
+        assert list(buffer) == epochs[1]
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert [list(resumed) for _ in range(2)] == epochs[1:]
+
+    buffer = make()
+    held = iter(buffer)
+    next(held)  # an iterator still held ends its epoch at the next iter()
+    iterator = iter(buffer)
     state = buffer.state_dict()
-    assert buffer.epoch == 1 and state["upstream"]["epoch"] == 1
-    assert list(iterator) == epochs[1]
-    resumed = reader_buffer(7, 3, seed=4)
+    assert buffer.epoch == 1 and list(iterator) == epochs[1]
+    resumed = make()
     resumed.load_state_dict(state)
     assert [list(resumed) for _ in range(2)] == epochs[1:]
 

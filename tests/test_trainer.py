@@ -124,7 +124,7 @@ def test_a_directory_from_another_configuration_is_a_clear_error(tmp_path, chang
 
 @pytest.mark.parametrize("job, count", [
     ({}, 20),
-    ({"combined": True}, 6),  # a CombinedLoader of a map-style and an iterable loader
+    ({"combined": True, "epochs": 3}, 6),  # a CombinedLoader: a map-style and an iterable loader
 ])
 def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
     """Kill a real training process with SIGKILL `count` times; the finished run is bit-exact."""
