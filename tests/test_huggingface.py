@@ -44,7 +44,7 @@ def test_a_streaming_dataset_resumes_exactly(parquet_files, workers):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_exact_shuffle_of_the_stream_resumes_exactly(parquet_files, workers):
     make = lambda: unbroken.DataLoader(  # noqa: E731
-        unbroken.shuffle_buffer(_stream(parquet_files).with_format("torch"), size=64, seed=5),
+        unbroken.shuffle_buffer(_stream(parquet_files).with_format("torch"), 64, seed=5),
         batch_size=16, num_workers=workers, seed=0)
     first = [int(x) for batch in make() for x in batch["x"]]
     assert sorted(first) == list(range(400)) and first != sorted(first)

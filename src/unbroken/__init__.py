@@ -4,7 +4,8 @@ Public names: ``DataLoader`` (a resumable drop-in for torch's), ``sample_rng`` a
 ``sample_seed`` (the current sample's own randomness), ``Checkpointer`` (atomic, verified
 checkpoints), ``GlobalRNG`` (the process's RNGs as a checkpoint entry), ``Preemption``
 (signals as a flag), ``CombinedLoader`` (several loaders as one, Lightning's modes) and
-``Trainer`` (a loop that resumes bit for bit). ``unbroken.testing``
+``Trainer`` (a loop that resumes bit for bit); ``resumable`` (any iterable, checkpointable) and
+``shuffle_buffer`` (an exact, resumable shuffle for streams). ``unbroken.testing``
 holds ``assert_resumes_exactly`` for checking a pipeline.
 """
 
@@ -14,6 +15,8 @@ from .combined import CombinedLoader
 from .globalrng import GlobalRNG
 from .loader import DataLoader
 from .preemption import Preemption
+from .resumable import Resumable, resumable
+from .shuffle_buffer import ShuffleBuffer, shuffle_buffer
 from .trainer import Trainer
 
 __version__ = "0.1.0"
@@ -23,8 +26,12 @@ __all__ = [
     "DataLoader",
     "GlobalRNG",
     "Preemption",
+    "Resumable",
+    "ShuffleBuffer",
     "Trainer",
+    "resumable",
     "sample_rng",
     "sample_seed",
+    "shuffle_buffer",
 ]
 assert sorted(__all__) == __all__

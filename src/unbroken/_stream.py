@@ -71,6 +71,19 @@ def _pin(value: Any) -> Any:
     return value
 
 
+def _set_epoch(dataset: Any, epoch: int) -> None:
+    if callable(getattr(dataset, "set_epoch", None)):
+        dataset.set_epoch(epoch)
+
+
+def is_stream(dataset: Any) -> bool:
+    """An IterableDataset, or any iterable object without ``__getitem__`` (e.g. a
+    ``shuffle_buffer``): torch would treat the latter as map-style, so unbroken says so."""
+    if isinstance(dataset, IterableDataset):
+        return True
+    return callable(getattr(dataset, "__iter__", None)) and not callable(getattr(dataset, "__getitem__", None))
+
+
 def _identity(batch: Any) -> Any:
     return batch
 
@@ -122,9 +135,8 @@ class StreamWorker(IterableDataset):
         info = get_worker_info()
         worker = info.id if info is not None else 0
         plan, dataset = self.plan, self.dataset
-        if callable(getattr(dataset, "set_epoch", None)):
-            dataset.set_epoch(plan["epoch"])
         if self.kind == "range":
+            _set_epoch(dataset, plan["epoch"])
             yield from self._read_ranges(worker, info.num_workers if info is not None else 1)
             return
         saved = plan["workers"][worker]
@@ -133,7 +145,16 @@ class StreamWorker(IterableDataset):
         if worker < plan["next"]:
             yield Tagged(None, worker, PLACEHOLDER, None)  # its turn in this cycle already came
         if self.kind == "stateful":
-            dataset.load_state_dict(self.initial if saved["state"] is None else from_jsonable(saved["state"]))
+            # A fresh epoch: the state as constructed, then the epoch. A resumed one: the epoch,
+            # then the saved state (which may carry an epoch of its own and must win).
+            if saved["state"] is None:
+                dataset.load_state_dict(self.initial)
+                _set_epoch(dataset, plan["epoch"])
+            else:
+                _set_epoch(dataset, plan["epoch"])
+                dataset.load_state_dict(from_jsonable(saved["state"]))
+        else:
+            _set_epoch(dataset, plan["epoch"])
         items = iter(dataset)
         counter = None
         if self.kind == "sampler":
@@ -218,7 +239,7 @@ def warn_if_buffer_shuffled(dataset: Any) -> None:
                 "HF drops the buffer's contents when it loads a state, so a resumed epoch loses up "
                 "to buffer_size samples and differs from an uninterrupted run. For an exact, "
                 "resumable shuffle, leave the dataset unshuffled and wrap it: "
-                "unbroken.shuffle_buffer(dataset, size, seed).",
+                "unbroken.shuffle_buffer(dataset, size, seed=seed).",
                 stacklevel=3,
             )
             return

@@ -21,14 +21,14 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, SequentialSampler
+from torch.utils.data import SequentialSampler
 
 from ._fetch import SeededDataset
 from ._order import Cursor, NativeOrder, UserBatchSampler, UserSampler
 from ._rng import GLOBAL_RNGS, check_global_rngs
 from ._shuffle import derive_key
 from ._state import StateReader, mismatch
-from ._stream import SKIP, StreamSource, StreamWorker, _identity
+from ._stream import SKIP, StreamSource, StreamWorker, _identity, is_stream
 
 FORMAT = "unbroken.DataLoader"
 VERSION = 1
@@ -91,7 +91,7 @@ class DataLoader:
         self.seed = _check_seed(seed, generator)
         self._seed_given = seed is not None or generator is not None
         self.sampler, self.batch_sampler = sampler, batch_sampler
-        stream = isinstance(dataset, IterableDataset)
+        stream = is_stream(dataset)
         if stream:
             self._order = _make_stream(dataset, batch_size, shuffle, sampler, batch_sampler,
                                        drop_last, num_workers)

@@ -97,8 +97,9 @@ class Resumable:
     - ``progress``: show a tqdm bar while a resume skips more than 1000 items (on a terminal).
 
     ``iter()`` continues the epoch ``load_state_dict`` restored and otherwise starts the next
-    epoch (the first is 0), also after a ``break``; an ``iter()`` that yielded nothing starts
-    nothing.
+    epoch (the first is 0). As with ``unbroken.DataLoader``, a ``break`` ends the epoch at once
+    (a state taken after it starts the next epoch) and an ``iter()`` that yielded nothing
+    starts nothing.
     """
 
     def __init__(
@@ -137,27 +138,36 @@ class Resumable:
         self._epoch, self._pos, self._open, self._made = epoch, _Position(), False, None
 
     def __iter__(self) -> Iterator:
-        if self._open:  # the previous iteration yielded items and was abandoned: epoch over
-            self._epoch += 1
-            self._pos, self._open = _Position(), False
+        # An iteration that yielded items ends its epoch when it is dropped (a `break`) or, if
+        # its iterator is still held, here. One that yielded nothing starts nothing.
+        if self._open:
+            self._end_epoch()
         return self._run()
+
+    def _end_epoch(self) -> None:
+        self._epoch += 1
+        self._pos, self._open = _Position(), False
 
     def _run(self) -> Iterator:
         pos, epoch = self._pos, self._epoch
         obj, items = (None, iter(())) if pos.end else self._start(epoch, pos)
         stateful = has_state(obj)
         ahead = [next(items, _END)]  # no local name holds an item once it is yielded
-        while ahead[0] is not _END:
-            obj_state = snapshot(obj, self._what) if stateful else None
-            ahead.append(next(items, _END))  # read ahead: is this item the epoch's last?
-            pos.items, pos.end, pos.inner = pos.items + 1, ahead[1] is _END, obj_state
-            self._open = True
-            yield ahead.pop(0)
+        try:
+            while ahead[0] is not _END:
+                obj_state = snapshot(obj, self._what) if stateful else None
+                ahead.append(next(items, _END))  # read ahead: is this item the epoch's last?
+                pos.items, pos.end, pos.inner = pos.items + 1, ahead[1] is _END, obj_state
+                self._open = True
+                yield ahead.pop(0)
+        except GeneratorExit:  # dropped mid-epoch: a state taken after the loop starts the next
+            if pos is self._pos and self._open:
+                self._end_epoch()
+            raise
         # Reached only when the loop asks past the last item: a state taken now starts the
         # next epoch, while one taken inside the loop, after the last item, does not.
         if pos is self._pos:
-            self._epoch += 1
-            self._pos, self._open = _Position(), False
+            self._end_epoch()
 
     def _start(self, epoch: int, pos: _Position) -> tuple[Any, Iterator]:
         obj = self._object(epoch)

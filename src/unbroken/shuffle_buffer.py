@@ -45,6 +45,7 @@ VERSION = 1
 _FIELDS = {"format", "version", "size", "seed", "epoch", "window", "emitted", "end", "upstream"}
 _DOMAIN = 0x5348554646  # keeps these permutations apart from other uses of the same seed
 _LIVE = object()  # the upstream has not been read since it was made: ask it for its state
+_NEXT = object()  # the upstream was left mid-epoch: its next iter() starts the next epoch
 _WHAT = "unbroken.shuffle_buffer"
 
 
@@ -90,6 +91,7 @@ class ShuffleBuffer:
         self._epoch = 0
         self._pos = _Position()
         self._open = False  # an iteration of this epoch has yielded an item
+        self._stash: Iterator | None = None  # the upstream's iterator for the next iter()
 
     @property
     def epoch(self) -> int:
@@ -107,61 +109,92 @@ class ShuffleBuffer:
             raise TypeError(f"{_WHAT}.set_epoch needs an upstream with set_epoch(); "
                             f"a {type(self.upstream).__qualname__} has none")
         self.upstream.set_epoch(epoch)
-        self._epoch, self._pos, self._open = epoch, _Position(), False
+        self._epoch, self._pos, self._open, self._stash = epoch, _Position(), False, None
 
     def __iter__(self) -> Iterator:
-        if not self._open:
-            return self._run(None)
-        # The previous iteration yielded items and was abandoned: its epoch is over, and
-        # iterating the upstream again ends the upstream's epoch too. Its state is taken now,
-        # so a state_dict() before the first item describes the new epoch.
-        self._epoch += 1
-        self._open = False
-        upstream_items = iter(self.upstream)
-        self._pos = _Position(upstream=snapshot(self.upstream, _WHAT))
-        return self._run(upstream_items)
+        # As with unbroken.DataLoader: an iteration that yielded items ends its epoch when it is
+        # dropped (a `break`) or, if its iterator is still held, here; one that yielded nothing
+        # starts nothing.
+        if self._open:
+            self._end_epoch(_NEXT)
+        return self._run()
 
-    def _run(self, upstream_items: Iterator | None) -> Iterator:
+    def _end_epoch(self, upstream: Any) -> None:
+        self._epoch += 1
+        self._pos, self._open, self._stash = _Position(upstream=upstream), False, None
+
+    def _upstream_state(self) -> Any:
+        """The upstream's state at the start of the current window (or after the epoch)."""
+        pos = self._pos
+        if pos.upstream is _NEXT:
+            # The upstream's epoch was left mid-way and may end only at its next iter(): iterate
+            # it now (the next loop uses this iterator), so the state describes its next epoch.
+            self._stash = iter(self.upstream)
+            pos.upstream = snapshot(self.upstream, _WHAT)
+        elif pos.upstream is _LIVE:
+            pos.upstream = snapshot(self.upstream, _WHAT)
+        return pos.upstream
+
+    def _run(self) -> Iterator:
         pos, epoch, size = self._pos, self._epoch, self.size
         after = pos.upstream  # the upstream's state once its epoch has ended
         if not pos.end:
+            upstream_items, self._stash = self._stash, None
             if upstream_items is None:
                 upstream_items = iter(self.upstream)
-            if pos.upstream is _LIVE:
-                pos.upstream = snapshot(self.upstream, _WHAT)
-            window, skip = pos.window, pos.emitted
-            while True:
-                items = list(itertools.islice(upstream_items, size))
-                after = snapshot(self.upstream, _WHAT)
-                if skip and len(items) <= skip:
-                    raise ValueError(
-                        f"{_WHAT}: the state says {skip} items of window {window} of epoch "
-                        f"{epoch} were emitted, but the upstream now yields {len(items)} for "
-                        "it; the upstream is not deterministic, or not the one that saved it"
-                    )
-                if not items:
-                    break
-                count = len(items)
-                exhausted = count < size
-                # The rest of the window in reverse order, so that pop() emits it and drops it.
-                rest = [items[k] for k in reversed(self._permutation(epoch, window, count)[skip:])]
-                del items
-                for j in range(skip, count):
-                    if j + 1 < count:
-                        pos.window, pos.emitted = window, j + 1
-                    elif exhausted:  # the epoch's last item; the upstream's epoch has ended
-                        pos.emitted, pos.end, pos.upstream = j + 1, True, after
-                    else:  # the window's last item: the next window starts where it ended
-                        pos.window, pos.emitted, pos.upstream = window + 1, 0, after
-                    self._open = True
-                    yield rest.pop()
-                if exhausted:
-                    break
-                window, skip = window + 1, 0
+            if pos.upstream is _NEXT:
+                pos.upstream = _LIVE  # iterated just now: its state is the new epoch's start
+            self._upstream_state()
+            try:
+                after = yield from self._windows(pos, epoch, size, upstream_items)
+            except GeneratorExit:  # dropped mid-epoch (a `break`): end the epoch now
+                if pos is self._pos and self._open:
+                    self._end_epoch(self._after_break(upstream_items))
+                raise
         # Reached only when the loop asks past the last item (see unbroken.DataLoader).
         if pos is self._pos:
-            self._epoch += 1
-            self._pos, self._open = _Position(upstream=after), False
+            self._end_epoch(after)
+
+    def _windows(self, pos: _Position, epoch: int, size: int, upstream_items: Iterator):
+        """Emit the epoch's windows from ``pos``; return the upstream's state after its end."""
+        window, skip = pos.window, pos.emitted
+        while True:
+            items = list(itertools.islice(upstream_items, size))
+            after = snapshot(self.upstream, _WHAT)
+            if skip and len(items) <= skip:
+                raise ValueError(
+                    f"{_WHAT}: the state says {skip} items of window {window} of epoch "
+                    f"{epoch} were emitted, but the upstream now yields {len(items)} for "
+                    "it; the upstream is not deterministic, or not the one that saved it"
+                )
+            if not items:
+                return after
+            count = len(items)
+            exhausted = count < size
+            # The rest of the window in reverse order, so that pop() emits it and drops it.
+            rest = [items[k] for k in reversed(self._permutation(epoch, window, count)[skip:])]
+            del items
+            for j in range(skip, count):
+                if j + 1 < count:
+                    pos.window, pos.emitted = window, j + 1
+                elif exhausted:  # the epoch's last item; the upstream's epoch has ended
+                    pos.emitted, pos.end, pos.upstream = j + 1, True, after
+                else:  # the window's last item: the next window starts where it ended
+                    pos.window, pos.emitted, pos.upstream = window + 1, 0, after
+                self._open = True
+                yield rest.pop()
+            if exhausted:
+                return after
+            window, skip = window + 1, 0
+
+    def _after_break(self, upstream_items: Iterator) -> Any:
+        """Close the upstream's iterator; its state if that ended its epoch, else ``_NEXT``."""
+        before = getattr(self.upstream, "epoch", None)
+        close = getattr(upstream_items, "close", None)
+        if callable(close):
+            close()  # unbroken's loaders end their epoch when their iterator is dropped
+        ended = before is not None and getattr(self.upstream, "epoch", None) != before
+        return snapshot(self.upstream, _WHAT) if ended else _NEXT
 
     def _permutation(self, epoch: int, window: int, n: int) -> list[int]:
         key = derive_key(self.seed, _DOMAIN, epoch, window)
@@ -173,7 +206,7 @@ class ShuffleBuffer:
         Raises ``ValueError`` naming the key if the upstream's state cannot be saved as JSON.
         """
         pos = self._pos
-        upstream = snapshot(self.upstream, _WHAT) if pos.upstream is _LIVE else pos.upstream
+        upstream = self._upstream_state()
         if isinstance(upstream, Unsaveable):
             raise upstream.error
         return {
@@ -203,5 +236,5 @@ class ShuffleBuffer:
             self.upstream.load_state_dict(from_jsonable(state["upstream"]))
         except ValueError as error:
             raise ValueError(f"{_WHAT} state field 'upstream': {error}") from None
-        self._epoch, self._open = epoch, False
+        self._epoch, self._open, self._stash = epoch, False, None
         self._pos = _Position(window, emitted, end, copy.deepcopy(state["upstream"]))
