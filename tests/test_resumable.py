@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import unbroken.resumable as resumable_module
-from unbroken.resumable import Resumable, resumable
+import unbroken._resumable as resumable_module
+from unbroken._resumable import Resumable, resumable
 from unbroken.testing import assert_resumes_exactly, assert_same
 
 SKIP_WARNING = r"ignore:.*costs O\(k\):UserWarning"

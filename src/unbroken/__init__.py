@@ -15,8 +15,8 @@ from .combined import CombinedLoader
 from .globalrng import GlobalRNG
 from .loader import DataLoader
 from .preemption import Preemption
-from .resumable import Resumable, resumable
-from .shuffle_buffer import ShuffleBuffer, shuffle_buffer
+from ._resumable import Resumable, resumable
+from ._shuffle_buffer import ShuffleBuffer, shuffle_buffer
 from .trainer import Trainer
 
 __version__ = "0.1.0"

@@ -38,7 +38,7 @@ import numpy as np
 
 from ._shuffle import derive_key
 from ._state import StateReader, from_jsonable, mismatch
-from .resumable import Resumable, Unsaveable, has_state, snapshot
+from ._resumable import Resumable, Unsaveable, has_state, snapshot
 
 FORMAT = "unbroken.shuffle_buffer"
 VERSION = 1
