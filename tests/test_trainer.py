@@ -157,3 +157,20 @@ def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
     assert kills == count, f"the run finished after {kills} kills"
     assert inside_saves >= count // 6, f"only {inside_saves} kills landed inside a checkpoint write"
     _same_run(interrupted, reference)
+
+
+def test_tensorboard_curves_of_a_resumed_run_equal_the_uninterrupted_ones(tmp_path, reference):
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+    def curve(directory):
+        events = accumulator.EventAccumulator(str(directory / "tensorboard"))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("train/loss")]
+
+    with pytest.raises(SystemExit):
+        run(tmp_path, callbacks=[SignalAt("train", 7)])
+    with pytest.raises(SystemExit):  # a second interruption, later
+        run(tmp_path, callbacks=[SignalAt("train", 17)])
+    _finish(tmp_path)
+    expected = curve(reference)
+    assert len(expected) == 30 and curve(tmp_path) == expected

@@ -7,12 +7,17 @@ Values are written with ``repr`` (shortest round-trip form), so equal floats giv
 
 Rows are long-format ``step,epoch,phase,name,value``: new names never change the header.
 Cost: one ``write`` per value and one ``flush`` per checkpoint.
+
+``open_tensorboard`` does the same for TensorBoard when it is installed: events are stepped by
+the loop's tick count, and a resumed writer purges the events its killed predecessor wrote
+after the checkpoint (TensorBoard's ``purge_step``), so the curves show no replayed stretch.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 HEADER = "step,epoch,phase,name,value\n"
 
@@ -72,3 +77,21 @@ class CSVLog:
             rows.append({"step": int(step), "epoch": int(epoch), "phase": phase, "name": name,
                          "value": float(value)})
         return rows
+
+
+def open_tensorboard(wanted: bool | None, directory: Path, purge_from: int) -> Any:
+    """A ``SummaryWriter`` that purges earlier sessions' events from step ``purge_from`` on.
+
+    ``wanted=None`` writes only if TensorBoard is installed, ``True`` requires it, ``False``
+    gives None.
+    """
+    if wanted is False:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        if wanted:
+            raise ImportError("Trainer(tensorboard=True) needs the tensorboard package: "
+                              "pip install tensorboard") from None
+        return None
+    return SummaryWriter(str(directory), purge_step=purge_from)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .checkpoint import Checkpointer
-from .csvlog import CSVLog
+from .csvlog import CSVLog, open_tensorboard
 from .globalrng import GlobalRNG
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, bar
@@ -57,6 +57,7 @@ class Trainer:
         progress_bar: bool = True,
         signals: Iterable[int] = DEFAULT_SIGNALS,
         async_save: bool = False,
+        tensorboard: bool | None = None,
     ) -> None:
         _positive("max_epochs", max_epochs)
         for name, value in (("max_steps", max_steps), ("checkpoint_every", checkpoint_every)):
@@ -77,6 +78,8 @@ class Trainer:
             "scheduler_interval": scheduler_interval,
         })
         self.seed = seed
+        self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
+        self.board = None
         self.logs: dict[str, float] = {}  # the latest value of everything logged
 
     # -- the loop ---------------------------------------------------------------------------
@@ -125,6 +128,9 @@ class Trainer:
         if restored is None:
             self.log_file.restart()
             _seed_everything(self.seed)
+        # Events up to the checkpoint's tick were flushed before it was saved; later ones replay.
+        self.board = open_tensorboard(self.tensorboard, self.directory / "tensorboard",
+                                      purge_from=progress.ticks + 1)
         self._call("on_fit_start")
         try:
             with Preemption(self.signals) as self.preemption:
@@ -141,6 +147,8 @@ class Trainer:
         finally:
             self.checkpointer.close()
             self.log_file.close()
+            if self.board is not None:
+                self.board.close()
         self._call("on_fit_end")
         return self.logs
 
@@ -222,6 +230,8 @@ class Trainer:
         if self.progress.ticks == self.progress.saved_at:
             return  # nothing happened since the last checkpoint
         self.progress.saved_at = self.progress.ticks
+        if self.board is not None:
+            self.board.flush()  # what the checkpoint says was logged must be on disk
         self._call("on_save_start")
         self.checkpointer.save(self.progress.ticks, self.entries, blocking=blocking)
 
@@ -257,6 +267,8 @@ class Trainer:
         for name, value in values.items():
             self.log_file.log(step, progress.epoch, phase, name, value)
             self.logs[f"{phase}/{name}"] = float(value)
+            if self.board is not None:
+                self.board.add_scalar(f"{phase}/{name}", float(value), global_step=progress.ticks)
 
     def _call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
