@@ -47,7 +47,7 @@ class Counter:
         self.batches += 1
 
     def on_epoch_end(self, trainer, logs) -> None:
-        trainer._log("train", {"callback_batches": self.batches})
+        trainer.log({"callback_batches": self.batches})
 
     def state_dict(self) -> dict:
         return {"batches": self.batches}
@@ -142,7 +142,7 @@ def run(directory, *, epochs=3, pace=None, combined=False, workers=0, accumulate
         directory, max_epochs=epochs, max_steps=max_steps, seed=seed,
         checkpoint_every=checkpoint_every, accumulate=accumulate, clip_grad_norm=0.5,
         scheduler_interval=scheduler_interval, callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
-        progress_bar=False,
+        progress_bar=False, tensorboard_every=1,
     )
     trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,
                 scaler=torch.amp.GradScaler("cpu") if scaler else None,

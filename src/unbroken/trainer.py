@@ -58,6 +58,7 @@ class Trainer:
         signals: Iterable[int] = DEFAULT_SIGNALS,
         async_save: bool = False,
         tensorboard: bool | None = None,
+        tensorboard_every: int = 50,
     ) -> None:
         _positive("max_epochs", max_epochs)
         for name, value in (("max_steps", max_steps), ("checkpoint_every", checkpoint_every)):
@@ -79,6 +80,10 @@ class Trainer:
         })
         self.seed = seed
         self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
+        # TensorBoard's writer costs ~40 us a value without TensorFlow (a pure-Python CRC), so
+        # per-batch values go there every `tensorboard_every` batches; the CSV gets every one.
+        _positive("tensorboard_every", tensorboard_every)
+        self.tensorboard_every = tensorboard_every
         self.board = None
         self.logs: dict[str, float] = {}  # the latest value of everything logged
 
@@ -161,7 +166,7 @@ class Trainer:
         with bar(self.progress_bar, loader, progress, "train") as batches:
             for batch in batches:
                 loss, logs = _loss_and_logs(self.training_step(model, batch))
-                scaled = loss / self.accumulate
+                scaled = loss / self.accumulate if self.accumulate > 1 else loss  # skip a no-op node
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 progress.batch_done(loss.item())
                 if progress.micro == self.accumulate:
@@ -174,7 +179,8 @@ class Trainer:
                 self._after_batch(periodic=True)
         if progress.micro:  # an epoch's last, incomplete accumulation window still counts
             self._optimizer_step()
-        self._log("train", {"epoch_loss": progress.phase_mean(), **_compute(self.train_metrics)})
+        self._log("train", {"epoch_loss": progress.phase_mean(), **_compute(self.train_metrics)},
+                  per_batch=False)
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             self.scheduler.step()
 
@@ -209,7 +215,8 @@ class Trainer:
                 batches.show(loss.item())
                 self._call("on_validation_batch_end", self.logs)
                 self._after_batch(periodic=False)
-        self._log("val", {"epoch_loss": progress.phase_mean(), **_compute(self.val_metrics)})
+        self._log("val", {"epoch_loss": progress.phase_mean(), **_compute(self.val_metrics)},
+                  per_batch=False)
         model.train()
 
     def _after_batch(self, periodic: bool) -> None:
@@ -261,14 +268,19 @@ class Trainer:
                 entries[f"callback.{i}.{type(callback).__name__}"] = callback
         return entries
 
-    def _log(self, phase: str, values: dict[str, float]) -> None:
+    def log(self, values: dict[str, float], phase: str = "train") -> None:
+        """Log scalars at the current step (for callbacks): CSV, TensorBoard, ``logs``."""
+        self._log(phase, values, per_batch=False)
+
+    def _log(self, phase: str, values: dict[str, float], per_batch: bool = True) -> None:
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
+        board = self.board if not per_batch or step % self.tensorboard_every == 0 else None
         for name, value in values.items():
             self.log_file.log(step, progress.epoch, phase, name, value)
             self.logs[f"{phase}/{name}"] = float(value)
-            if self.board is not None:
-                self.board.add_scalar(f"{phase}/{name}", float(value), global_step=progress.ticks)
+            if board is not None:
+                board.add_scalar(f"{phase}/{name}", float(value), global_step=progress.ticks)
 
     def _call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
