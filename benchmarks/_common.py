@@ -1,13 +1,14 @@
-"""Shared helpers for the benchmarks: environment description and markdown tables."""
+"""Shared helpers for the benchmarks: environment description, markdown tables, and a probe of
+how busy other processes kept the machine (this VM is shared with other work)."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
-import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,12 +68,64 @@ def environment() -> list[str]:
     ]
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _system_busy() -> float:
+    """CPU-seconds the whole machine spent busy (user, nice, system, irq, softirq, steal)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def _proc_cpu(pid: int) -> tuple[int, float]:
+    """(parent pid, CPU-seconds) of a process, from /proc/<pid>/stat."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    rest = text[text.rindex(")") + 2 :].split()  # the command name may contain spaces
+    return int(rest[1]), (int(rest[11]) + int(rest[12])) / _TICK
+
+
+def _own_tree_cpu() -> float:
+    """CPU-seconds of this process and its live children (DataLoader workers)."""
+    me = os.getpid()
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid, cpu = _proc_cpu(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        if int(entry) == me or ppid == me:
+            total += cpu
+    return total
+
+
+class ForeignLoad:
+    """How busy *other* processes kept the machine during an interval, in cores.
+
+    Machine busy time (``/proc/stat``) minus this process tree's CPU time (``/proc/<pid>/stat``),
+    over the wall time. Resolution is the kernel tick (10 ms per process), so measure intervals
+    of a second or more. Only on Linux; elsewhere it reports 0.
+    """
+
+    def __init__(self) -> None:
+        self.available = Path("/proc/stat").exists()
+
+    def snapshot(self) -> tuple[float, float, float]:
+        if not self.available:
+            return (time.perf_counter(), 0.0, 0.0)
+        return (time.perf_counter(), _system_busy(), _own_tree_cpu())
+
+    @staticmethod
+    def cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+        wall = end[0] - start[0]
+        foreign = (end[1] - start[1]) - (end[2] - start[2])
+        return max(0.0, foreign / wall) if wall > 0 else 0.0
+
+
 def load_line() -> str:
     return f"- load average (1/5/15 min) at end: {_load()}"
-
-
-def median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:

@@ -13,14 +13,30 @@ with global_rngs default (torch, numpy, random), ("torch",) and (); torchdata's
 StatefulDataLoader(shuffle=True) with its defaults. With workers, every loader gets
 persistent_workers=True so worker start-up is not timed.
 
-Method: each loader has its own copy of the same model. One untimed warm-up epoch per loader,
-then ``--reps`` rounds; in each round every loader runs ``--epochs`` whole epochs (forward,
-backward, step per batch), in an order rotated every round so drift hits all alike. Reported:
-median time per step, and the ratio to torch's DataLoader computed per round (paired) and
-summarized by its median and min-max over rounds.
+Method: each loader has its own copy of the same model (same initial weights, trained
+independently). One untimed warm-up epoch per loader, then timed rounds in which every loader
+runs in turn, in an order rotated each round so drift hits all alike. Each loader's time in a
+round is divided by torch's in the same round (a paired ratio); the table reports the median
+of those ratios (with a bootstrap 95% confidence interval and the interquartile range), so a
+burst of other work that hits some rounds moves it little. Between whole runs the ratios still
+move by about +-1.5% on this VM (memory placement, the host): compare runs, not one number.
 
-    .venv/bin/python benchmarks/overhead.py            # full run, a few minutes
-    .venv/bin/python benchmarks/overhead.py --quick    # smoke run, seconds
+- num_workers=0: loaders are interleaved finely. A round gives each loader ``--tiny-chunk`` /
+  ``--realistic-chunk`` training steps (timed), then as many batches without training (timed, the
+  "data-only" column); iterators persist across rounds and restart at each epoch's end inside
+  the timed chunk. Rounds last tens of milliseconds, so the machine's speed barely changes
+  within one: this shared 2-core VM varies by tens of percent over seconds.
+- num_workers>0: a round is one whole training epoch per loader (workers prefetch in the
+  background, so loaders cannot be paused mid-epoch fairly), ``--worker-reps`` rounds. Other
+  processes' CPU use is measured around each epoch (``/proc``); a round where it exceeded
+  ``--max-foreign`` cores is set aside and another run, up to ``--max-rounds``.
+
+Also printed: the cost of each global seeding call alone (timeit), and a "control" loader:
+torch's DataLoader over a dataset that makes exactly unbroken's per-sample seeding calls,
+which separates the seeding's cost from the rest of unbroken's machinery.
+
+    .venv/bin/python benchmarks/overhead.py            # full run, ~3 minutes on 2 idle cores
+    .venv/bin/python benchmarks/overhead.py --quick    # smoke run, ~15 seconds
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unbroken  # noqa: E402
-from _common import environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, environment, load_line, table  # noqa: E402
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:
@@ -125,7 +141,29 @@ LABELS = {
     "unbroken torch-only": 'unbroken global_rngs=("torch",)',
     "unbroken none": "unbroken global_rngs=()",
     "torchdata": "torchdata StatefulDataLoader",
+    "control": "control: torch DataLoader + unbroken's seeding calls",
 }
+
+
+class SeedingControl(torch.utils.data.Dataset):
+    """The control loader's dataset: the user's, seeded per sample exactly as unbroken's default
+    seeds it (same calls, same cost), but behind torch's DataLoader, without unbroken's loader
+    machinery. Separates what the seeding itself costs inside a training loop from the rest."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+        self._seed = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        if self._seed is None:  # built lazily: workers rebuild it in their own process
+            from unbroken._rng import make_seeder, sample_seed_at
+
+            self._seed, self._at = make_seeder(GLOBAL_RNGS["unbroken"]), sample_seed_at
+        self._seed(self._at(0x1234, i))
+        return self.dataset[i]
 
 
 def make_loader(name: str, dataset, batch_size: int, workers: int):
@@ -133,12 +171,15 @@ def make_loader(name: str, dataset, batch_size: int, workers: int):
                   persistent_workers=workers > 0)
     if name == "torch":
         return torch.utils.data.DataLoader(dataset, **common)
+    if name == "control":
+        return torch.utils.data.DataLoader(SeedingControl(dataset), **common)
     if name == "torchdata":
         return StatefulDataLoader(dataset, **common)
     return unbroken.DataLoader(dataset, seed=0, global_rngs=GLOBAL_RNGS[name], **common)
 
 
 def run_epochs(loader, model, opt, step, epochs: int) -> tuple[float, int]:
+    """(wall seconds, steps) for ``epochs`` whole epochs of training."""
     steps = 0
     start = time.perf_counter()
     for _ in range(epochs):
@@ -156,8 +197,9 @@ def seeding_costs(repeat: int = 5) -> dict[str, float]:
     from unbroken._rng import make_seeder, sample_seed_at  # private: only to explain the numbers
 
     value = 0x9E3779B97F4A7C15  # a full 64-bit seed, as unbroken passes
+    generator = torch.default_generator
     stmts = {
-        "torch.default_generator.manual_seed(s)": lambda: torch.default_generator.manual_seed(value),
+        "torch.default_generator.manual_seed(s)": lambda: generator.manual_seed(value),
         "torch.manual_seed(s)": lambda: torch.manual_seed(value),
         "np.random.seed(s & 0xFFFFFFFF)": lambda: np.random.seed(value & 0xFFFFFFFF),
         "random.seed(s)": lambda: random.seed(value),
@@ -174,71 +216,181 @@ def seeding_costs(repeat: int = 5) -> dict[str, float]:
     return costs
 
 
-def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]) -> list[list[str]]:
+def chunk_rounds(runs, names, step, chunk: int, rounds: int) -> list[dict]:
+    """num_workers=0: ``rounds`` rounds of ``chunk`` training steps + ``chunk`` data-only batches
+    per loader, finely interleaved. Returns per round {name: (us/step, us/batch data-only)}."""
+    iterators = {name: iter(runs[name][0]) for name in names}
+
+    def batches(name):
+        for _ in range(chunk):
+            try:
+                yield next(iterators[name])
+            except StopIteration:  # the epoch ended: the next one starts inside the timing
+                iterators[name] = iter(runs[name][0])
+                yield next(iterators[name])
+
+    out = []
+    for index in range(rounds):
+        shift = index % len(names)
+        this_round = {}
+        for name in names[shift:] + names[:shift]:
+            _, model, opt = runs[name]
+            start = time.perf_counter()
+            for batch in batches(name):
+                step(model, opt, batch)
+            middle = time.perf_counter()
+            for _ in batches(name):
+                pass
+            end = time.perf_counter()
+            this_round[name] = ((middle - start) / chunk * 1e6, (end - middle) / chunk * 1e6)
+        out.append(this_round)
+    return out
+
+
+def epoch_rounds(runs, names, step, args) -> tuple[list[dict], list[float], int]:
+    """num_workers>0: rounds of one training epoch per loader, until ``args.worker_reps`` rounds
+    were clean of other processes' load or ``args.max_rounds`` ran. Returns the rounds to use,
+    every round's peak foreign load (cores) and how many rounds were clean."""
+    monitor = ForeignLoad()
+    rounds, clean = [], []
+    reps = args.worker_reps
+    while len(clean) < reps and len(rounds) < max(args.max_rounds, reps):
+        shift = len(rounds) % len(names)
+        this_round, foreign = {}, 0.0
+        for name in names[shift:] + names[:shift]:
+            loader, model, opt = runs[name]
+            before = monitor.snapshot()
+            wall, steps = run_epochs(loader, model, opt, step, 1)
+            foreign = max(foreign, ForeignLoad.cores(before, monitor.snapshot()))
+            this_round[name] = (wall / steps * 1e6, None)
+        rounds.append((foreign, this_round))
+        if foreign <= args.max_foreign:
+            clean.append(this_round)
+    used = clean if len(clean) >= min(3, reps) else [r for _, r in rounds]
+    return used, [f for f, _ in rounds], len(clean)
+
+
+def median_ci(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A bootstrap 95% confidence interval of the median (percentile method, fixed seed)."""
+    values = np.asarray(xs, dtype=float)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
+    low, high = np.percentile(medians, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
+    """Rows of the result table for one (loop, num_workers), and a line on how it went."""
     if loop == "tiny":
-        dataset, batch_size = RowDataset(args.tiny_rows), args.tiny_batch
+        dataset, batch_size, chunk = RowDataset(args.tiny_rows), args.tiny_batch, args.tiny_chunk
         make_model, step, lr = tiny_model, tiny_step, 0.1
-    else:
+    elif loop == "realistic":
         dataset, batch_size = ImageDataset(args.images), args.image_batch
+        chunk = args.realistic_chunk
         make_model, step, lr = cnn_model, cnn_step, 0.01
+    else:
+        raise SystemExit(f"unknown loop {loop!r}: expected tiny or realistic")
     names = [n for n in LOADERS if n != "torchdata" or StatefulDataLoader is not None]
+    if args.control:
+        names.append("control")
     torch.manual_seed(0)
     base = make_model()
     runs = {}
     for name in names:
-        model = copy.deepcopy(base)
+        model = copy.deepcopy(base)  # same start for every loader, trained independently
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         runs[name] = (make_loader(name, dataset, batch_size, workers), model, opt)
 
-    for name in names:  # warm-up: starts persistent workers, fills caches, allocators
+    for name in names:  # warm-up: starts persistent workers, fills caches and allocators
         loader, model, opt = runs[name]
         run_epochs(loader, model, opt, step, 1)
 
-    per_step = {name: [] for name in names}
-    ratios = {name: [] for name in names}
-    for rep in range(args.reps):
-        order = names[rep % len(names):] + names[: rep % len(names)]
-        this_round = {}
-        for name in order:
-            loader, model, opt = runs[name]
-            seconds, steps = run_epochs(loader, model, opt, step, args.epochs)
-            this_round[name] = seconds / steps * 1e6
-        for name in names:
-            per_step[name].append(this_round[name])
-            ratios[name].append(this_round[name] / this_round["torch"])
+    disturbed = False
+    if workers == 0:
+        steps_per_epoch = len(runs["torch"][0])
+        n_rounds = max(3, -(-args.reps * steps_per_epoch // chunk))
+        monitor = ForeignLoad()
+        before = monitor.snapshot()
+        used = chunk_rounds(runs, names, step, chunk, n_rounds)
+        foreign = ForeignLoad.cores(before, monitor.snapshot())
+        note = (f"{loop}, num_workers=0: {n_rounds} interleaved rounds of {chunk} steps per "
+                f"loader; other processes used {foreign:.2f} cores on average meanwhile")
+    else:
+        used, foreign, n_clean = epoch_rounds(runs, names, step, args)
+        disturbed = n_clean < min(3, args.worker_reps)
+        counted = "clean" if args.max_foreign != float("inf") else "unfiltered (--quick)"
+        note = (f"{loop}, num_workers={workers}: {n_clean} {counted} of {len(foreign)} epoch "
+                f"rounds (other processes' load during an epoch: max {max(foreign):.2f} cores, "
+                f"median {statistics.median(foreign):.2f})"
+                + ("; TOO FEW CLEAN ROUNDS, all rounds used: disturbed" if disturbed else ""))
+    del runs  # shuts persistent workers down before the next configuration
 
-    torch_us = statistics.median(per_step["torch"])
+    torch_us = statistics.median(r["torch"][0] for r in used)
     rows = []
     for name in names:
-        med = statistics.median(ratios[name])
-        lo, hi = min(ratios[name]), max(ratios[name])
+        wall = [r[name][0] for r in used]
+        ratio = [r[name][0] / r["torch"][0] for r in used]
+        data = [r[name][1] for r in used] if workers == 0 else None
+        lo, hi = quartiles(ratio)
+        ci_lo, ci_hi = median_ci(ratio)
         estimate = "-"
         if workers == 0 and name in GLOBAL_RNGS:
             key = f"unbroken per-sample seeding, {LABELS[name].removeprefix('unbroken ')}"
             estimate = f"+{seed_cost[key] * batch_size / torch_us * 100:.1f}%"
-        rows.append([loop, str(workers), LABELS[name], f"{statistics.median(per_step[name]):.1f}",
-                     f"{med:.3f}" if name != "torch" else "1",
-                     f"{lo:.3f}-{hi:.3f}" if name != "torch" else "-", estimate])
-    del runs  # shuts persistent workers down before the next configuration
-    return rows
+        is_torch = name == "torch"
+        rows.append([
+            loop + (" (disturbed)" if disturbed else ""), str(workers), LABELS[name],
+            f"{statistics.median(wall):.1f}",
+            "1" if is_torch else f"{statistics.median(ratio):.3f}",
+            "-" if is_torch else f"{ci_lo:.3f}-{ci_hi:.3f}",
+            "-" if is_torch else f"{lo:.3f}-{hi:.3f}",
+            "-" if data is None else f"{statistics.median(data):.1f}",
+            "-" if is_torch or data is None else
+            f"{statistics.median(r[name][1] - r['torch'][1] for r in used) / torch_us * 100:+.1f}%",
+            estimate,
+        ])
+    return rows, note
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loops", default="tiny,realistic", help="comma-separated: tiny,realistic")
     parser.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
-    parser.add_argument("--reps", type=int, default=7, help="timed rounds per configuration")
-    parser.add_argument("--epochs", type=int, default=1, help="epochs per loader per round")
+    parser.add_argument("--reps", type=int, default=7,
+                        help="timed work per loader and configuration, in epochs")
+    parser.add_argument("--worker-reps", type=int, default=5,
+                        help="num_workers>0: clean epoch rounds per configuration")
+    parser.add_argument("--tiny-chunk", type=int, default=64,
+                        help="num_workers=0: training steps per loader per round, tiny loop")
+    parser.add_argument("--realistic-chunk", type=int, default=4,
+                        help="num_workers=0: training steps per loader per round, realistic loop")
     parser.add_argument("--tiny-rows", type=int, default=4096)
     parser.add_argument("--tiny-batch", type=int, default=2)
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--image-batch", type=int, default=32)
+    parser.add_argument("--max-rounds", type=int, default=10,
+                        help="num_workers>0: epoch rounds at most, counting disturbed ones")
+    parser.add_argument("--max-foreign", type=float, default=0.2,
+                        help="num_workers>0: a round in which other processes used more cores "
+                             "than this during any loader's epochs is set aside as disturbed")
+    parser.add_argument("--no-control", dest="control", action="store_false",
+                        help="leave out the control loader (torch's DataLoader with a dataset "
+                             "that makes unbroken's per-sample seeding calls)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: small datasets, 2 rounds (numbers are not meaningful)")
+                        help="smoke run: small datasets, little timed work (numbers are noise)")
     args = parser.parse_args()
     if args.quick:
-        args.reps, args.tiny_rows, args.images = 2, 256, 128
+        args.reps, args.worker_reps, args.max_rounds = 2, 2, 2
+        args.tiny_rows, args.images = 256, 128
+        args.max_foreign = float("inf")  # epochs this short are below the load probe's resolution
     torch.set_num_threads(args.threads)
 
     print("# unbroken.DataLoader training-loop overhead\n")
@@ -247,8 +399,13 @@ def main() -> None:
           "thread each); persistent_workers=True for every loader when num_workers > 0")
     print(f"- tiny: Linear(32, 2), {args.tiny_rows} rows, batch {args.tiny_batch}; realistic: "
           f"2-conv CNN, {args.images} images 3x32x32 with crop+flip, batch {args.image_batch}")
-    print(f"- {args.reps} rounds x {args.epochs} epoch(s) per loader after 1 warm-up epoch, "
-          "loader order rotated each round")
+    print("- after 1 untimed warm-up epoch per loader: num_workers=0: "
+          f"{args.reps} epochs' worth of training steps per loader, in rounds of "
+          f"{args.tiny_chunk} (tiny) / {args.realistic_chunk} (realistic) training steps + as "
+          "many data-only batches per loader, interleaved, order rotated each round. "
+          f"num_workers>0: {args.worker_reps} rounds of 1 training epoch per loader, order "
+          f"rotated; rounds where other processes used > {args.max_foreign} cores are set aside "
+          f"and rerun (at most {args.max_rounds} rounds)")
     if StatefulDataLoader is None:
         print("- torchdata is not installed: its rows are left out")
     sys.stdout.flush()
@@ -258,21 +415,31 @@ def main() -> None:
     print(table(["call", "us per call"], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()]))
     sys.stdout.flush()
 
-    rows = []
+    rows, notes = [], []
     for loop in args.loops.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
             start = time.perf_counter()
-            rows += bench_loop(loop.strip(), workers, args, costs)
-            print(f"[{loop} num_workers={workers} done in {time.perf_counter() - start:.0f} s]",
-                  file=sys.stderr, flush=True)
+            loop_rows, note = bench_loop(loop.strip(), workers, args, costs)
+            rows += loop_rows
+            notes.append(note)
+            print(f"[{note}; {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
 
     print("\n## Time per training step\n")
-    print("ratio = loader's epoch time / torch DataLoader's in the same round (median, and "
-          "min-max over rounds). seeding est. = unbroken's per-sample seeding cost x batch size / "
-          "torch's step time, the overhead seeding alone explains (num_workers=0 only).\n")
-    print(table(["loop", "workers", "loader", "us/step (median)", "ratio vs torch",
-                 "ratio min-max", "seeding est."], rows, left=3))
+    print("us/step: wall time per training step, median over rounds. ratio: the loader's time "
+          "/ torch DataLoader's in the same round, median over rounds, with a bootstrap 95% "
+          "confidence interval of that median and the interquartile range of the rounds. "
+          "data-only us/batch (num_workers=0): the same loader iterated without training, right "
+          "after its training steps in each round (median). data-only est.: the "
+          "loader's data-only time minus torch's in the same round (median), as a share of "
+          "torch's training step: the overhead the loader adds if nothing else changes "
+          "(num_workers=0; steadier than the ratio, since the noisy training compute is left "
+          "out, but blind to cache interplay with training). seeding est.: unbroken's "
+          "per-sample seeding cost (table above) x batch size / torch's step time, the overhead "
+          "that seeding alone would explain if it cost inside the loop what it costs alone.\n")
+    print(table(["loop", "workers", "loader", "us/step", "ratio vs torch", "95% CI", "ratio IQR",
+                 "data-only us/batch", "data-only est.", "seeding est."], rows, left=3))
     print()
+    print("\n".join(f"- {note}" for note in notes))
     print(load_line())
 
 

@@ -125,11 +125,15 @@ def test_resume_reads_only_what_remains():
     assert len(rest) == 1 and len(fresh.fetched) == 10  # the other 990 are never touched
 
 
-def test_iterating_does_not_consume_the_global_torch_rng():
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [2, None])
+def test_iterating_leaves_the_training_process_torch_rng_alone(workers, batch_size):
+    # Dropout in the training step must not depend on the loader, nor on num_workers.
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    loader = unbroken.DataLoader(Counting(8), batch_size=2, shuffle=True, num_workers=2, seed=0)
+    loader = unbroken.DataLoader(Augmented(8), batch_size=batch_size, shuffle=True,
+                                 num_workers=workers, seed=0)
     for _ in range(2):
         list(loader)
     assert torch.equal(torch.rand(3), expected)

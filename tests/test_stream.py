@@ -197,3 +197,12 @@ def test_a_global_cursor_stream_is_read_once_and_resumes_without_rereading():
     resumed = unbroken.DataLoader(resumed_dataset, batch_size=10, seed=0)
     resumed.load_state_dict(loader.state_dict())
     assert len(list(resumed)) == 3 and resumed_dataset.reads[0] == (70, 80)
+
+
+@pytest.mark.parametrize("cls", [StatefulStream, Ranged])
+def test_iterating_a_stream_in_process_leaves_the_torch_rng_alone(cls):
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    list(unbroken.DataLoader(cls(9), batch_size=2, seed=0))
+    assert torch.equal(torch.rand(3), expected)

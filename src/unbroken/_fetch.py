@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from ._order import Keys
-from ._rng import clear_sample, make_seeder, sample_seed_at
+from ._rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
 
 
 class SeededDataset(Dataset):
@@ -36,6 +36,7 @@ class SeededDataset(Dataset):
 
     def __getitems__(self, keys: Keys) -> list:
         seed, dataset, epoch_key, start = self._seed, self.dataset, keys.epoch_key, keys.start
+        saved = keep_main_torch_rng(self.global_rngs)
         try:
             if self._user_getitems is not None:
                 seed(sample_seed_at(epoch_key, start))
@@ -46,12 +47,13 @@ class SeededDataset(Dataset):
                 out.append(dataset[index])
             return out
         finally:
-            clear_sample()
+            clear_sample(saved)
 
     def __getitem__(self, keys: Keys) -> Any:
         # Without automatic batching (batch_size=None) every Keys holds one index.
+        saved = keep_main_torch_rng(self.global_rngs)
         try:
             self._seed(sample_seed_at(keys.epoch_key, keys.start))
             return self.dataset[keys[0]]
         finally:
-            clear_sample()
+            clear_sample(saved)

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from ._shuffle import mix64
 
@@ -76,9 +77,25 @@ def sample_seed_at(epoch_key: int, position: int) -> int:
     return x ^ (x >> 31)
 
 
-def clear_sample() -> None:
+def keep_main_torch_rng(global_rngs: tuple[str, ...]) -> torch.Tensor | None:
+    """In the training process itself (``num_workers=0``), the state of torch's generator to put
+    back once the batch is fetched, so that dropout and the rest of the training step draw the
+    same numbers whatever the loader did and whatever ``num_workers`` is. ~1.2 us a batch.
+
+    numpy's and ``random``'s global generators are not put back: saving and restoring them costs
+    ~57 us and ~10 us a batch. With ``num_workers=0`` they are left as the batch's last sample
+    left them (deterministic, so resumes stay exact, but different from ``num_workers > 0``).
+    """
+    if "torch" not in global_rngs or get_worker_info() is not None:
+        return None
+    return torch.default_generator.get_state()
+
+
+def clear_sample(saved_torch_state: torch.Tensor | None = None) -> None:
     global _current_seed
     _current_seed = None
+    if saved_torch_state is not None:
+        torch.default_generator.set_state(saved_torch_state)
 
 
 def sample_seed() -> int:

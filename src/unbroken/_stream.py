@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 
-from ._rng import clear_sample, make_seeder, sample_seed_at
+from ._rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
 from ._shuffle import derive_key
 from ._state import from_jsonable, to_jsonable
 
@@ -165,13 +165,15 @@ class StreamWorker(IterableDataset):
         seed = make_seeder(self.global_rngs)
         epoch_key = derive_key(plan["seed"], plan["epoch"], worker)
         if self.kind == "replay":
-            for _ in range(count):
-                seed(sample_seed_at(epoch_key, _))
+            saved_rng = keep_main_torch_rng(self.global_rngs)
+            for skipped in range(count):
+                seed(sample_seed_at(epoch_key, skipped))
                 next(items)
+            clear_sample(saved_rng)
         step = self.batch_size or 1
         try:
             while True:
-                batch = []
+                batch, saved_rng = [], keep_main_torch_rng(self.global_rngs)
                 for _ in range(step):
                     seed(sample_seed_at(epoch_key, count))
                     try:
@@ -179,7 +181,7 @@ class StreamWorker(IterableDataset):
                     except StopIteration:
                         break
                     count += 1
-                clear_sample()
+                clear_sample(saved_rng)
                 if not batch or (len(batch) < step and self.drop_last):
                     return
                 if self.kind == "stateful":
@@ -207,13 +209,14 @@ class StreamWorker(IterableDataset):
             while True:
                 start = batch_index * step
                 items, batch = iter(self.dataset.read_range(start, start + step)), []
+                saved_rng = keep_main_torch_rng(self.global_rngs)
                 while len(batch) < step:
                     seed(sample_seed_at(epoch_key, start + len(batch)))
                     try:
                         batch.append(next(items))
                     except StopIteration:
                         break
-                clear_sample()
+                clear_sample(saved_rng)
                 if not batch or (len(batch) < step and self.drop_last):
                     return
                 collated = self.collate_fn(batch if self.batch_size is not None else batch[0])

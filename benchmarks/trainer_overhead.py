@@ -1,0 +1,432 @@
+"""Training-loop overhead of unbroken.Trainer against a plain PyTorch loop, side by side.
+
+Workloads (the models and data of overhead.py, without its augmentations):
+
+- boring (Lightning's BoringModel style): Linear(32, 2) on random 32-float rows, batch 2,
+  SGD(lr=0.1), MSE loss against ones. The step is so cheap that the loop's own cost shows.
+- cnn: a small CNN (2 conv + linear, 10 classes) on random float 3x32x32 images with random
+  labels, batch 32, SGD(lr=0.01), cross-entropy.
+
+Both loops read the same kind of loader, built afresh for every run with the same arguments:
+``unbroken.DataLoader(dataset, batch_size, shuffle=True, num_workers=0, seed=0)`` (default
+``global_rngs``), so only the loop differs. Every run starts from a copy of the same model.
+
+- plain: the textbook loop, ``for batch in loader: loss = step(model, batch); loss.backward();
+  opt.step(); opt.zero_grad(); losses.append(loss.item())`` (the ``.item()`` is the logging
+  that the Trainer also does every step).
+- Trainer: ``unbroken.Trainer(fresh_tempdir, max_epochs=E, seed=0, progress_bar=False, ...)``
+  with ``checkpoint_every=None`` (no periodic checkpoint), ``100``, ``1000``, and ``100`` with
+  ``async_save=True``. Each run gets a new, empty directory (``tempfile.mkdtemp``), so it starts
+  from scratch; it is removed after the run, untimed. The Trainer also writes TensorBoard events
+  for every logged value when tensorboard is installed (its default, ``tensorboard=None``);
+  these rows keep that default (``--tensorboard off|on`` forces it), and one more row,
+  ``checkpoint_every=None, tensorboard=False``, shows what that logging costs.
+
+What is timed: the training loop, from the Trainer's ``on_fit_start`` callback (after its setup:
+directory, CSV log, the look for a checkpoint to resume, seeding) to its last ``on_epoch_end``
+(before the save that ``fit`` always makes when it ends); for the plain loop, its ``for`` loops.
+Periodic checkpoints taken inside the loop are included. The timing callback defines
+``on_train_batch_end = None``, so the Trainer's per-batch hook dispatch finds an attribute and
+skips it (~0.1 us a step, what any callback costs). The setup and the final save are reported
+apart ("fixed ms": whole ``fit`` minus the loop). With ``async_save`` a background write still
+running when the loop ends is finished by that final save, so its tail is in "fixed ms".
+
+Method: one untimed warm-up round (imports, the first checkpoint's one-off probes, allocator),
+then ``--reps`` rounds; every round runs each variant once, in an order rotated every round.
+Reported: median time per step; the ratio to the plain loop's time in the same round (paired),
+its median and min-max over rounds; the extra time per step; for variants with periodic saves,
+the time each save added to the loop (paired against the Trainer without checkpoints, divided
+by the number of saves). Every run's final weights are compared with the plain loop's
+(``torch.equal``): the same training computation, bit for bit.
+
+    .venv/bin/python benchmarks/trainer_overhead.py            # full run, ~2-3 minutes
+    .venv/bin/python benchmarks/trainer_overhead.py --quick    # smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import unbroken  # noqa: E402
+from _common import environment, load_line, table  # noqa: E402
+
+try:
+    from _common import ForeignLoad  # noqa: E402
+except ImportError:  # older _common: no load probe
+    ForeignLoad = None
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+class RowDataset(torch.utils.data.Dataset):
+    """BoringModel's RandomDataset: a precomputed tensor of random rows."""
+
+    def __init__(self, rows: int, size: int = 32) -> None:
+        self.data = torch.randn(rows, size, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """Precomputed random float 3x32x32 images and labels in [0, 10)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.images = torch.randn(n, 3, 32, 32, generator=g)
+        self.labels = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], self.labels[i]
+
+
+def boring_model() -> torch.nn.Module:
+    return torch.nn.Linear(32, 2)
+
+
+def boring_step(model, batch):
+    out = model(batch)
+    return F.mse_loss(out, torch.ones_like(out))
+
+
+def cnn_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 10),
+    )
+
+
+def cnn_step(model, batch):
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+@dataclass
+class Workload:
+    name: str
+    dataset: torch.utils.data.Dataset
+    batch_size: int
+    epochs: int
+    base: torch.nn.Module  # every run trains its own copy
+    step: object
+    lr: float
+
+    def fresh(self):
+        """A model copy, its optimizer and a new loader: the same start for every run."""
+        model = copy.deepcopy(self.base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
+        loader = unbroken.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True,
+                                     num_workers=0, seed=0)
+        return model, optimizer, loader
+
+
+def make_workload(name: str, args) -> Workload:
+    torch.manual_seed(0)
+    if name == "boring":
+        return Workload(name, RowDataset(args.boring_rows), 2, args.boring_epochs,
+                        boring_model(), boring_step, 0.1)
+    if name == "cnn":
+        return Workload(name, ImageDataset(args.cnn_images), 32, args.cnn_epochs,
+                        cnn_model(), cnn_step, 0.01)
+    raise SystemExit(f"unknown workload {name!r}: expected boring or cnn")
+
+
+# --------------------------------------------------------------------------- the loops
+
+NO_CHECKPOINTS = "Trainer, checkpoint_every=None"
+HAS_TENSORBOARD_ARG = "tensorboard" in inspect.signature(unbroken.Trainer).parameters
+
+
+def variants(tensorboard: str) -> list[tuple[str, dict | None]]:
+    """(label, Trainer keyword arguments; None for the plain loop), in the order run."""
+    chosen = {} if tensorboard == "default" else {"tensorboard": tensorboard == "on"}
+    out = [
+        ("plain loop", None),
+        (NO_CHECKPOINTS, {"checkpoint_every": None, **chosen}),
+    ]
+    if HAS_TENSORBOARD_ARG and tensorboard != "off":  # what the TensorBoard logging costs
+        out.append(("Trainer, checkpoint_every=None, tensorboard=False",
+                    {"checkpoint_every": None, "tensorboard": False}))
+    out += [
+        ("Trainer, checkpoint_every=100", {"checkpoint_every": 100, **chosen}),
+        ("Trainer, checkpoint_every=1000", {"checkpoint_every": 1000, **chosen}),
+        ("Trainer, checkpoint_every=100, async_save",
+         {"checkpoint_every": 100, "async_save": True, **chosen}),
+    ]
+    return out
+
+
+@dataclass
+class Run:
+    loop: float  # seconds in the training loop
+    total: float  # seconds of the whole fit() (the loop for the plain one)
+    steps: int
+    saves: int  # periodic checkpoints taken inside the timed loop
+    weights: torch.Tensor
+    tensorboard: bool = False  # the Trainer wrote TensorBoard events
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def run_plain(work: Workload) -> Run:
+    model, optimizer, loader = work.fresh()
+    torch.manual_seed(0)  # as the Trainer seeds at its start (nothing here draws from it)
+    step, losses = work.step, []
+    start = time.perf_counter()
+    for _ in range(work.epochs):
+        for batch in loader:
+            loss = step(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    loop = time.perf_counter() - start
+    return Run(loop, loop, len(losses), 0, _flat(model))
+
+
+class Clock:
+    """Trainer callback: when the loop starts and ends, and the saves taken inside it."""
+
+    on_train_batch_end = None  # found at once and skipped: the cheapest a callback can be
+
+    def __init__(self) -> None:
+        self.start = self.end = None
+        self.saves = self.saves_in_loop = 0
+
+    def on_fit_start(self, trainer) -> None:
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, trainer, logs) -> None:
+        self.end = time.perf_counter()
+        self.saves_in_loop = self.saves  # the end-of-fit save comes after the last epoch's end
+
+    def on_save_start(self, trainer) -> None:
+        self.saves += 1
+
+
+def run_trainer(work: Workload, options: dict, parent: str | None) -> Run:
+    model, optimizer, loader = work.fresh()
+    directory = tempfile.mkdtemp(prefix="unbroken-trainer-overhead-", dir=parent)
+    try:
+        clock = Clock()
+        trainer = unbroken.Trainer(directory, max_epochs=work.epochs, seed=0, progress_bar=False,
+                                   callbacks=[clock], **options)
+        start = time.perf_counter()
+        trainer.fit(model, optimizer, loader, training_step=work.step)
+        total = time.perf_counter() - start
+        steps = trainer.progress.batches
+        board = getattr(trainer, "board", None) is not None  # unbroken versions without it: no
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return Run(clock.end - clock.start, total, steps, clock.saves_in_loop, _flat(model), board)
+
+
+def run_variant(work: Workload, options: dict | None, parent: str | None) -> Run:
+    return run_plain(work) if options is None else run_trainer(work, options, parent)
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
+    labels = [label for label, _ in variants(args.tensorboard)]
+    options = dict(variants(args.tensorboard))
+    for label in labels:  # warm-up round, untimed
+        run_variant(work, options[label], args.dir)
+
+    monitor = ForeignLoad() if ForeignLoad is not None else None
+    rounds, foreign, mismatches = [], [], []
+    for r in range(args.reps):
+        shift = r % len(labels)
+        this_round = {}
+        before = monitor.snapshot() if monitor else None
+        for label in labels[shift:] + labels[:shift]:
+            this_round[label] = run_variant(work, options[label], args.dir)
+        if monitor:
+            foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
+        plain = this_round[labels[0]]
+        for label, run in this_round.items():
+            if run.steps != plain.steps:
+                mismatches.append(f"{label}: {run.steps} steps, plain {plain.steps}")
+            elif not torch.equal(run.weights, plain.weights):
+                mismatches.append(f"{label}: final weights differ from the plain loop's "
+                                  f"(round {r})")
+        rounds.append(this_round)
+        print(f"[{work.name}: round {r + 1}/{args.reps}]", file=sys.stderr, flush=True)
+
+    plain_us = statistics.median(rd[labels[0]].loop / rd[labels[0]].steps for rd in rounds) * 1e6
+    rows = []
+    per_save = {}
+    for label in labels:
+        runs = [rd[label] for rd in rounds]
+        us = [run.loop / run.steps * 1e6 for run in runs]
+        ratio = [rd[label].loop / rd[labels[0]].loop for rd in rounds]
+        delta = [(rd[label].loop - rd[labels[0]].loop) / rd[label].steps * 1e6 for rd in rounds]
+        saves = sorted({run.saves for run in runs})
+        save_ms = "-"
+        if options[label] is not None and saves != [0]:
+            costs = [(rd[label].loop - rd[NO_CHECKPOINTS].loop) / rd[label].saves * 1e3
+                     for rd in rounds]
+            per_save[label] = statistics.median(costs)
+            save_ms = f"{per_save[label]:.2f}"
+        fixed = "-" if options[label] is None else \
+            f"{statistics.median(run.total - run.loop for run in runs) * 1e3:.1f}"
+        is_plain = options[label] is None
+        board = sorted({"on" if run.tensorboard else "off" for run in runs})
+        rows.append([
+            work.name, label, "-" if is_plain else "/".join(board), "/".join(map(str, saves)),
+            f"{statistics.median(us):.1f}",
+            "1" if is_plain else f"{statistics.median(ratio):.3f}",
+            "-" if is_plain else f"{min(ratio):.3f}-{max(ratio):.3f}",
+            "-" if is_plain else f"{statistics.median(delta):+.1f}",
+            save_ms, fixed,
+        ])
+
+    notes = [f"{work.name}: {len(work.dataset)} samples, batch {work.batch_size}, {work.epochs} "
+             f"epoch(s) = {rounds[0][labels[0]].steps} steps per run"]
+    if foreign:
+        notes.append(f"{work.name}: other processes' CPU use during a round: median "
+                     f"{statistics.median(foreign):.2f} cores, max {max(foreign):.2f}")
+    sync = per_save.get("Trainer, checkpoint_every=100")
+    if sync is not None:
+        notes.append(
+            f"{work.name}: a blocking save costs ~{sync:.1f} ms (checkpoint_every=100 row), i.e. "
+            f"~{sync * 1e3 / plain_us:.0f} plain steps of {plain_us:.0f} us: "
+            + ", ".join(f"+{sync * 1e3 / (n * plain_us) * 100:.1f}% at one save per {n} steps"
+                        for n in (100, 1000, 10000)))
+    if mismatches:
+        notes.append(f"{work.name}: NOT THE SAME WORK: " + "; ".join(sorted(set(mismatches))))
+    else:
+        notes.append(f"{work.name}: every run's final weights equal the plain loop's "
+                     "(torch.equal): the same training computation in every loop")
+    return rows, notes
+
+
+def _filesystem(path: str) -> str:
+    """The mount point and type holding ``path`` (fsync costs depend on it)."""
+    path, best = os.path.realpath(path), ("?", "?")
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            mount, kind = fields[1], fields[2]
+            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best[0]):
+                best = (mount, kind)
+    except OSError:
+        return "unknown filesystem"
+    return f"{best[1]} mounted at {best[0]}"
+
+
+def _tensorboard_version() -> str:
+    try:
+        import tensorboard
+    except ImportError:
+        return "not installed"
+    return f"{tensorboard.__version__} installed"
+
+
+def command_line() -> str:
+    python = sys.executable
+    try:
+        relative = os.path.relpath(python)
+        python = relative if not relative.startswith("..") else python
+    except ValueError:
+        pass
+    return shlex.join([python, *sys.argv])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="boring,cnn", help="comma-separated: boring,cnn")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds per workload")
+    parser.add_argument("--boring-rows", type=int, default=4096)
+    parser.add_argument("--boring-epochs", type=int, default=2)
+    parser.add_argument("--cnn-images", type=int, default=1024)
+    parser.add_argument("--cnn-epochs", type=int, default=8)
+    parser.add_argument("--dir", default=None,
+                        help="parent of the per-run checkpoint directories (default: the system "
+                             "temporary directory)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--tensorboard", choices=("default", "off", "on"), default="default",
+                        help="the Trainer's TensorBoard logging in the Trainer rows: its own "
+                             "default (on when tensorboard is installed), or forced off/on. "
+                             "Unless off, a checkpoint_every=None, tensorboard=False row is "
+                             "added to show what that logging costs")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)")
+    args = parser.parse_args()
+    if args.quick:
+        args.reps, args.boring_rows, args.boring_epochs = 2, 512, 1
+        args.cnn_images, args.cnn_epochs = 256, 1
+    torch.set_num_threads(args.threads)
+    parent = args.dir or tempfile.gettempdir()
+
+    print("# unbroken.Trainer training-loop overhead vs a plain PyTorch loop\n")
+    print(f"Command: `{command_line()}`\n")
+    print("\n".join(environment()))
+    print(f"- torch.set_num_threads({args.threads}); loader: unbroken.DataLoader(shuffle=True, "
+          "num_workers=0, seed=0), the same for both loops")
+    print(f"- checkpoint directories: fresh tempfile.mkdtemp() under {parent} "
+          f"({_filesystem(parent)}), keep=2, every file fsynced")
+    if HAS_TENSORBOARD_ARG:
+        print(f"- TensorBoard logging in the Trainer rows: --tensorboard {args.tensorboard} "
+              f"(tensorboard {_tensorboard_version()}); the plain loop logs only loss.item()")
+    else:
+        print("- this unbroken.Trainer has no tensorboard option: --tensorboard is ignored")
+    if args.quick:
+        print("- --quick: a smoke run; its numbers mean nothing")
+    print(f"- 1 warm-up round, then {args.reps} rounds, each running every variant once in an "
+          "order rotated every round")
+    sys.stdout.flush()
+
+    rows, notes = [], []
+    for name in args.workloads.split(","):
+        start = time.perf_counter()
+        work_rows, work_notes = bench(make_workload(name.strip(), args), args)
+        rows += work_rows
+        notes += work_notes
+        print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+
+    print("\n## Time per training step\n")
+    print("TensorBoard: whether the Trainer wrote TensorBoard events (a scalar per step). "
+          "saves: periodic checkpoints inside the timed loop per run. us/step: loop wall time / "
+          "steps, median over rounds. ratio: loop time / the plain loop's in the same round, "
+          "median and min-max over rounds. +us/step: the same difference per step (median). "
+          "ms/save: (loop time - the checkpoint-free Trainer's in the same round) / saves, "
+          "median: what each periodic save added to the loop. fixed ms: whole fit() minus the "
+          "loop (setup + the end-of-fit save), not in the other columns.\n")
+    print(f"Command: `{command_line()}`\n")
+    print(table(["workload", "loop", "TensorBoard", "saves", "us/step", "ratio vs plain",
+                 "ratio min-max", "+us/step", "ms/save", "fixed ms"], rows, left=3))
+    print()
+    print("\n".join(f"- {note}" for note in notes))
+    print(load_line())
+
+
+if __name__ == "__main__":
+    main()
