@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/resume_latency.py
 	$(PY) benchmarks/checkpoint_blocking.py
+	$(PY) benchmarks/trainer_overhead.py
+	$(PY) benchmarks/stream_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis demo_output bench_output
