@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -143,3 +145,16 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -
         (" " + "-" * w + " " if i < left else " " + "-" * w + ":")
         for i, w in enumerate(widths)) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+class RowDataset(torch.utils.data.Dataset):
+    """BoringModel's RandomDataset: a precomputed tensor of random rows."""
+
+    def __init__(self, rows: int, size: int = 32) -> None:
+        self.data = torch.randn(rows, size, generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i]

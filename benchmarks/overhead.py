@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unbroken  # noqa: E402
-from _common import ForeignLoad, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, RowDataset, environment, load_line, table  # noqa: E402
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:
@@ -67,19 +67,6 @@ except ImportError:  # the comparison is optional; the rest still runs
 
 
 # --------------------------------------------------------------------------- datasets, models
-
-
-class RowDataset(torch.utils.data.Dataset):
-    """BoringModel's RandomDataset: a precomputed tensor of random rows."""
-
-    def __init__(self, rows: int, size: int = 32) -> None:
-        self.data = torch.randn(rows, size, generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i]
 
 
 class ImageDataset(torch.utils.data.Dataset):

@@ -50,12 +50,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unbroken  # noqa: E402
-from _common import environment, load_line, table  # noqa: E402
-
-try:
-    from _common import ForeignLoad  # noqa: E402
-except ImportError:  # older _common: no load probe
-    ForeignLoad = None
+from _common import ForeignLoad, environment, load_line, table  # noqa: E402
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:
@@ -150,7 +145,7 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
     for name in names:  # warm-up epoch, untimed
         run_epochs(*runs[name], 1)
 
-    monitor = ForeignLoad() if ForeignLoad is not None else None
+    monitor = ForeignLoad()
     rounds, foreign = [], []
     for r in range(args.reps):
         shift = r % len(names)

@@ -63,28 +63,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unbroken  # noqa: E402
-from _common import environment, load_line, table  # noqa: E402
-
-try:
-    from _common import ForeignLoad  # noqa: E402
-except ImportError:  # older _common: no load probe
-    ForeignLoad = None
+from _common import ForeignLoad, RowDataset, environment, load_line, table  # noqa: E402
 
 
 # --------------------------------------------------------------------------- workloads
-
-
-class RowDataset(torch.utils.data.Dataset):
-    """BoringModel's RandomDataset: a precomputed tensor of random rows."""
-
-    def __init__(self, rows: int, size: int = 32) -> None:
-        self.data = torch.randn(rows, size, generator=torch.Generator().manual_seed(1))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i]
 
 
 class ImageDataset(torch.utils.data.Dataset):
@@ -259,7 +241,7 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
     for label in labels:  # warm-up round, untimed
         run_variant(work, options[label], args.dir)
 
-    monitor = ForeignLoad() if ForeignLoad is not None else None
+    monitor = ForeignLoad()
     rounds, foreign, mismatches = [], [], []
     for r in range(args.reps):
         shift = r % len(labels)
