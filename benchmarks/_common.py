@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -158,3 +159,14 @@ class RowDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.data[i]
+
+
+def command_line() -> str:
+    """The command that is running, with the interpreter's path relative when inside the repo."""
+    python = sys.executable
+    try:
+        relative = os.path.relpath(python)
+        python = relative if not relative.startswith("..") else python
+    except ValueError:
+        pass
+    return shlex.join([python, *sys.argv])

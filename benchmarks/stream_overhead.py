@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -50,7 +48,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unbroken  # noqa: E402
-from _common import ForeignLoad, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, command_line, environment, load_line, table  # noqa: E402
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:
@@ -211,16 +209,6 @@ def _steady(result: tuple[float, float, int], epochs: int) -> float:
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def command_line() -> str:
-    python = sys.executable
-    try:
-        relative = os.path.relpath(python)
-        python = relative if not relative.startswith("..") else python
-    except ValueError:
-        pass
-    return shlex.join([python, *sys.argv])
 
 
 def main() -> None:

@@ -49,7 +49,6 @@ import argparse
 import copy
 import inspect
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -63,7 +62,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import unbroken  # noqa: E402
-from _common import ForeignLoad, RowDataset, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, RowDataset, command_line, environment, load_line, table  # noqa: E402
 
 
 # --------------------------------------------------------------------------- workloads
@@ -330,16 +329,6 @@ def _tensorboard_version() -> str:
     except ImportError:
         return "not installed"
     return f"{tensorboard.__version__} installed"
-
-
-def command_line() -> str:
-    python = sys.executable
-    try:
-        relative = os.path.relpath(python)
-        python = relative if not relative.startswith("..") else python
-    except ValueError:
-        pass
-    return shlex.join([python, *sys.argv])
 
 
 def main() -> None:

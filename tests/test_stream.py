@@ -2,7 +2,6 @@
 
 import json
 import random
-import warnings
 
 import numpy as np
 import pytest
