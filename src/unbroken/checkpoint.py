@@ -25,9 +25,7 @@ then ``torch.load``; the second read comes from the page cache).
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -35,12 +33,13 @@ import secrets
 import shutil
 import threading
 import warnings
-from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+from ._restore import restore, stateful
+from ._weights_only import snapshot
 
 FORMAT = "unbroken.Checkpoint"
 VERSION = 1
@@ -50,25 +49,6 @@ _FINAL = re.compile(r"step-(\d+)")
 # writer died before the replacement was renamed into place.
 _OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")
 _TMP, _DOOMED = ".tmp-", ".del-"
-
-# What torch.load(weights_only=True) rebuilds, by exact type: subclasses such as IntEnum,
-# numpy.float64 or defaultdict pickle as their own class, which it refuses.
-_ATOMS = {type(None), bool, int, float, str, torch.Size, torch.device, torch.dtype, bytes,
-          bytearray, complex, torch.layout}  # the last four if _PROBED says so
-_MAPPINGS = {dict, OrderedDict, Counter}
-_SEQUENCES = {list, tuple, set, frozenset}
-# Types that only some torch versions load (sets since 2.6; bytes never when empty, as that
-# pickles as a call to bytes()): probed once with the installed torch, with what to use instead.
-_PROBED = {
-    bytes: ((b"", b"a"), "a bytearray or a uint8 tensor"),
-    bytearray: ((bytearray(), bytearray(b"a")), "a uint8 tensor"),
-    complex: ((1j,), "a complex tensor or a (real, imag) tuple"),
-    torch.layout: ((torch.strided,), "its name as a str"),
-    Counter: ((Counter("ab"),), "a dict"),
-    set: (({1},), "a sorted list"),
-    frozenset: ((frozenset({1}),), "a sorted list"),
-}
-
 
 class Restored(dict):
     """What ``load_latest`` did not restore: the checkpoint's entries that ``state`` lacks.
@@ -125,9 +105,9 @@ class Checkpointer:
         self.wait()
         entries, meta = {}, {}
         for name, obj in state.items():
-            value = obj.state_dict() if _stateful(obj) else obj
+            value = obj.state_dict() if stateful(obj) else obj
             # A background write needs its own copy: training goes on changing the tensors.
-            entries[name] = _snapshot(value, f"state[{name!r}]", clone=not blocking)
+            entries[name] = snapshot(value, f"state[{name!r}]", clone=not blocking)
             if isinstance(obj, torch.optim.Optimizer):  # lets load name a parameter that changed
                 meta[name] = {"param_shapes": [[list(p.shape) for p in group["params"]]
                                                for group in obj.param_groups]}
@@ -185,7 +165,7 @@ class Checkpointer:
                 warnings.warn(f"unbroken.Checkpointer: skipping checkpoint {path}: {why}",
                               stacklevel=2)
                 continue
-            _restore(state, saved, manifest["entries"], path)
+            restore(state, saved, manifest["entries"], path)
             return Restored({n: v for n, v in saved.items() if n not in state}, step, path)
         return None
 
@@ -269,11 +249,6 @@ class _Corrupt(Exception):
     """A checkpoint that is not whole: skipped by load_latest."""
 
 
-def _stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None))
-
-
 def _check_names(state: Any, method: str) -> None:
     if not isinstance(state, dict):
         raise ValueError(f"{method} expects a dict of name -> object, got a "
@@ -281,70 +256,6 @@ def _check_names(state: Any, method: str) -> None:
     for name in state:
         if not isinstance(name, str):
             raise ValueError(f"state key {name!r} is a {type(name).__name__}; names must be str")
-
-
-def _snapshot(value: Any, path: str, clone: bool, active: frozenset = frozenset()) -> Any:
-    """A copy of the containers of ``value`` (and of its tensors, on CPU, if ``clone``).
-
-    Raises ``ValueError`` naming ``path`` for anything ``torch.load(weights_only=True)``
-    could not rebuild.
-    """
-    kind = type(value)
-    if kind in _PROBED and kind not in _loadable():
-        raise ValueError(f"{path}: a {kind.__name__} does not load with torch.load(weights_only="
-                         f"True) in torch {torch.__version__}; use {_PROBED[kind][1]} instead")
-    if kind in _ATOMS:
-        return bytearray(value) if clone and kind is bytearray else value
-    if kind in (torch.Tensor, torch.nn.Parameter):
-        if vars(value):
-            raise ValueError(f"{path}: this tensor carries Python attributes {sorted(vars(value))},"
-                             " which a weights_only load refuses; save a plain tensor")
-        if not clone:
-            return value
-        copy = value.detach().to("cpu", copy=True)
-        return torch.nn.Parameter(copy, value.requires_grad) if kind is not torch.Tensor else copy
-    if kind in _MAPPINGS or kind in _SEQUENCES:
-        if id(value) in active:
-            raise ValueError(f"{path}: this {kind.__name__} contains itself")
-        active = active | {id(value)}
-        if kind in _SEQUENCES:
-            return kind(_snapshot(v, f"{path}[{i}]", clone, active) for i, v in enumerate(value))
-        out = kind()
-        for key, item in value.items():
-            key = _snapshot(key, f"{path} (the key {key!r})", False, active)
-            out[key] = _snapshot(item, f"{path}[{key!r}]", clone, active)
-        for attr, item in getattr(value, "__dict__", {}).items():  # a state_dict's _metadata
-            setattr(out, attr, _snapshot(item, f"{path}.{attr}", clone, active))
-        return out
-    if isinstance(value, (np.ndarray, np.generic)):
-        raise ValueError(
-            f"{path}: a numpy {kind.__name__} does not load with torch.load(weights_only=True); "
-            "return torch.from_numpy(array) or scalar.item() from state_dict() instead")
-    raise ValueError(
-        f"{path}: a {kind.__module__}.{kind.__qualname__} cannot be checkpointed. Checkpoints "
-        "are loaded with torch.load(weights_only=True), which runs no code and so rebuilds only "
-        "plain data (dicts, lists, tuples, str, int, float, bool, None) and tensors; give the "
-        "object state_dict()/load_state_dict() methods that return those, or leave it out")
-
-
-@functools.cache
-def _loadable() -> frozenset:
-    """The types of ``_PROBED`` that this torch saves and loads back with weights_only=True."""
-    loadable = set()
-    for kind, (samples, _) in _PROBED.items():
-        try:
-            for sample in samples:
-                buffer = io.BytesIO()
-                torch.save(sample, buffer)
-                buffer.seek(0)
-                loaded = torch.load(buffer, weights_only=True)
-                if type(loaded) is not kind or loaded != sample:
-                    break
-            else:
-                loadable.add(kind)
-        except Exception:  # noqa: BLE001 - refused, in whichever way this torch refuses
-            pass
-    return frozenset(loadable)
 
 
 class _HashingWriter:
@@ -452,82 +363,3 @@ def _sha256(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------- restoring
-
-
-def _restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
-    missing = [name for name in state if name not in saved]
-    if missing:
-        raise ValueError(
-            f"checkpoint {path} has no entry {', '.join(map(repr, missing))} (it holds "
-            f"{sorted(saved)}); ask for the names that were saved, or leave these out of the "
-            "state given to load_latest")
-    # Everything that can be checked is checked first: a mismatch changes nothing.
-    for name, obj in state.items():
-        if isinstance(obj, torch.nn.Module):
-            _check_module(name, obj, saved[name])
-        elif isinstance(obj, torch.optim.Optimizer):
-            _check_optimizer(name, obj, saved[name], entries[name].get("param_shapes"))
-    done = []
-    for name, obj in [(n, o) for n, o in state.items() if _stateful(o)]:
-        try:
-            obj.load_state_dict(saved[name])
-        except Exception as error:
-            partly = (f" {done} were restored already, so the state is now partly restored: "
-                      "do not train on with it." if done else "")
-            raise ValueError(
-                f"state[{name!r}]: {type(obj).__qualname__}.load_state_dict rejected the entry "
-                f"saved in {path}: {str(error).rstrip('.')}.{partly}") from error
-        done.append(name)
-    for name in state:
-        if not _stateful(state[name]):
-            state[name] = saved[name]
-
-
-def _shape(tensor: torch.Tensor) -> str:
-    return str(tuple(tensor.shape))
-
-
-def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
-    if not isinstance(saved, dict):
-        raise ValueError(f"state[{name!r}]: the checkpoint holds a {type(saved).__name__}, "
-                         f"not the state_dict of a {type(module).__qualname__}")
-    current = module.state_dict()
-    params = {key for key, _ in module.named_parameters(remove_duplicate=False)}
-    problems = [
-        f"{'parameter' if key in params else 'buffer'} {key!r} has shape {_shape(saved[key])} "
-        f"in the checkpoint and {_shape(now)} now"
-        for key, now in current.items()
-        if key in saved and isinstance(now, torch.Tensor) and isinstance(saved[key], torch.Tensor)
-        and saved[key].shape != now.shape]
-    if len(problems) > 5:  # a changed width touches every layer: the first few say enough
-        problems[5:] = [f"{len(problems) - 5} more tensors differ in shape"]
-    absent = [key for key in current if key not in saved]
-    extra = [key for key in saved if key not in current]
-    if absent:
-        problems.append(f"keys of the module missing from the checkpoint: {absent}")
-    if extra:
-        problems.append(f"keys in the checkpoint that the module lacks: {extra}")
-    if problems:
-        raise ValueError(f"state[{name!r}]: the checkpoint does not fit this "
-                         f"{type(module).__qualname__}: " + "; ".join(problems) +
-                         ". Build the model as the run that saved it did.")
-
-
-def _check_optimizer(name: str, optimizer, saved: Any, shapes: list | None) -> None:
-    try:
-        sizes = [len(group["params"]) for group in saved["param_groups"]]
-    except (KeyError, TypeError):
-        raise ValueError(f"state[{name!r}]: the checkpoint does not hold an optimizer's "
-                         "state_dict (no 'param_groups' with 'params')") from None
-    now = [len(group["params"]) for group in optimizer.param_groups]
-    if sizes != now:
-        raise ValueError(
-            f"state[{name!r}]: the checkpoint has {len(sizes)} parameter groups of sizes {sizes}, "
-            f"this optimizer has {len(now)} of sizes {now}; build it over the same parameters")
-    for g, group in enumerate(optimizer.param_groups if shapes else ()):
-        for i, param in enumerate(group["params"]):
-            if list(param.shape) != shapes[g][i]:
-                raise ValueError(
-                    f"state[{name!r}]: parameter {i} of group {g} has shape {tuple(shapes[g][i])} "
-                    f"in the checkpoint and {_shape(param)} now; build the model as the run that "
-                    "saved it did")
