@@ -205,3 +205,20 @@ def test_iterating_a_stream_in_process_leaves_the_torch_rng_alone(cls):
     torch.manual_seed(7)
     list(unbroken.DataLoader(cls(9), batch_size=2, seed=0))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_epoch_is_set_in_the_main_process_before_workers_start():
+    # Hugging Face keeps its epoch in shared memory and updates it with a non-atomic +=: workers
+    # setting it at once raced (seen under load). Set first in the main process, theirs are no-ops.
+    import os
+
+    class Recording(StatefulStream):
+        calls = []
+
+        def set_epoch(self, epoch):
+            Recording.calls.append((os.getpid(), epoch))
+            super().set_epoch(epoch)
+
+    loader = unbroken.DataLoader(Recording(6), batch_size=2, num_workers=2, seed=0)
+    list(loader), list(loader)
+    assert (os.getpid(), 0) in Recording.calls and (os.getpid(), 1) in Recording.calls

@@ -334,6 +334,14 @@ class StreamSource:
         return tagged.batch
 
     def plan(self, seed: int, epoch: int, cursor: Any) -> dict:
+        """What every worker needs for this epoch; called just before the workers start.
+
+        The epoch is also set on the dataset here, in the main process, before the workers are
+        forked: Hugging Face keeps it in shared memory and updates it with a non-atomic ``+=``,
+        so two workers setting it at once could leave it wrong. Set beforehand, the workers'
+        own ``set_epoch`` calls change nothing.
+        """
+        _set_epoch(self.dataset, epoch)
         if self.resumes_by == "range":
             return {"seed": seed, "epoch": epoch, "first_batch": cursor.batches}
         source = cursor.source
