@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._shuffle import IndexShuffle, derive_key
-from ._state import from_jsonable, to_jsonable
+from ._state import from_jsonable, has_state, to_jsonable
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block
 # keeps the per-index cost at ~0.1 us without holding more than a block in memory.
@@ -100,18 +100,12 @@ class NativeOrder:
                 yield Keys(indices[offset : offset + step], epoch_key, first)
 
 
-def _has_state(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
 class _UserOrder:
     """Shared logic of a user sampler or batch sampler: epoch, state, or skipping."""
 
     def __init__(self, sampler: Any) -> None:
         self.sampler = sampler
-        self.stateful = _has_state(sampler)
+        self.stateful = has_state(sampler)
         self._warned = False
 
     def fresh(self) -> None:

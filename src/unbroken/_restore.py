@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 
-
-def stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None))
+from ._state import has_state
 
 
 def restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
@@ -33,7 +30,7 @@ def restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
         elif isinstance(obj, torch.optim.Optimizer):
             _check_optimizer(name, obj, saved[name], entries[name].get("param_shapes"))
     done = []
-    for name, obj in [(n, o) for n, o in state.items() if stateful(o)]:
+    for name, obj in [(n, o) for n, o in state.items() if has_state(o)]:
         try:
             obj.load_state_dict(saved[name])
         except Exception as error:
@@ -44,7 +41,7 @@ def restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
                 f"saved in {path}: {str(error).rstrip('.')}.{partly}") from error
         done.append(name)
     for name in state:
-        if not stateful(state[name]):
+        if not has_state(state[name]):
             state[name] = saved[name]
 
 

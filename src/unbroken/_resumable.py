@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._state import StateReader, from_jsonable, mismatch, to_jsonable
+from ._state import StateReader, from_jsonable, has_state, mismatch, to_jsonable
 
 FORMAT = "unbroken.resumable"
 VERSION = 1
@@ -51,13 +51,6 @@ def resumable(
 ) -> Resumable:
     """Make ``make_iterable``'s stream resumable: see ``Resumable``."""
     return Resumable(make_iterable, name=name, progress=progress)
-
-
-def has_state(obj: Any) -> bool:
-    """Whether ``obj`` follows torch's Stateful protocol (``state_dict``/``load_state_dict``)."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 class Unsaveable:

@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from ._shuffle import derive_key
-from ._state import StateReader, from_jsonable, mismatch
-from ._resumable import Resumable, Unsaveable, has_state, snapshot
+from ._state import StateReader, from_jsonable, has_state, mismatch
+from ._resumable import Resumable, Unsaveable, snapshot
 
 FORMAT = "unbroken.shuffle_buffer"
 VERSION = 1

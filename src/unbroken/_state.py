@@ -25,6 +25,12 @@ _TENSOR_TAG = "__tensor__"
 _NDARRAY_TAG = "__ndarray__"
 
 
+def has_state(obj: Any) -> bool:
+    """Whether ``obj`` follows torch's Stateful protocol (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
 def to_jsonable(value: Any, path: str = "state") -> Any:
     """A copy of ``value`` made only of dict/list/str/int/float/bool/None."""
     if value is None or isinstance(value, (bool, str)):

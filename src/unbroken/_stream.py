@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset, default_collate, default_convert, 
 
 from ._rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
 from ._shuffle import derive_key
-from ._state import from_jsonable, to_jsonable
+from ._state import from_jsonable, has_state, to_jsonable
 
 SKIP = object()  # what receive() returns for a placeholder (main process only: never pickled)
 PLACEHOLDER = -1  # Tagged.items of a placeholder
@@ -91,7 +91,7 @@ def _identity(batch: Any) -> Any:
 def _kind(dataset: Any) -> str:
     if callable(getattr(dataset, "read_range", None)):
         return "range"
-    if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
+    if has_state(dataset):
         return "stateful"
     if hasattr(dataset, "sampler") and callable(getattr(dataset, "__next__", None)):
         return "sampler"

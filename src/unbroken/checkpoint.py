@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from ._restore import restore, stateful
+from ._restore import restore
+from ._state import has_state
 from ._weights_only import snapshot
 
 FORMAT = "unbroken.Checkpoint"
@@ -105,7 +106,7 @@ class Checkpointer:
         self.wait()
         entries, meta = {}, {}
         for name, obj in state.items():
-            value = obj.state_dict() if stateful(obj) else obj
+            value = obj.state_dict() if has_state(obj) else obj
             # A background write needs its own copy: training goes on changing the tensors.
             entries[name] = snapshot(value, f"state[{name!r}]", clone=not blocking)
             if isinstance(obj, torch.optim.Optimizer):  # lets load name a parameter that changed

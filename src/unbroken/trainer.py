@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .checkpoint import Checkpointer
+from ._state import has_state
 from .csvlog import CSVLog, open_tensorboard
 from .globalrng import GlobalRNG
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
@@ -117,7 +118,7 @@ class Trainer:
             _method(model, "validation_step") if val_loader is not None else None)
         self.train_metrics, self.val_metrics = dict(train_metrics or {}), dict(val_metrics or {})
         for loader, name in ((train_loader, "train_loader"), (val_loader, "val_loader")):
-            if loader is not None and not callable(getattr(loader, "state_dict", None)):
+            if loader is not None and not has_state(loader):
                 raise TypeError(
                     f"{name} has no state_dict(), so its position cannot be saved and a resume "
                     "would restart its epoch; use unbroken.DataLoader (or any loader with "
@@ -264,7 +265,7 @@ class Trainer:
             for name, metric in metrics.items():
                 entries[f"metric.{phase}.{name}"] = _MetricState(metric)
         for i, callback in enumerate(self.callbacks):
-            if callable(getattr(callback, "state_dict", None)):
+            if has_state(callback):
                 entries[f"callback.{i}.{type(callback).__name__}"] = callback
         return entries
 
