@@ -15,12 +15,12 @@ Both loops read the same kind of loader, built afresh for every run with the sam
   opt.step(); opt.zero_grad(); losses.append(loss.item())`` (the ``.item()`` is the logging
   that the Trainer also does every step).
 - Trainer: ``unbroken.Trainer(fresh_tempdir, max_epochs=E, seed=0, progress_bar=False, ...)``
-  with ``checkpoint_every=None`` (no periodic checkpoint), ``100``, ``1000``, and ``100`` with
+  with ``checkpoint_every_steps=None`` (no periodic checkpoint), ``100``, ``1000``, and ``100`` with
   ``async_save=True``. Each run gets a new, empty directory (``tempfile.mkdtemp``), so it starts
   from scratch; it is removed after the run, untimed. The Trainer also writes TensorBoard events
   for every logged value when tensorboard is installed (its default, ``tensorboard=None``);
   these rows keep that default (``--tensorboard off|on`` forces it), and one more row,
-  ``checkpoint_every=None, tensorboard=False``, shows what that logging costs.
+  ``checkpoint_every_steps=None, tensorboard=False``, shows what that logging costs.
 
 What is timed: the training loop, from the Trainer's ``on_fit_start`` callback (after its setup:
 directory, CSV log, the look for a checkpoint to resume, seeding) to its last ``on_epoch_end``
@@ -137,7 +137,7 @@ def make_workload(name: str, args) -> Workload:
 
 # --------------------------------------------------------------------------- the loops
 
-NO_CHECKPOINTS = "Trainer, checkpoint_every=None"
+NO_CHECKPOINTS = "Trainer, checkpoint_every_steps=None"
 HAS_TENSORBOARD_ARG = "tensorboard" in inspect.signature(unbroken.Trainer).parameters
 
 
@@ -146,16 +146,16 @@ def variants(tensorboard: str) -> list[tuple[str, dict | None]]:
     chosen = {} if tensorboard == "default" else {"tensorboard": tensorboard == "on"}
     out = [
         ("plain loop", None),
-        (NO_CHECKPOINTS, {"checkpoint_every": None, **chosen}),
+        (NO_CHECKPOINTS, {"checkpoint_every_steps": None, "checkpoint_every_seconds": None, **chosen}),
     ]
     if HAS_TENSORBOARD_ARG and tensorboard != "off":  # what the TensorBoard logging costs
-        out.append(("Trainer, checkpoint_every=None, tensorboard=False",
-                    {"checkpoint_every": None, "tensorboard": False}))
+        out.append(("Trainer, checkpoint_every_steps=None, tensorboard=False",
+                    {"checkpoint_every_steps": None, "checkpoint_every_seconds": None, "tensorboard": False}))
     out += [
-        ("Trainer, checkpoint_every=100", {"checkpoint_every": 100, **chosen}),
-        ("Trainer, checkpoint_every=1000", {"checkpoint_every": 1000, **chosen}),
-        ("Trainer, checkpoint_every=100, async_save",
-         {"checkpoint_every": 100, "async_save": True, **chosen}),
+        ("Trainer, checkpoint_every_steps=100", {"checkpoint_every_steps": 100, **chosen}),
+        ("Trainer, checkpoint_every_steps=1000", {"checkpoint_every_steps": 1000, **chosen}),
+        ("Trainer, checkpoint_every_steps=100, async_save",
+         {"checkpoint_every_steps": 100, "async_save": True, **chosen}),
     ]
     return out
 
@@ -293,10 +293,10 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
     if foreign:
         notes.append(f"{work.name}: other processes' CPU use during a round: median "
                      f"{statistics.median(foreign):.2f} cores, max {max(foreign):.2f}")
-    sync = per_save.get("Trainer, checkpoint_every=100")
+    sync = per_save.get("Trainer, checkpoint_every_steps=100")
     if sync is not None:
         notes.append(
-            f"{work.name}: a blocking save costs ~{sync:.1f} ms (checkpoint_every=100 row), i.e. "
+            f"{work.name}: a blocking save costs ~{sync:.1f} ms (checkpoint_every_steps=100 row), i.e. "
             f"~{sync * 1e3 / plain_us:.0f} plain steps of {plain_us:.0f} us: "
             + ", ".join(f"+{sync * 1e3 / (n * plain_us) * 100:.1f}% at one save per {n} steps"
                         for n in (100, 1000, 10000)))
@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--tensorboard", choices=("default", "off", "on"), default="default",
                         help="the Trainer's TensorBoard logging in the Trainer rows: its own "
                              "default (on when tensorboard is installed), or forced off/on. "
-                             "Unless off, a checkpoint_every=None, tensorboard=False row is "
+                             "Unless off, a checkpoint_every_steps=None, tensorboard=False row is "
                              "added to show what that logging costs")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)")

@@ -122,7 +122,7 @@ def train(directory: Path) -> None:
         return nn.functional.cross_entropy(logits, labels)
 
     trainer = unbroken.Trainer(
-        directory, max_epochs=EPOCHS, seed=SEED, checkpoint_every=10, accumulate=2,
+        directory, max_epochs=EPOCHS, seed=SEED, checkpoint_every_steps=5, accumulate=2,
         clip_grad_norm=1.0, callbacks=[Status(directory / "status")],
     )
     trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,

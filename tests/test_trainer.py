@@ -82,7 +82,7 @@ def test_an_uninterrupted_rerun_of_a_finished_run_changes_nothing(tmp_path, refe
 
 @pytest.mark.parametrize("config", [
     {"scheduler_interval": "epoch", "accumulate": 1, "scaler": False},
-    {"accumulate": 3, "checkpoint_every": 2, "max_steps": 9},
+    {"accumulate": 3, "checkpoint_every_steps": 1, "max_steps": 9},
 ])
 def test_other_configurations_resume_bit_for_bit(tmp_path, config):
     reference = tmp_path / "reference"
@@ -128,7 +128,7 @@ def test_a_directory_from_another_configuration_is_a_clear_error(tmp_path, chang
 ])
 def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
     """Kill a real training process with SIGKILL `count` times; the finished run is bit-exact."""
-    config = json.dumps({"workers": 2, "epochs": 6, "checkpoint_every": 2, "pace": 0.01, **job})
+    config = json.dumps({"workers": 2, "epochs": 6, "checkpoint_every_steps": 1, "pace": 0.01, **job})
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     subprocess.run([sys.executable, str(JOB), str(reference), config], check=True)
     rng = random.Random(os.environ.get("UNBROKEN_KILL_SEED"))

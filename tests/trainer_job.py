@@ -113,9 +113,9 @@ def _combined_step(step):
     return fn
 
 
-def run(directory, *, epochs=3, pace=None, combined=False, workers=0, accumulate=2, checkpoint_every=3, scaler=True,
+def run(directory, *, epochs=3, pace=None, combined=False, stream=False, workers=0, accumulate=2, checkpoint_every_steps=2, scaler=True,
         scheduler_interval="step", seed=0, dataset_length=48, hidden=16, callbacks=(),
-        max_steps=None) -> nn.Module:
+        max_steps=None, context=None, **trainer_options) -> nn.Module:
     from torchmetrics.classification import MulticlassAccuracy
 
     torch.manual_seed(123)
@@ -123,8 +123,11 @@ def run(directory, *, epochs=3, pace=None, combined=False, workers=0, accumulate
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     train_loader = unbroken.DataLoader(Noisy(dataset_length), batch_size=5, shuffle=True,
-                                       num_workers=workers, persistent_workers=workers > 0, seed=seed)
+                                       num_workers=workers, persistent_workers=workers > 0, seed=seed,
+                                       multiprocessing_context=context)
     val_loader = unbroken.DataLoader(Noisy(20), batch_size=4, seed=seed)
+    if stream:  # an iterable dataset with its own state, sharded over the workers
+        train_loader = unbroken.DataLoader(NoisyStream(60), batch_size=3, num_workers=workers, seed=seed)
     if combined:  # a map-style and an iterable loader, Lightning's max_size_cycle
         stream = unbroken.DataLoader(NoisyStream(), batch_size=3, num_workers=workers, seed=seed)
         train_loader = unbroken.CombinedLoader({"map": train_loader, "stream": stream})
@@ -140,9 +143,9 @@ def run(directory, *, epochs=3, pace=None, combined=False, workers=0, accumulate
 
     trainer = unbroken.Trainer(
         directory, max_epochs=epochs, max_steps=max_steps, seed=seed,
-        checkpoint_every=checkpoint_every, accumulate=accumulate, clip_grad_norm=0.5,
+        checkpoint_every_steps=checkpoint_every_steps, accumulate=accumulate, clip_grad_norm=0.5,
         scheduler_interval=scheduler_interval, callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
-        progress_bar=False, tensorboard_every=1,
+        progress_bar=False, tensorboard_every=1, **trainer_options,
     )
     trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,
                 scaler=torch.amp.GradScaler("cpu") if scaler else None,

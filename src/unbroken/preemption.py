@@ -20,6 +20,18 @@ EXIT_CODE = 75
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
+_active: list[tuple[signal.Signals, ...]] = []  # the signals of each Preemption now entered
+
+
+def active_signals() -> tuple[signal.Signals, ...]:
+    """The default preemption signals and any other that an entered ``Preemption`` handles.
+
+    DataLoader workers ignore these (``unbroken._workers``): they must outlive a signal sent
+    to the whole process group until the training process has saved.
+    """
+    extra = [s for signals in _active for s in signals if s not in DEFAULT_SIGNALS]
+    return DEFAULT_SIGNALS + tuple(dict.fromkeys(extra))
+
 
 class Preemption:
     """A context manager that installs flag-setting handlers and restores the previous ones.
@@ -46,17 +58,35 @@ class Preemption:
             self.received = signal.Signals(signum)
             self.received_at = time.monotonic()
 
-    def __enter__(self) -> Preemption:
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> Preemption:
+        """Install the handlers (again a no-op while installed); ``uninstall`` puts back the
+        previous ones. ``with Preemption():`` does both."""
+        if self.installed or not self.signals:
+            return self
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError(
                 "Preemption handlers can only be installed from the main thread (a Python rule "
                 "for signal.signal); run the training loop in the main thread or pass signals=()"
             )
+        self.received = self.received_at = None  # a new installation waits for a new signal
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _active.append(self.signals)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        if self._previous and self.signals in _active:
+            _active.remove(self.signals)
         self._previous.clear()
+
+    def __enter__(self) -> Preemption:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()

@@ -13,7 +13,6 @@ import time
 from contextlib import contextmanager
 from typing import Any
 
-from ._state import mismatch
 
 _COUNTERS = ("epoch", "batches", "steps", "micro", "epoch_batches", "val_batches", "ticks", "count")
 
@@ -70,9 +69,11 @@ class Progress:
         for field, current in self.config.items():
             saved = state["config"].get(field)
             if saved != current:
-                raise mismatch("unbroken.Trainer", field, saved, current,
-                               "This checkpoint directory belongs to a run with other settings: "
-                               "use them again, or train in a new directory.")
+                raise ValueError(
+                    f"unbroken.Trainer: the checkpoint was saved by a run with {field}={saved!r}, "
+                    f"but this Trainer has {field}={current!r}. The checkpoint directory belongs "
+                    f"to a run with other settings: pass {field}={saved!r} again, or train in a "
+                    "new directory.")
         for name in _COUNTERS:
             setattr(self, name, int(state[name]))
         self.phase, self.loss_sum = state["phase"], float(state["loss_sum"])

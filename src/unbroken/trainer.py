@@ -7,16 +7,25 @@ the CSV log's length. Starting the same command again loads the newest valid che
 continues; the finished run's weights and logged values are bit for bit those of a run that was
 never interrupted.
 
-The loop, top to bottom: restore or seed; for each epoch a training phase (forward, backward,
-every ``accumulate`` batches clip and step), then a validation phase; after every batch, check
-for a checkpoint (every ``checkpoint_every`` training batches) or a preemption signal (save,
-exit with ``EXIT_CODE``). A checkpoint can be taken inside either phase and resumes there.
+The loop, top to bottom: lock the run directory, restore or seed; for each epoch a training
+phase (forward, backward, every ``accumulate`` batches clip and step), then a validation phase;
+after every batch, check for a preemption signal (save, exit with ``EXIT_CODE``) or a periodic
+checkpoint (every ``checkpoint_every_seconds`` of wall-clock time, by default 10 minutes, and
+every ``checkpoint_every_steps`` optimizer steps). A checkpoint can be taken inside either phase
+and resumes there.
+
+Units: ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps (with
+``accumulate=k``, one step per k training batches), as Lightning's ``max_steps`` and
+``every_n_train_steps`` do. The log's ``step`` column counts batches of its phase. Checkpoint
+directories are numbered by batches seen, training plus validation, the one counter that grows
+at every place a checkpoint can be taken.
 """
 
 from __future__ import annotations
 
 import random
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,22 +33,51 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint import Checkpointer
+from ._determinism import determinism
+from ._lock import DirectoryLock
 from ._state import has_state
+from .checkpoint import Checkpointer
 from .csvlog import CSVLog, open_tensorboard
 from .globalrng import GlobalRNG
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, bar
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
+_clock = time.monotonic  # wall-clock checkpoints; a name of its own so tests can move time
 
 
 class Trainer:
-    """``Trainer(directory, max_epochs=3, checkpoint_every=50, seed=0).fit(model, opt, loader)``.
+    """A training loop that resumes bit for bit: ``Trainer("runs/exp1", max_epochs=3).fit(...)``.
 
-    Arguments that shape the computation (``seed``, ``accumulate``, ``clip_grad_norm``,
-    ``scheduler_interval``) are recorded in the checkpoint and must match on resume; the length
-    of the run (``max_epochs``, ``max_steps``) and how often it saves may change.
+    Arguments (all keyword-only except ``directory``):
+
+    - ``directory``: the run directory: ``checkpoints/``, ``metrics.csv``, ``tensorboard/``.
+      One process at a time may train in it (an OS lock, released when the process ends).
+    - ``max_epochs``: epochs to train. ``max_steps``: stop after this many optimizer steps.
+      Both may change between a run and its resume.
+    - ``seed``: seeds the process RNGs of a fresh run (model init happens before ``fit``, so
+      seed that yourself). Recorded in checkpoints; must match on resume.
+    - ``checkpoint_every_seconds``: save when this much wall-clock time passed since the last
+      save, at the next batch boundary (default 600: a crash loses at most ~10 minutes);
+      ``None`` turns it off. ``checkpoint_every_steps``: also save every this many optimizer
+      steps (default ``None``). A preemption signal and the end of training always save.
+    - ``keep``: committed checkpoints kept (>= 2). ``async_save``: write periodic checkpoints
+      in a background thread (preemption and final saves block).
+    - ``accumulate``: training batches per optimizer step. ``clip_grad_norm``: max gradient
+      norm, or ``None``. ``scheduler_interval``: ``"step"`` or ``"epoch"``. All three shape
+      the computation, are recorded and must match on resume.
+    - ``callbacks``: objects with any of ``on_fit_start``, ``on_train_batch_end``,
+      ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``, ``on_preempted``,
+      ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are checkpointed.
+    - ``progress_bar``: a tqdm bar. ``tensorboard``: ``None`` writes TensorBoard events if it
+      is installed, ``True`` requires it, ``False`` never; ``tensorboard_every``: per-batch
+      values go to TensorBoard every this many batches (the CSV log gets every one).
+    - ``signals``: the preemption signals (default SIGTERM, SIGUSR1). They are handled from
+      the moment the Trainer is built until ``fit`` returns; one that comes before training
+      starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
+    - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
+      bit-exact resume on CUDA, see ``unbroken._determinism``); ``None`` (default) changes
+      nothing and says so once if the model is on CUDA; ``False`` changes nothing.
     """
 
     def __init__(
@@ -49,7 +87,8 @@ class Trainer:
         max_epochs: int,
         max_steps: int | None = None,
         seed: int = 0,
-        checkpoint_every: int | None = None,
+        checkpoint_every_seconds: float | None = 600.0,
+        checkpoint_every_steps: int | None = None,
         keep: int = 2,
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
@@ -60,17 +99,29 @@ class Trainer:
         async_save: bool = False,
         tensorboard: bool | None = None,
         tensorboard_every: int = 50,
+        deterministic: bool | None = None,
     ) -> None:
         _positive("max_epochs", max_epochs)
-        for name, value in (("max_steps", max_steps), ("checkpoint_every", checkpoint_every)):
+        for name, value in (("max_steps", max_steps),
+                            ("checkpoint_every_steps", checkpoint_every_steps)):
             if value is not None:
                 _positive(name, value)
+        if checkpoint_every_seconds is not None and (
+                isinstance(checkpoint_every_seconds, bool)
+                or not isinstance(checkpoint_every_seconds, (int, float))
+                or not checkpoint_every_seconds > 0):
+            raise ValueError("checkpoint_every_seconds must be a number > 0 or None, got "
+                             f"{checkpoint_every_seconds!r}")
+        if deterministic not in (None, True, False):
+            raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
         _positive("accumulate", accumulate)
         if scheduler_interval not in ("step", "epoch"):
             raise ValueError(f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
         self.directory = Path(directory)
         self.max_epochs, self.max_steps = max_epochs, max_steps
-        self.checkpoint_every, self.keep, self.async_save = checkpoint_every, keep, async_save
+        self.checkpoint_every_seconds = checkpoint_every_seconds
+        self.checkpoint_every_steps = checkpoint_every_steps
+        self.keep, self.async_save, self.deterministic = keep, async_save, deterministic
         self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
         self.scheduler_interval = scheduler_interval
         self.callbacks = list(callbacks)
@@ -87,6 +138,9 @@ class Trainer:
         self.tensorboard_every = tensorboard_every
         self.board = None
         self.logs: dict[str, float] = {}  # the latest value of everything logged
+        # Handled from now on, so a signal while the model is built or a checkpoint is read
+        # ends the run with EXIT_CODE (to be requeued) instead of killing it.
+        self.preemption = Preemption(self.signals).install()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -124,39 +178,49 @@ class Trainer:
                     "would restart its epoch; use unbroken.DataLoader (or any loader with "
                     "state_dict/load_state_dict)"
                 )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            with self.preemption, determinism(self.deterministic, model):
+                self._exit_if_preempted_before_training()
+                self.directory.mkdir(parents=True, exist_ok=True)
+                with DirectoryLock(self.directory):
+                    self._fit(train_loader, val_loader)
+        finally:
+            self.preemption.uninstall()  # also when fit() raised before its `with`
+        self._call("on_fit_end")
+        return self.logs
+
+    def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         self.log_file = CSVLog(self.directory / "metrics.csv")
         self.checkpointer = Checkpointer(self.directory / "checkpoints", keep=self.keep)
         self.entries = self._entries(train_loader, val_loader)
-
-        restored = self.checkpointer.load_latest(self.entries)
         progress = self.progress
-        if restored is None:
-            self.log_file.restart()
-            _seed_everything(self.seed)
-        # Events up to the checkpoint's tick were flushed before it was saved; later ones replay.
-        self.board = open_tensorboard(self.tensorboard, self.directory / "tensorboard",
-                                      purge_from=progress.ticks + 1)
-        self._call("on_fit_start")
         try:
-            with Preemption(self.signals) as self.preemption:
-                while progress.epoch < self.max_epochs and not self._max_steps_reached():
-                    if progress.phase == "train":
-                        self._train_epoch(train_loader)
-                        progress.phase = "val" if val_loader is not None else "end"
-                    if progress.phase == "val":
-                        self._validate(val_loader)
-                        progress.phase = "end"
-                    self._call("on_epoch_end", self.logs)
-                    progress.next_epoch()
-                self._save()
+            restored = self.checkpointer.load_latest(self.entries)
+            _say(self._resumed(restored))
+            if restored is None:
+                self.log_file.restart()
+                _seed_everything(self.seed)
+            self._exit_if_preempted_before_training()
+            # Events up to the checkpoint's tick were flushed before it was saved; later ones replay.
+            self.board = open_tensorboard(self.tensorboard, self.directory / "tensorboard",
+                                          purge_from=progress.ticks + 1)
+            self._last_save = _clock()
+            self._call("on_fit_start")
+            while progress.epoch < self.max_epochs and not self._max_steps_reached():
+                if progress.phase == "train":
+                    self._train_epoch(train_loader)
+                    progress.phase = "val" if val_loader is not None else "end"
+                if progress.phase == "val":
+                    self._validate(val_loader)
+                    progress.phase = "end"
+                self._call("on_epoch_end", self.logs)
+                progress.next_epoch()
+            self._save()
         finally:
             self.checkpointer.close()
             self.log_file.close()
             if self.board is not None:
                 self.board.close()
-        self._call("on_fit_end")
-        return self.logs
 
     def _train_epoch(self, loader: Iterable) -> None:
         progress, model = self.progress, self.model
@@ -177,7 +241,7 @@ class Trainer:
                 self._call("on_train_batch_end", self.logs)
                 if self._max_steps_reached():
                     break
-                self._after_batch(periodic=True)
+                self._after_batch()
         if progress.micro:  # an epoch's last, incomplete accumulation window still counts
             self._optimizer_step()
         self._log("train", {"epoch_loss": progress.phase_mean(), **_compute(self.train_metrics)},
@@ -215,29 +279,55 @@ class Trainer:
                 self._log("val", {"loss": loss.item(), **logs})
                 batches.show(loss.item())
                 self._call("on_validation_batch_end", self.logs)
-                self._after_batch(periodic=False)
+                self._after_batch()
         self._log("val", {"epoch_loss": progress.phase_mean(), **_compute(self.val_metrics)},
                   per_batch=False)
         model.train()
 
-    def _after_batch(self, periodic: bool) -> None:
-        """A step boundary: save if it is time or a preemption signal came; then maybe exit."""
+    def _after_batch(self) -> None:
+        """A step boundary: save if a preemption signal came (then exit) or if it is time."""
         progress = self.progress
         if self.preemption.requested:
             self._save(blocking=True)
             seconds = self.preemption.seconds_since_signal()
-            print(f"unbroken: {self.preemption.received.name} received; checkpoint at epoch "
-                  f"{progress.epoch}, batch {progress.batches} committed {seconds:.3f} s after "
-                  f"the signal; exiting with {EXIT_CODE} to be requeued", file=sys.stderr, flush=True)
+            _say(f"{self.preemption.received.name} received; checkpoint at epoch "
+                 f"{progress.epoch}, {progress.phase} batch {self._phase_batch()}, optimizer step "
+                 f"{progress.steps} committed {seconds:.3f} s after the signal; exiting with "
+                 f"{EXIT_CODE} to be requeued")
             self._call("on_preempted", seconds)
             raise SystemExit(EXIT_CODE)
-        if periodic and self.checkpoint_every and progress.batches % self.checkpoint_every == 0:
+        every_steps, every_seconds = self.checkpoint_every_steps, self.checkpoint_every_seconds
+        if (every_steps and progress.phase == "train" and progress.micro == 0
+                and progress.steps % every_steps == 0) or (
+                every_seconds and _clock() - self._last_save >= every_seconds):
             self._save(blocking=not self.async_save)
+
+    def _exit_if_preempted_before_training(self) -> None:
+        if self.preemption.requested:
+            _say(f"{self.preemption.received.name} received before training started: nothing new "
+                 f"to save; exiting with {EXIT_CODE} to be requeued")
+            raise SystemExit(EXIT_CODE)
+
+    def _phase_batch(self) -> int:
+        progress = self.progress
+        return progress.val_batches if progress.phase == "val" else progress.epoch_batches
+
+    def _resumed(self, restored: Any) -> str:
+        """The line that says where this process starts."""
+        if restored is None:
+            return f"no checkpoint in {self.checkpointer.directory}: starting fresh"
+        progress = self.progress
+        where = (f"epoch {progress.epoch}, {progress.phase} batch {self._phase_batch()}, "
+                 f"optimizer step {progress.steps}")
+        if progress.phase == "end":
+            where = f"the end of epoch {progress.epoch}, optimizer step {progress.steps}"
+        return f"resumed from checkpoint {restored.path} ({where})"
 
     def _save(self, blocking: bool = True) -> None:
         if self.progress.ticks == self.progress.saved_at:
             return  # nothing happened since the last checkpoint
         self.progress.saved_at = self.progress.ticks
+        self._last_save = _clock()
         if self.board is not None:
             self.board.flush()  # what the checkpoint says was logged must be on disk
         self._call("on_save_start")
@@ -350,6 +440,11 @@ def _reset(metrics: dict[str, Any]) -> None:
 
 def _compute(metrics: dict[str, Any]) -> dict[str, float]:
     return {name: float(metric.compute()) for name, metric in metrics.items()}
+
+
+def _say(message: str) -> None:
+    # stderr, flushed, not a logger: it must reach a batch job's log file as it happens.
+    print(f"unbroken: {message}", file=sys.stderr, flush=True)
 
 
 def _seed_everything(seed: int) -> None:

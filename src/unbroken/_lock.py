@@ -1,0 +1,71 @@
+"""One training process per run directory: an OS lock that dies with its holder.
+
+A restarted job whose old process still runs (a scheduler that requeued too early, a user who
+started the command twice) would otherwise write the same checkpoints and log rows twice. The
+lock is a POSIX record lock (``fcntl.lockf``) on ``<directory>/.lock``: the kernel releases it
+when the holding process ends, however it ends, so a SIGKILL leaves no stale lock (the file
+itself stays, and means nothing without the lock). Record locks are not inherited by forked
+DataLoader workers, so a worker outliving a killed trainer does not hold the directory either,
+and they work on NFS, where ``flock`` may not. The holder's pid is written into the file for the
+error message of the process that is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+NAME = ".lock"
+_held: dict[str, int] = {}  # real path -> fd: record locks never conflict within one process
+
+
+class DirectoryInUse(RuntimeError):
+    """Another live process holds the run directory."""
+
+
+class DirectoryLock:
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.path = Path(directory) / NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if self._fd is not None:
+            return
+        try:
+            import fcntl
+        except ImportError:  # Windows: no record locks here; one writer is the user's promise
+            return
+        key = os.path.realpath(self.path)
+        if key in _held:
+            raise DirectoryInUse(
+                f"{self.path.parent} is in use by another Trainer.fit in this process (pid "
+                f"{os.getpid()}); train in another directory, or let that fit() return first.")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if error.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            raise DirectoryInUse(
+                f"{self.path.parent} is in use by another training process (pid {holder}): two "
+                "processes writing one run directory would duplicate its checkpoints and log "
+                "rows. Stop that process first, or train in another directory.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd, _held[key] = fd, fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            _held.pop(os.path.realpath(self.path), None)
+            os.close(fd)  # closing the descriptor releases the lock
+
+    def __enter__(self) -> DirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

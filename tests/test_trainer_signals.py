@@ -1,0 +1,273 @@
+"""What real schedulers do to a training job: signal its whole process group, signal it while it
+starts, start it twice, kill it before any explicit checkpoint was asked for."""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+import unbroken.trainer
+from trainer_job import Noisy, run
+from unbroken._lock import DirectoryInUse
+from unbroken.preemption import EXIT_CODE
+
+JOB = Path(__file__).with_name("trainer_job.py")
+TEST_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def _same(directory: Path, reference: Path) -> None:
+    got = torch.load(directory / "final.pt", weights_only=True)
+    want = torch.load(reference / "final.pt", weights_only=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert (directory / "metrics.csv").read_text() == (reference / "metrics.csv").read_text()
+
+
+def _job(directory: Path, config: dict, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(JOB), str(directory), json.dumps(config)],
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _ran(directory: Path) -> int:
+    try:
+        return int((directory / "status").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+# One loader kind per case; every loader is built before the Trainer exists (as users do).
+KINDS = {
+    "map": {},
+    # Workers started by a fork server (Python 3.14's default) inherit no handler at all.
+    "map-forkserver": {"context": "forkserver"},
+    "iterable": {"stream": True},
+    "combined": {"combined": True},
+}
+
+
+@pytest.mark.parametrize("kind, signum", [
+    ("map", signal.SIGTERM),
+    ("map-forkserver", signal.SIGUSR1),
+    ("iterable", signal.SIGTERM),
+    ("combined", signal.SIGTERM),
+])
+def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly(
+        tmp_path, kind, signum):
+    """docker stop, systemd, Kubernetes and SLURM signal every process of the job, workers too."""
+    config = {"workers": 2, "epochs": 2, "pace": 0.02, **KINDS[kind]}
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    subprocess.run([sys.executable, str(JOB), str(reference), json.dumps(config)], check=True)
+    rng = random.Random(os.environ.get("UNBROKEN_KILL_SEED"))
+    after = rng.randint(1, 14)  # batches of this process; epoch ends and validation included
+    process = _job(interrupted, config, start_new_session=True)  # its own process group
+    while process.poll() is None and _ran(interrupted) < after:
+        time.sleep(0.001)
+    time.sleep(rng.uniform(0, 0.02))  # anywhere inside a batch, not only at its end
+    os.killpg(process.pid, signum)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == EXIT_CODE, err
+    assert f"{signal.Signals(signum).name} received; checkpoint" in err
+    assert "killed by signal" not in err and "Traceback" not in err, err
+    assert list((interrupted / "checkpoints").glob("step-*")), "nothing was committed"
+    subprocess.run([sys.executable, str(JOB), str(interrupted), json.dumps(config)], check=True)
+    _same(interrupted, reference)
+
+
+def test_a_signal_before_training_starts_exits_75_and_changes_nothing(tmp_path, capfd, monkeypatch):
+    with pytest.raises(SystemExit):  # a run with a checkpoint and a log
+        run(tmp_path, callbacks=[_Signal(6)])
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    log = (tmp_path / "metrics.csv").read_text()
+    capfd.readouterr()
+    before = {s: signal.getsignal(s) for s in TEST_SIGNALS}
+    # The scheduler's signal comes while the next process builds its model: after the Trainer
+    # exists (handlers are installed by its constructor) and before fit() trains anything.
+    build = unbroken.Trainer.__init__
+
+    def build_then_signal(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(unbroken.Trainer, "__init__", build_then_signal)
+    with pytest.raises(SystemExit) as exit:
+        run(tmp_path)
+    assert exit.value.code == EXIT_CODE
+    assert "SIGTERM received before training started" in capfd.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == checkpoints
+    assert (tmp_path / "metrics.csv").read_text() == log
+    assert {s: signal.getsignal(s) for s in TEST_SIGNALS} == before
+
+
+def test_a_signal_while_the_checkpoint_loads_exits_75_without_saving(tmp_path, monkeypatch, capfd):
+    with pytest.raises(SystemExit):
+        run(tmp_path, callbacks=[_Signal(6)])
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    load = unbroken.Checkpointer.load_latest
+
+    def slow_load(self, state):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return load(self, state)
+
+    monkeypatch.setattr(unbroken.Checkpointer, "load_latest", slow_load)
+    with pytest.raises(SystemExit) as exit:
+        run(tmp_path)
+    assert exit.value.code == EXIT_CODE
+    assert "SIGUSR1 received before training started" in capfd.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == checkpoints
+
+
+@pytest.mark.parametrize("outcome", ["finishes", "raises", "preempted"])
+def test_every_signal_handler_is_put_back_after_fit(tmp_path, outcome):
+    previous = {s: (lambda *_: None) for s in TEST_SIGNALS}
+    originals = {s: signal.signal(s, handler) for s, handler in previous.items()}
+    try:
+        callbacks = {"finishes": [], "raises": [_Raise(3)], "preempted": [_Signal(3)]}[outcome]
+        try:
+            run(tmp_path, epochs=1, callbacks=callbacks)
+        except (SystemExit, _Crash):
+            pass
+        for s, handler in previous.items():
+            assert signal.getsignal(s) is handler, signal.Signals(s).name
+    finally:
+        for s, handler in originals.items():
+            signal.signal(s, handler)
+
+
+def test_a_second_process_on_a_run_directory_is_refused_naming_the_first(tmp_path):
+    config = {"workers": 0, "epochs": 50, "pace": 0.05}
+    first = _job(tmp_path, config)
+    while _ran(tmp_path) < 2:
+        assert first.poll() is None, first.communicate()[1]
+        time.sleep(0.01)
+    rows = (tmp_path / "metrics.csv").read_text()
+    with pytest.raises(DirectoryInUse, match=rf"in use by another training process \(pid {first.pid}\)"):
+        run(tmp_path)
+    assert (tmp_path / "metrics.csv").read_text().startswith(rows)  # not restarted by us
+    first.kill()  # SIGKILL: no chance to clean up, and still no stale lock
+    first.communicate()
+    assert (tmp_path / ".lock").exists()
+    run(tmp_path, epochs=1)  # takes the directory over at once
+
+
+def test_two_fits_in_one_process_on_one_directory_are_refused(tmp_path):
+    class Nested:
+        def on_fit_start(self, trainer):
+            run(tmp_path, epochs=1)
+
+    with pytest.raises(DirectoryInUse, match="another Trainer.fit in this process"):
+        run(tmp_path, epochs=1, callbacks=[Nested()])
+    run(tmp_path, epochs=1)  # released when fit() ended
+
+
+def test_by_default_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monkeypatch):
+    """A user who sets nothing about checkpoints is protected: time-based saves, 10 minutes."""
+    assert unbroken.Trainer(tmp_path, max_epochs=1).checkpoint_every_seconds == 600
+    reference = tmp_path / "reference"
+    torch.save(run(reference, checkpoint_every_steps=None).state_dict(), reference / "final.pt")
+    clock = _FakeClock(seconds_per_call=70)  # a batch takes 70 s: a save every ~9 batches
+    monkeypatch.setattr(unbroken.trainer, "_clock", clock)
+    crashed = tmp_path / "crashed"
+    with pytest.raises(_Crash):
+        run(crashed, checkpoint_every_steps=None, callbacks=[_Raise(20)])
+    # Training batch 20 is tick 25 (epoch 0 had 5 validation batches): ~9 batches are 600 s.
+    ticks = sorted(int(p.name.split("-")[1]) for p in (crashed / "checkpoints").glob("step-*"))
+    assert ticks and 25 - 10 <= ticks[-1] < 25, ticks
+    torch.save(run(crashed, checkpoint_every_steps=None).state_dict(), crashed / "final.pt")
+    _same(crashed, reference)
+
+
+def test_checkpoint_every_steps_counts_optimizer_steps(tmp_path):
+    run(tmp_path, accumulate=3, checkpoint_every_steps=2, epochs=1, keep=10,
+        checkpoint_every_seconds=None)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    # 48 samples in batches of 5: 10 batches, optimizer steps after batches 3, 6, 9 (and 10);
+    # every 2nd step is batch 6; checkpoints are numbered by batches (training + validation),
+    # the last one is the end of training after 5 validation batches.
+    assert names == ["step-000000006", "step-000000015"]
+
+
+def test_the_trainer_says_where_it_starts(tmp_path, capfd):
+    with pytest.raises(SystemExit):
+        run(tmp_path, callbacks=[_Signal(5)])
+    assert f"no checkpoint in {tmp_path / 'checkpoints'}: starting fresh" in capfd.readouterr().err
+    with pytest.raises(SystemExit):
+        run(tmp_path, callbacks=[_Signal(13)])
+    err = capfd.readouterr().err
+    assert re.search(r"resumed from checkpoint \S+step-000000005 \(epoch 0, train batch 5, "
+                     r"optimizer step 2\)", err), err
+
+
+def test_deterministic_turns_on_deterministic_kernels_during_fit_only(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen = []
+
+    class Look:
+        def on_train_batch_end(self, trainer, logs):
+            seen.append((torch.are_deterministic_algorithms_enabled(),
+                         torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+
+    torch.backends.cudnn.benchmark = True
+    try:
+        run(tmp_path, epochs=1, deterministic=True, callbacks=[Look()])
+        assert set(seen) == {(True, False, ":4096:8")}
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.benchmark
+        seen.clear()
+        run(tmp_path / "default", epochs=1, callbacks=[Look()])
+        assert {s[:2] for s in seen} == {(False, True)}
+    finally:
+        torch.backends.cudnn.benchmark = False
+    with pytest.raises(ValueError, match="deterministic"):
+        unbroken.Trainer(tmp_path, max_epochs=1, deterministic="yes")
+
+
+def test_a_seed_mismatch_names_the_trainer_not_a_loader(tmp_path):
+    with pytest.raises(SystemExit):
+        run(tmp_path, callbacks=[_Signal(4)])
+    with pytest.raises(ValueError, match=r"seed=0, but this Trainer has seed=1") as error:
+        run(tmp_path, seed=1)
+    assert "loader" not in str(error.value).split("rejected the entry")[-1]
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+class _Crash(Exception):
+    pass
+
+
+class _Raise:
+    """A crash (an exception, as from a bad batch or an OOM) after the given training batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        if trainer.progress.batches == self.batch:
+            raise _Crash(f"crash at batch {self.batch}")
+
+
+class _Signal:
+    def __init__(self, batch: int, signum: int = signal.SIGTERM) -> None:
+        self.batch, self.signum = batch, signum
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        if trainer.progress.batches == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
+class _FakeClock:
+    def __init__(self, seconds_per_call: float) -> None:
+        self.now, self.step = 0.0, seconds_per_call
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
