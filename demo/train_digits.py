@@ -6,8 +6,9 @@ dropout, SGD with momentum, a OneCycle LR schedule stepped per batch, gradient a
 over 2 batches, gradient clipping, torchmetrics accuracy for training and validation.
 
 The driver starts it, SIGKILLs it at several random moments (one inside a checkpoint write, one
-during validation, the others anywhere), and restarts the same command each time until training
-completes. Then it trains once more, uninterrupted, in another directory, and prints the verdict:
+during validation, the others anywhere), once sends SIGTERM to its whole process group (as
+`docker stop`, Kubernetes and SLURM do: the loader workers get it too), and restarts the same
+command each time until training completes. Then it trains once more, uninterrupted, in another directory, and prints the verdict:
 final weights and every logged value identical bit for bit, or the first difference. It writes
 `demo_output/loss_curves.png` with both loss curves and the kill points.
 """
@@ -137,23 +138,34 @@ def main() -> int:
     command = [sys.executable, __file__, "--train"]
     rng = random.Random()
     started = time.perf_counter()
-    # Kill moments: inside a checkpoint write, during validation, and two at random batches.
-    targets = ["saving", "val", "random", "random", "random"]
+    # Kill moments: inside a checkpoint write, during validation, three at random batches, and
+    # a preemption: SIGTERM to the process group, after which the run saves and exits with 75.
+    targets = ["saving", "val", "random", "random", "random", "preempt"]
     rng.shuffle(targets)
     kills: list[tuple[int, str]] = []
     print(f"unbroken demo: {EPOCHS} epochs of a convnet on scikit-learn's digits, 2 loader "
-          f"workers, augmentation, dropout, accumulation; SIGKILL at {len(targets)} moments")
+          f"workers, augmentation, dropout, accumulation; SIGKILL at {len(targets) - 1} moments "
+          "and one SIGTERM to the whole process group")
     batch = 0
     while True:
         (interrupted / "status").unlink(missing_ok=True)
-        process = subprocess.Popen([*command, str(interrupted)])
+        # A session of its own: the process group a scheduler would signal.
+        process = subprocess.Popen([*command, str(interrupted)], start_new_session=True)
         target = targets[len(kills)] if len(kills) < len(targets) else None
         if target is not None and _kill_when(process, interrupted, target, batch + rng.randint(5, 40)):
             phase, batch_text = (interrupted / "status").read_text().split()
             batch = int(batch_text)
+            kills.append((batch, "SIGTERM" if target == "preempt" else phase))
+            if target == "preempt":
+                if process.returncode != unbroken.preemption.EXIT_CODE:
+                    print(f"training process exited with {process.returncode} after SIGTERM, "
+                          f"not {unbroken.preemption.EXIT_CODE}")
+                    return 1
+                print(f"  SIGTERM to the process group during {phase} at training batch {batch}: "
+                      f"checkpoint committed, exit code {process.returncode}; restarting")
+                continue
             leftovers = [p.name for p in (interrupted / "checkpoints").glob(".*")]
             note = f" (its partial checkpoint {leftovers[0]} is ignored)" if leftovers else ""
-            kills.append((batch, target))
             print(f"  SIGKILL during {phase} at training batch {batch}{note}; restarting")
             continue
         if process.wait() != 0:
@@ -182,7 +194,11 @@ def _kill_when(process: subprocess.Popen, directory: Path, target: str, earliest
             writing = any(p.name.startswith(".tmp") for p in checkpoints.glob(".*"))
             hit = int(batch) >= earliest and writing
         else:
-            hit = int(batch) >= earliest and (target == "random" or phase == target)
+            hit = int(batch) >= earliest and (target in ("random", "preempt") or phase == target)
+        if hit and target == "preempt":
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait()
+            return True
         if hit:
             process.send_signal(signal.SIGKILL)
             process.wait()
@@ -222,9 +238,10 @@ def _plot(interrupted: Path, reference: Path, kills: list, path: Path) -> None:
     for run, style, label in ((reference, "-", "uninterrupted"), (interrupted, "--", "killed and resumed")):
         rows = [r for r in CSVLog.read(run / "metrics.csv") if r["phase"] == "train" and r["name"] == "loss"]
         ax.plot([r["step"] for r in rows], [r["value"] for r in rows], style, label=label, lw=1)
-    for i, (batch, target) in enumerate(kills):
-        ax.axvline(batch, color="red", alpha=0.6, lw=1, label="SIGKILL" if i == 0 else None)
-        ax.text(batch, ax.get_ylim()[0], f" {target}", color="red", fontsize=8, rotation=90,
+    for i, (batch, target) in enumerate(kills):  # target: the phase it hit, or "SIGTERM"
+        ax.axvline(batch, color="red", alpha=0.6, lw=1, label="kill" if i == 0 else None)
+        what = "SIGTERM (group)" if target == "SIGTERM" else f"SIGKILL, {target}"
+        ax.text(batch, ax.get_ylim()[0], f" {what}", color="red", fontsize=8, rotation=90,
                 va="bottom", ha="right")
     ax.set(xlabel="training batch", ylabel="training loss", title="unbroken: identical loss curves")
     ax.legend()

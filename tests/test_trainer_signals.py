@@ -17,7 +17,7 @@ import torch
 import unbroken
 import unbroken.trainer
 from trainer_job import Noisy, run
-from unbroken._lock import DirectoryInUse
+from unbroken import DirectoryInUse
 from unbroken.preemption import EXIT_CODE
 
 JOB = Path(__file__).with_name("trainer_job.py")
