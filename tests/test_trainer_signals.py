@@ -124,15 +124,18 @@ def test_a_signal_while_the_checkpoint_loads_exits_75_without_saving(tmp_path, m
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == checkpoints
 
 
-@pytest.mark.parametrize("outcome", ["finishes", "raises", "preempted"])
+@pytest.mark.parametrize("outcome", ["finishes", "raises", "preempted", "refuses"])
 def test_every_signal_handler_is_put_back_after_fit(tmp_path, outcome):
     previous = {s: (lambda *_: None) for s in TEST_SIGNALS}
     originals = {s: signal.signal(s, handler) for s, handler in previous.items()}
     try:
-        callbacks = {"finishes": [], "raises": [_Raise(3)], "preempted": [_Signal(3)]}[outcome]
+        callbacks = {"finishes": [], "raises": [_Raise(3)], "preempted": [_Signal(3)],
+                     "refuses": []}[outcome]
         try:
+            if outcome == "refuses":  # fit() rejects its arguments before it starts
+                unbroken.Trainer(tmp_path, max_epochs=1).fit(torch.nn.Linear(1, 1), None, [1])
             run(tmp_path, epochs=1, callbacks=callbacks)
-        except (SystemExit, _Crash):
+        except (SystemExit, _Crash, TypeError):
             pass
         for s, handler in previous.items():
             assert signal.getsignal(s) is handler, signal.Signals(s).name

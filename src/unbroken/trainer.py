@@ -166,6 +166,21 @@ class Trainer:
         torchmetrics metrics your steps update: the Trainer resets them when a phase starts,
         saves their accumulated state in checkpoints and logs ``compute()`` when it ends.
         """
+        try:
+            self._setup(model, optimizer, train_loader, val_loader, scheduler, scaler,
+                        training_step, validation_step, train_metrics, val_metrics)
+            with self.preemption, determinism(self.deterministic, model):
+                self._exit_if_preempted_before_training()
+                self.directory.mkdir(parents=True, exist_ok=True)
+                with DirectoryLock(self.directory):
+                    self._fit(train_loader, val_loader)
+        finally:
+            self.preemption.uninstall()  # also when fit() raised before its `with`
+        self._call("on_fit_end")
+        return self.logs
+
+    def _setup(self, model, optimizer, train_loader, val_loader, scheduler, scaler,
+               training_step, validation_step, train_metrics, val_metrics) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.training_step = training_step or _method(model, "training_step")
         self.validation_step = validation_step or (
@@ -178,16 +193,6 @@ class Trainer:
                     "would restart its epoch; use unbroken.DataLoader (or any loader with "
                     "state_dict/load_state_dict)"
                 )
-        try:
-            with self.preemption, determinism(self.deterministic, model):
-                self._exit_if_preempted_before_training()
-                self.directory.mkdir(parents=True, exist_ok=True)
-                with DirectoryLock(self.directory):
-                    self._fit(train_loader, val_loader)
-        finally:
-            self.preemption.uninstall()  # also when fit() raised before its `with`
-        self._call("on_fit_end")
-        return self.logs
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         self.log_file = CSVLog(self.directory / "metrics.csv")
@@ -197,10 +202,10 @@ class Trainer:
         try:
             restored = self.checkpointer.load_latest(self.entries)
             _say(self._resumed(restored))
+            self._exit_if_preempted_before_training()
             if restored is None:
                 self.log_file.restart()
                 _seed_everything(self.seed)
-            self._exit_if_preempted_before_training()
             # Events up to the checkpoint's tick were flushed before it was saved; later ones replay.
             self.board = open_tensorboard(self.tensorboard, self.directory / "tensorboard",
                                           purge_from=progress.ticks + 1)
