@@ -5,6 +5,7 @@ Every test writes real files under pytest's tmp_path; nothing about the file sys
 
 import collections
 import enum
+import errno
 import hashlib
 import io
 import json
@@ -103,11 +104,12 @@ def test_round_trip_restores_every_object_and_value(tmp_path, blocking, optimize
              "loader": unbroken.DataLoader(Counting(10), batch_size=3, shuffle=True, seed=4),
              "epoch": 0, "history": [], "note": "x"}
     restored = Checkpointer(tmp_path).load_latest(fresh)
-    assert isinstance(restored, Restored) and restored == {}
+    assert isinstance(restored, Restored) and restored.unrequested == {}
     assert restored.step == 7 and restored.path == tmp_path / "step-000000007"
+    assert list(restored.values) == ["epoch", "history", "note"]
     for name, obj in fresh.items():
-        assert_same(expected[name], obj.state_dict() if hasattr(obj, "state_dict") else obj,
-                    name)
+        assert_same(expected[name], obj.state_dict() if hasattr(obj, "state_dict") else
+                    restored.values[name], name)
     # The restored loader continues where the saved one was.
     assert [b.tolist() for b in fresh["loader"]] == [b.tolist() for b in batches]
 
@@ -150,7 +152,8 @@ def test_unrequested_entries_are_returned_and_missing_ones_are_an_error(tmp_path
     model, opt, _ = _trained()
     Checkpointer(tmp_path).save(1, {"model": model, "optimizer": opt, "epoch": 4})
     restored = Checkpointer(tmp_path).load_latest({"model": _model()})
-    assert list(restored) == ["optimizer", "epoch"] and restored["epoch"] == 4
+    assert list(restored.unrequested) == ["optimizer", "epoch"]
+    assert restored.unrequested["epoch"] == 4 and restored.values == {}
     with pytest.raises(ValueError, match=r"no entry 'ema'.*\['epoch', 'model', 'optimizer'\]"):
         Checkpointer(tmp_path).load_latest({"model": _model(), "ema": _model()})
 
@@ -158,6 +161,82 @@ def test_unrequested_entries_are_returned_and_missing_ones_are_an_error(tmp_path
 def test_no_checkpoint_returns_none(tmp_path):
     assert Checkpointer(tmp_path / "absent").load_latest({"model": _model()}) is None
     assert not (tmp_path / "absent").exists()  # loading creates nothing
+
+
+def test_restored_is_always_true_and_plain_values_are_returned_not_rebound(tmp_path):
+    model, opt, _ = _trained()
+    Checkpointer(tmp_path).save(3, {"model": model, "optimizer": opt, "epoch": 4,
+                                    "history": [0.5]})
+    # Everything restored, nothing left over: the result must still read as "resumed".
+    restored = Checkpointer(tmp_path).load_latest({"model": _model()})
+    assert restored and bool(restored) is True and not isinstance(restored, dict)
+    state = {"model": _model(), "epoch": None}
+    restored = Checkpointer(tmp_path).load_latest(state)
+    assert state["epoch"] is None  # the caller's dict is not changed
+    assert type(restored.step) is int and restored.step == 3
+    assert restored.path == tmp_path / "step-000000003"
+    assert restored.values == {"epoch": 4}
+    assert list(restored.unrequested) == ["optimizer", "history"]
+    assert restored.unrequested["history"] == [0.5]
+    text = repr(restored)
+    assert text.startswith(f"Restored(step=3, path={str(tmp_path / 'step-000000003')!r}, "
+                           "values={'epoch': 4}, unrequested={'optimizer': {"), text
+    assert len(text) < 400  # the optimizer's state is elided, not printed
+    Checkpointer(tmp_path).save(4, {"model": model})
+    only = Checkpointer(tmp_path).load_latest({"model": _model()})
+    assert (only.values, only.unrequested) == ({}, {}) and only
+    assert repr(only).endswith("values={}, unrequested={})")
+
+
+@pytest.mark.parametrize("make", ["file", "under a file", "becomes a file"])
+def test_a_directory_that_is_a_file_is_refused_before_anything_is_touched(tmp_path, make):
+    blocker = tmp_path / "ckpt"
+    directory = blocker / "sub" if make == "under a file" else blocker
+    if make != "becomes a file":
+        blocker.write_text("precious")
+        with pytest.raises(NotADirectoryError) as error:
+            Checkpointer(directory)
+        assert str(directory) in str(error.value) and "not a directory" in str(error.value)
+        return
+    checkpointer = Checkpointer(directory)
+    blocker.write_text("precious")
+    for call in (lambda: checkpointer.load_latest({"x": None}),
+                 lambda: checkpointer.save(1, {"x": 1}, blocking=False),  # raised by save
+                 lambda: checkpointer.save(1, {"x": 1})):
+        with pytest.raises(NotADirectoryError, match=f"{directory}.*not a directory"):
+            call()
+    checkpointer.wait()  # no background failure pending
+    assert blocker.read_text() == "precious"
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_every_file_and_directory_written_is_fsynced(tmp_path, monkeypatch, blocking):
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("no /proc/self/fd to name a descriptor's file")
+    monkeypatch.setattr(os, "fsync", fsync)
+    directory = tmp_path / "new" / "ckpt"  # created by the save: both levels
+    checkpointer = Checkpointer(directory)
+    for step, new in [(1, True), (1, False), (2, False)]:  # new, replaced, plain
+        synced.clear()
+        final = checkpointer.save(step, {"model": _model(), "epoch": 1}, blocking=blocking)
+        checkpointer.wait()
+        temporary = {path.parent for path in synced if path.name == MANIFEST}
+        assert len(temporary) == 1
+        temporary = temporary.pop()
+        assert temporary.parent == directory and temporary.name.startswith(".tmp-step-")
+        written = {temporary / path.name for path in final.iterdir()}
+        expected = written | {temporary, directory}
+        if new:  # the directories the save created: their entries in their parents too
+            expected |= {directory.parent, tmp_path}
+        assert set(synced) == expected, sorted(map(str, set(synced) ^ expected))
+    assert len(written) == 3
 
 
 # --------------------------------------------------------- what saves, loads (weights_only)
@@ -230,9 +309,8 @@ def test_a_value_saves_exactly_when_this_torch_loads_it(tmp_path, value):
     empty = {bytes: b"", bytearray: bytearray(), set: set(), frozenset: frozenset()}
     if _torch_loads(value) and _torch_loads(empty.get(type(value), value)):
         checkpointer.save(1, {"x": [value]})
-        state = {"x": None}
-        checkpointer.load_latest(state)
-        assert type(state["x"][0]) is type(value) and state["x"] == [value]
+        loaded = checkpointer.load_latest({"x": None}).values["x"]
+        assert type(loaded[0]) is type(value) and loaded == [value]
     else:
         refused = rf"state\['x'\]\[0\]: a {type(value).__name__} does not load with torch.load"
         with pytest.raises(ValueError, match=refused):
@@ -259,12 +337,11 @@ def test_what_saves_loads_back_equal(tmp_path_factory, value, blocking):
     directory = tmp_path_factory.mktemp("ckpt")
     checkpointer = Checkpointer(directory)
     checkpointer.save(0, {"value": value}, blocking=blocking)
-    state = {"value": None}
-    checkpointer.load_latest(state)
+    loaded = checkpointer.load_latest({"value": None}).values["value"]
     if isinstance(value, set):
-        assert state["value"] == value
+        assert loaded == value
     else:
-        assert_same(value, state["value"])
+        assert_same(value, loaded)
 
 
 # ------------------------------------------------------------------------------- corruption
@@ -325,7 +402,7 @@ def test_a_corrupt_checkpoint_is_skipped_with_a_warning_and_the_previous_one_use
     with pytest.warns(UserWarning, match=why) as caught:
         restored = Checkpointer(tmp_path).load_latest(state)
     assert str(newest) in str(caught[0].message)
-    assert restored.step == 1 and state["step"] == 1
+    assert restored.step == 1 and restored.values == {"step": 1}
     assert torch.equal(state["model"][0].weight, torch.ones(8, 4))
 
 
@@ -463,8 +540,8 @@ def test_leftovers_of_killed_writers_do_not_count_and_are_removed(tmp_path):
     # A complete-looking save that was never renamed, and one half deleted by retention.
     os.rename(tmp_path / "step-000000099", tmp_path / ".tmp-step-000000099-123-abcd")
     (tmp_path / ".del-step-000000000-0a0b").mkdir()
-    state = {"step": 0}
-    assert checkpointer.load_latest(state).step == 1 and state["step"] == 1
+    restored = checkpointer.load_latest({"step": None})
+    assert restored.step == 1 and restored.values == {"step": 1}
     checkpointer.save(2, {"step": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001", "step-000000002"]
 
@@ -475,8 +552,8 @@ def test_a_writer_killed_while_replacing_a_step_leaves_the_old_one(tmp_path):
     checkpointer.save(2, {"step": 2})
     # Killed between moving step 2 aside and renaming its replacement into place.
     os.rename(tmp_path / "step-000000002", tmp_path / ".old-step-000000002-00ff")
-    state = {"step": 0}
-    assert checkpointer.load_latest(state).step == 2 and state["step"] == 2
+    restored = checkpointer.load_latest({"step": None})
+    assert restored.step == 2 and restored.values == {"step": 2}
     checkpointer.save(3, {"step": 3})  # the writer's clean-up puts it back
     assert _steps(tmp_path) == ["step-000000002", "step-000000003"]
 
@@ -486,13 +563,14 @@ def test_saving_a_step_again_replaces_it_and_a_lower_step_supersedes_newer_ones(
     for step in (1, 2, 3):
         checkpointer.save(step, {"value": f"first {step}"})
     checkpointer.save(3, {"value": "second 3"})
-    state = {"value": None}
-    assert checkpointer.load_latest(state).step == 3 and state["value"] == "second 3"
+    restored = checkpointer.load_latest({"value": None})
+    assert restored.step == 3 and restored.values == {"value": "second 3"}
     assert _steps(tmp_path) == ["step-000000001", "step-000000002", "step-000000003"]
     # The run went back to step 1 (say 2 and 3 were corrupt): its next save is what resumes.
     with pytest.warns(UserWarning, match=r"\['step-000000003'\] in .* larger step than 2"):
         checkpointer.save(2, {"value": "again 2"})
-    assert checkpointer.load_latest(state).step == 2 and state["value"] == "again 2"
+    restored = checkpointer.load_latest({"value": None})
+    assert restored.step == 2 and restored.values == {"value": "again 2"}
     assert _steps(tmp_path) == ["step-000000001", "step-000000002"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
@@ -524,10 +602,11 @@ def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path):
     checkpointer.wait()
     fresh_model, fresh_opt, _ = _trained(steps=0)
     fresh = {"model": fresh_model, "optimizer": fresh_opt, "history": None}
-    assert Checkpointer(tmp_path).load_latest(fresh).step == 5
+    restored = Checkpointer(tmp_path).load_latest(fresh)
+    assert restored.step == 5
     assert_same(expected["model"], fresh_model.state_dict())
     assert_same(expected["optimizer"], fresh_opt.state_dict())
-    assert fresh["history"] == {"losses": [1.0, 0.5]}
+    assert restored.values == {"history": {"losses": [1.0, 0.5]}}
 
 
 def _clone(value):
@@ -540,28 +619,35 @@ def _clone(value):
     return value
 
 
-def test_an_async_failure_is_raised_by_the_next_save_or_wait(tmp_path):
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("")
-    checkpointer = Checkpointer(blocker)
+def _failing_disk(monkeypatch):
+    def fsync(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_an_async_failure_is_raised_by_the_next_save_or_wait(tmp_path, monkeypatch):
+    _failing_disk(monkeypatch)
+    checkpointer = Checkpointer(tmp_path)
     checkpointer.save(1, {"x": 1}, blocking=False)  # returns: the failure is in the thread
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(OSError, match="Input/output error"):
         checkpointer.save(2, {"x": 2}, blocking=False)
     checkpointer.save(3, {"x": 3}, blocking=False)
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(OSError, match="Input/output error"):
         checkpointer.wait()
     checkpointer.wait()  # reported once
 
-    with pytest.raises(NotADirectoryError):
-        with Checkpointer(blocker) as failing:
+    with pytest.raises(OSError, match="Input/output error"):
+        with Checkpointer(tmp_path) as failing:
             failing.save(1, {"x": 1}, blocking=False)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_load_latest_and_close_wait_for_the_async_save(tmp_path):
     with Checkpointer(tmp_path) as checkpointer:
         checkpointer.save(1, {"x": torch.ones(1000)}, blocking=False)
-        state = {"x": None}
-        assert checkpointer.load_latest(state).step == 1
+        assert checkpointer.load_latest({"x": None}).step == 1
         checkpointer.save(2, {"x": torch.zeros(1000)}, blocking=False)
     assert _steps(tmp_path) == ["step-000000001", "step-000000002"]
 
@@ -595,14 +681,14 @@ while True:
 
 def _check_whole(directory, previous):
     model = torch.nn.Linear(1024, 512)
-    state = {"model": model, "step": -1}
+    state = {"model": model, "step": None}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a committed checkpoint is never corrupt
         restored = Checkpointer(directory).load_latest(state)
     if restored is None:
         assert previous == 0
         return 0
-    assert restored.step == state["step"] >= previous
+    assert restored.step == restored.values["step"] >= previous
     generator = torch.Generator().manual_seed(restored.step)
     for p in model.parameters():
         assert torch.equal(p, torch.randn(p.shape, generator=generator))

@@ -2,16 +2,17 @@
 
 Public names: ``DataLoader`` (a resumable drop-in for torch's), ``sample_rng`` and
 ``sample_seed`` (the current sample's own randomness), ``Checkpointer`` (atomic, verified
-checkpoints), ``GlobalRNG`` (the process's RNGs as a checkpoint entry), ``Preemption``
-(signals as a flag), ``DirectoryInUse`` (a run directory another process trains in),
-``CombinedLoader`` (several loaders as one, Lightning's modes) and
+checkpoints; ``load_latest`` returns a ``Restored``), ``GlobalRNG`` (the process's RNGs as a
+checkpoint entry), ``Preemption`` (signals as a flag), ``DirectoryInUse`` (a run directory
+another process trains in), ``CombinedLoader`` (several loaders as one, Lightning's modes) and
 ``Trainer`` (a loop that resumes bit for bit); ``resumable`` (any iterable, checkpointable) and
-``shuffle_buffer`` (an exact, resumable shuffle for streams). ``unbroken.testing``
-holds ``assert_resumes_exactly`` for checking a pipeline.
+``shuffle_buffer`` (an exact, resumable shuffle for streams). ``unbroken.testing`` holds
+``assert_resumes_exactly`` for checking a pipeline.
 """
 
 from ._lock import DirectoryInUse
 from ._rng import sample_rng, sample_seed
+from ._restore import Restored
 from .checkpoint import Checkpointer
 from .combined import CombinedLoader
 from .globalrng import GlobalRNG
@@ -29,6 +30,7 @@ __all__ = [
     "DirectoryInUse",
     "GlobalRNG",
     "Preemption",
+    "Restored",
     "Resumable",
     "ShuffleBuffer",
     "Trainer",

@@ -3,11 +3,15 @@
 Modules and optimizers are compared with the checkpoint *before* anything is restored, so a
 model whose shapes changed gives "parameter 'fc.weight' has shape (10, 64) in the checkpoint and
 (10, 32) now" rather than a stack trace from inside torch; any other ``load_state_dict`` that
-fails becomes a ``ValueError`` naming its entry (and the entries already restored).
+fails becomes a ``ValueError`` naming its entry (and the entries already restored). What was
+restored, from where, is described by a ``Restored``.
 """
 
 from __future__ import annotations
 
+import itertools
+import reprlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,57 @@ import torch
 from ._state import has_state
 
 
+@dataclass(frozen=True, eq=False, repr=False)
+class Restored:
+    """What ``load_latest`` restored, and from which checkpoint.
+
+    Returned only when a checkpoint was restored (``load_latest`` returns ``None`` when there is
+    none), so it is always true: ``if restored:`` reads as "resumed", even when every entry went
+    into an object and ``values`` and ``unrequested`` are empty.
+    """
+
+    step: int
+    """The step given to ``save``."""
+    path: Path
+    """The checkpoint's directory."""
+    values: dict[str, Any]
+    """The saved values of the names of ``state`` that have no ``load_state_dict`` (plain
+    values such as an epoch counter). They are not written into the caller's dict."""
+    unrequested: dict[str, Any]
+    """The checkpoint's entries that ``state`` did not name, as saved."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return (f"Restored(step={self.step}, path={str(self.path)!r}, "
+                f"values={_SHORT.repr(self.values)}, "
+                f"unrequested={_SHORT.repr(self.unrequested)})")
+
+
+class _Short(reprlib.Repr):
+    """A repr to read, not to eval: an optimizer's state would otherwise print every tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 8, 8, 8
+        self.maxstring = self.maxother = 80
+
+    def repr_dict(self, x: dict, level: int) -> str:  # in the saved order; reprlib sorts
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}"
+                 for key, value in itertools.islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(items + ["..."] * (len(x) > self.maxdict)) + "}"
+
+
+_SHORT = _Short()
+
+
 def restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
+    """Give each object of ``state`` with ``load_state_dict`` its entry of ``saved``."""
     missing = [name for name in state if name not in saved]
     if missing:
         raise ValueError(
@@ -40,9 +94,6 @@ def restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
                 f"state[{name!r}]: {type(obj).__qualname__}.load_state_dict rejected the entry "
                 f"saved in {path}: {str(error).rstrip('.')}.{partly}") from error
         done.append(name)
-    for name in state:
-        if not has_state(state[name]):
-            state[name] = saved[name]
 
 
 def _shape(tensor: torch.Tensor) -> str:

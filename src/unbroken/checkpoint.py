@@ -12,9 +12,14 @@ Everything is written and fsynced inside the hidden ``.tmp-*`` directory, the ma
 the directory is renamed into place (then its parent fsynced), so a SIGKILL at any instant leaves
 either the previous checkpoints or the new complete one. ``load_latest(state)`` tries
 checkpoints newest step first, skips (with a warning) any whose manifest, sizes, hashes or files
-do not check out, and restores the newest good one in place. Files are read with
-``torch.load(weights_only=True)``, which runs no code from the file, so ``save`` refuses, naming
-its key path, any value that such a load could not rebuild: what saves, loads.
+do not check out, restores the newest good one in place and returns a ``Restored`` (``None`` if
+there is none). Files are read with ``torch.load(weights_only=True)``, which runs no code from
+the file, so ``save`` refuses, naming its key path, any value that such a load could not
+rebuild: what saves, loads.
+
+The parts: ``_weights_only`` (what save refuses), ``_disk`` (hashed, fsynced writes; disk-full
+errors), ``_manifest`` (the seal and its schema; reading a checkpoint), ``_background`` (saves
+with ``blocking=False`` and their report at exit), ``_restore`` (in place, and ``Restored``).
 
 Costs: a blocking save writes each byte once, hashing it on the way (sha256 runs at about
 1 GB/s on one core), plus one fsync per file and two per directory. ``blocking=False`` blocks
@@ -25,45 +30,32 @@ then ``torch.load``; the second read comes from the page cache).
 
 from __future__ import annotations
 
-import hashlib
-import json
+import errno
 import os
 import re
 import secrets
 import shutil
-import threading
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ._restore import restore
+from ._background import BackgroundSave
+from ._disk import FULL, disk_full, fsync_dir, make_directories, remove, write_file
+from ._manifest import FORMAT, MANIFEST, VERSION, Corrupt, file_name, read, seal
+from ._restore import Restored, restore
 from ._state import has_state
 from ._weights_only import snapshot
 
-FORMAT = "unbroken.Checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "Restored"]
+
 _FINAL = re.compile(r"step-(\d+)")
 # A checkpoint moved aside while a save of the same step replaces it; it counts again if the
 # writer died before the replacement was renamed into place.
 _OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")
 _TMP, _DOOMED = ".tmp-", ".del-"
-
-class Restored(dict):
-    """What ``load_latest`` did not restore: the checkpoint's entries that ``state`` lacks.
-
-    A ``dict`` (empty when everything was restored) that also says which checkpoint was used:
-    ``step`` (the int given to ``save``) and ``path`` (its directory).
-    """
-
-    def __init__(self, entries: dict, step: int, path: Path) -> None:
-        super().__init__(entries)
-        self.step, self.path = step, path
-
-    def __repr__(self) -> str:
-        return f"Restored(step={self.step}, path={str(self.path)!r}, {dict.__repr__(self)})"
 
 
 class Checkpointer:
@@ -76,6 +68,7 @@ class Checkpointer:
 
     One process writes to a directory at a time: before each save, the writer removes what
     killed writers left behind. Processes that only ``load_latest`` change nothing on disk.
+    Raises ``NotADirectoryError`` if ``directory`` is a file (or lies under one).
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
@@ -86,8 +79,8 @@ class Checkpointer:
             )
         self.directory = Path(directory)
         self.keep = keep
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._pending: BackgroundSave | None = None
+        self._check_directory()
 
     def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> Path:
         """Write ``state`` as checkpoint ``step``; returns its final directory.
@@ -97,13 +90,18 @@ class Checkpointer:
         checkpoint) are removed, with a warning. Then only the newest ``keep`` remain.
         ``blocking=False`` returns once ``state`` is copied to CPU memory and writes in a
         background thread; the next ``save``, ``wait``, ``load_latest`` or ``close`` waits for
-        it and re-raises what it raised. Raises ``ValueError`` naming the key path of a value
-        that cannot be saved, before writing anything.
+        it and re-raises what it raised (if none does, the failure is printed to stderr when
+        the interpreter exits). Raises ``ValueError`` naming the key path of a value that
+        ``torch.load(weights_only=True)`` could not rebuild (an int wider than 2039 bits, a
+        meta tensor, ...), before writing anything; ``OSError`` with errno ENOSPC, saying how
+        much is needed and free, if the disk is full, leaving the earlier checkpoints as they
+        were.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
         _check_names(state, "save")
         self.wait()
+        self._check_directory()
         entries, meta = {}, {}
         for name, obj in state.items():
             value = obj.state_dict() if has_state(obj) else obj
@@ -122,20 +120,15 @@ class Checkpointer:
         if blocking:
             self._write(step, final, entries, meta)
         else:
-            self._thread = threading.Thread(
-                target=self._write_in_background, args=(step, final, entries, meta),
-                name=f"unbroken-checkpoint-{step}")
-            self._thread.start()
+            self._pending = BackgroundSave(
+                final, lambda: self._write(step, final, entries, meta))
         return final
 
     def wait(self) -> None:
         """Block until the background save, if any, is written; re-raise what it raised."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def close(self) -> None:
         self.wait()
@@ -147,43 +140,74 @@ class Checkpointer:
         self.close()
 
     def load_latest(self, state: dict[str, Any]) -> Restored | None:
-        """Restore ``state`` in place from the newest valid checkpoint.
+        """Restore ``state`` from the newest valid checkpoint; ``None`` if there is none.
 
-        Objects with ``load_state_dict`` get their entry; other names are rebound
-        (``state[name] = saved``). Returns a ``Restored`` dict of the checkpoint's entries that
-        ``state`` did not name, with ``.step`` and ``.path``, or ``None`` if there is no valid
-        checkpoint (each invalid one is skipped with a warning saying why). Raises
-        ``ValueError`` if the newest valid checkpoint lacks a name of ``state`` or an object
-        rejects its entry; shapes of modules and optimizers are compared before anything is
-        restored.
+        Objects with ``load_state_dict`` get their entry, in place. The caller's dict itself is
+        not changed: the saved values of its other names (plain values; what is given for them
+        is not used) are in the returned ``Restored``'s ``values``, the entries that ``state``
+        did not name in its ``unrequested``, with the checkpoint's ``step`` and ``path``. A
+        ``Restored`` is always true, so ``if restored:`` means "resumed". Each invalid
+        checkpoint (truncated, a flipped byte, a malformed manifest, ...) is skipped with a
+        warning saying why. Raises ``ValueError`` if the newest valid checkpoint lacks a name of
+        ``state`` or an object rejects its entry (shapes of modules and optimizers are compared
+        before anything is restored), or if it has another format version;
+        ``NotADirectoryError`` if the directory is a file.
         """
         _check_names(state, "load_latest")
         self.wait()
+        self._check_directory()
         for step, path in reversed(self._candidates()):
             try:
-                manifest, saved = _read(path, step)
-            except _Corrupt as why:
+                manifest, saved = read(path, step)
+            except Corrupt as why:
                 warnings.warn(f"unbroken.Checkpointer: skipping checkpoint {path}: {why}",
                               stacklevel=2)
                 continue
             restore(state, saved, manifest["entries"], path)
-            return Restored({n: v for n, v in saved.items() if n not in state}, step, path)
+            return Restored(
+                step=step, path=path,
+                values={name: saved[name] for name, obj in state.items() if not has_state(obj)},
+                unrequested={name: value for name, value in saved.items() if name not in state})
         return None
+
+    def _check_directory(self) -> None:
+        """Refuse a file where the directory should be: no checkpoint would ever be found in it,
+        and a Trainer would start over from step 0 and rewrite its log."""
+        try:
+            is_directory = stat.S_ISDIR(os.stat(self.directory).st_mode)
+        except FileNotFoundError:
+            return  # the first save creates it
+        except NotADirectoryError:
+            is_directory = False
+        if not is_directory:
+            blocker = next((p for p in reversed(self.directory.parents)
+                            if p.exists() and not p.is_dir()), None)
+            what = f"{blocker} is a file" if blocker else "it exists and is not a directory"
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"the Checkpointer directory {self.directory} is not a directory: {what}, so no "
+                "checkpoint could be found or saved there. Pass the path of the directory that "
+                "holds the step-* checkpoints (it is created if it does not exist)")
 
     # -------------------------------------------------------------------------------- writing
 
-    def _write_in_background(self, *args) -> None:
-        try:
-            self._write(*args)
-        except BaseException as error:  # handed to the caller's thread by wait()
-            if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note(f"raised by the background save of {args[1]}")
-            self._error = error
-
     def _write(self, step: int, final: Path, entries: dict, meta: dict) -> None:
-        if not self.directory.exists():
-            self.directory.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(self.directory.parent)
+        try:
+            self._commit(step, final, entries, meta)
+        except OSError as error:
+            if error.errno not in FULL:
+                raise
+            raise disk_full(error, self.directory, step, entries, self.keep,
+                            [path for _, path in self._committed()]) from error
+        committed = self._committed()
+        doomed = [path for number, path in committed if number > step]
+        doomed += [path for number, path in committed if number <= step][:-self.keep]
+        for path in doomed:
+            remove(path, _DOOMED)
+
+    def _commit(self, step: int, final: Path, entries: dict, meta: dict) -> None:
+        """Write the checkpoint in a temporary directory and rename it to ``final``."""
+        make_directories(self.directory)
         self._clean()
         tmp = self.directory / f"{_TMP}step-{step:09d}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
@@ -191,19 +215,22 @@ class Checkpointer:
         try:
             files, listed = {}, {}
             for index, (name, value) in enumerate(entries.items()):
-                file = f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}.pt"
-                files[file] = _write_file(tmp / file, lambda out, v=value: torch.save(v, out))
+                file = file_name(index, name)
+                try:
+                    files[file] = write_file(tmp / file, lambda out, v=value: torch.save(v, out))
+                except Exception as error:
+                    if not isinstance(error, OSError) and hasattr(error, "add_note"):
+                        error.add_note(f"raised by torch.save of state[{name!r}]")
+                    raise
                 listed[name] = {"file": file, **meta.get(name, {})}
-            manifest = {"format": FORMAT, "version": VERSION, "step": step,
-                        "torch": torch.__version__, "entries": listed, "files": files}
-            data = json.dumps({**manifest, "sha256": _digest(manifest)}, indent=1).encode()
-            _write_file(tmp / MANIFEST, lambda out: out.write(data))  # last: it is the seal
-            _fsync_dir(tmp)
+            data = seal(step, listed, files)
+            write_file(tmp / MANIFEST, lambda out: out.write(data))  # last: it is the seal
+            fsync_dir(tmp)
             if final.exists():  # a directory cannot be renamed over a non-empty one
                 old = self.directory / f".old-{final.name}-{secrets.token_hex(4)}"
                 os.rename(final, old)
             os.rename(tmp, final)  # the commit
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         except BaseException:
             if old is not None and not final.exists():
                 os.rename(old, final)
@@ -211,11 +238,6 @@ class Checkpointer:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        committed = self._committed()
-        doomed = [path for number, path in committed if number > step]
-        doomed += [path for number, path in committed if number <= step][:-self.keep]
-        for path in doomed:
-            _remove(path)
 
     def _clean(self) -> None:
         """Remove what killed writers left: temporary and half-deleted directories."""
@@ -243,13 +265,6 @@ class Checkpointer:
         return sorted(found.items())
 
 
-# ------------------------------------------------------------------------------------ helpers
-
-
-class _Corrupt(Exception):
-    """A checkpoint that is not whole: skipped by load_latest."""
-
-
 def _check_names(state: Any, method: str) -> None:
     if not isinstance(state, dict):
         raise ValueError(f"{method} expects a dict of name -> object, got a "
@@ -257,110 +272,3 @@ def _check_names(state: Any, method: str) -> None:
     for name in state:
         if not isinstance(name, str):
             raise ValueError(f"state key {name!r} is a {type(name).__name__}; names must be str")
-
-
-class _HashingWriter:
-    """A write-only file that hashes what passes through, so each byte is handled once."""
-
-    def __init__(self, file) -> None:
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-
-    def write(self, data) -> int:
-        self.sha256.update(data)
-        self.size += memoryview(data).nbytes
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def _write_file(path: Path, write) -> dict:
-    with open(path, "xb") as file:
-        out = _HashingWriter(file)
-        write(out)
-        file.flush()
-        os.fsync(file.fileno())
-    return {"sha256": out.sha256.hexdigest(), "size": out.size}
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "posix":  # elsewhere directories cannot be opened, and renames are journaled
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
-    doomed = path.with_name(f"{_DOOMED}{path.name}-{secrets.token_hex(4)}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _read(path: Path, step: int) -> tuple[dict, dict]:
-    """The manifest and the entries of checkpoint ``path``; ``_Corrupt`` if it is not whole."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except FileNotFoundError:
-        raise _Corrupt(f"{MANIFEST} is missing") from None
-    except (OSError, ValueError) as error:
-        raise _Corrupt(f"{MANIFEST} is unreadable: {error}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise _Corrupt(f"{MANIFEST} does not have format {FORMAT!r}")
-    if manifest.pop("sha256", None) != _digest(manifest):
-        raise _Corrupt(f"{MANIFEST} does not match its own sha256 (it was modified)")
-    if manifest.get("version") != VERSION:  # whole, but not ours to read: never skip past it
-        raise ValueError(
-            f"checkpoint {path} has format version {manifest.get('version')!r}; this unbroken "
-            f"reads version {VERSION}. Resume with the unbroken version that saved it.")
-    if manifest.get("step") != step:
-        raise _Corrupt(f"{MANIFEST} says step {manifest.get('step')!r}, its directory {step}")
-    try:
-        files, entries = manifest["files"], manifest["entries"]
-        wanted = {name: entry["file"] for name, entry in entries.items()}
-        expected = {file: (spec["size"], spec["sha256"]) for file, spec in files.items()}
-    except (KeyError, TypeError, AttributeError) as error:
-        raise _Corrupt(f"{MANIFEST} is malformed ({error!r})") from None
-    for file, (size, sha256) in expected.items():
-        if not isinstance(file, str) or "/" in file or file in ("", ".", "..", MANIFEST):
-            raise _Corrupt(f"{MANIFEST} lists an invalid file name {file!r}")
-        try:
-            actual = (path / file).stat().st_size
-            if actual != size:
-                raise _Corrupt(f"{file} has {actual} bytes, the manifest says {size}")
-            if _sha256(path / file) != sha256:
-                raise _Corrupt(f"{file} does not match its sha256 in the manifest")
-        except OSError as error:
-            raise _Corrupt(f"{file} is unreadable: {error.strerror or error}") from None
-    saved = {}
-    for name, file in wanted.items():
-        if file not in expected:
-            raise _Corrupt(f"entry {name!r} names {file!r}, which has no sha256 in {MANIFEST}")
-        try:
-            saved[name] = torch.load(path / file, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - any failure means: not this checkpoint
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
-            reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
-            reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here
-            raise _Corrupt(f"{file} does not load with torch.load(weights_only=True): "
-                           f"{type(error).__name__}: {reason}") from None
-    return manifest, saved
-
-
-def _digest(manifest: dict) -> str:
-    # The manifest seals itself too: a flipped digit in a size or a shape would otherwise pass.
-    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# ----------------------------------------------------------------------------------- restoring

@@ -1,0 +1,180 @@
+"""A checkpoint's manifest: written last as its seal, and checked against a schema on load.
+
+``manifest.json``, format version 1::
+
+    {"format": "unbroken.Checkpoint", "version": 1, "step": 123, "torch": "2.5.1",
+     "entries": {"model": {"file": "000-model.pt"},
+                 "optimizer": {"file": "001-optimizer.pt", "param_shapes": [[[8, 4], [8]]]}},
+     "files": {"000-model.pt": {"sha256": "<64 hex digits>", "size": 1234}, ...},
+     "sha256": "<of the canonical JSON of all the other fields>"}
+
+The seal catches what changed by accident (a flipped digit, a truncated copy). A manifest edited
+by hand or by a tool and sealed again gets past it, so every field is also checked for its type
+and range before it is used: ``read`` raises ``Corrupt`` naming the field, and ``load_latest``
+skips that checkpoint with a warning, never a ``TypeError`` from deep inside. Unknown keys are
+ignored. Reading a checkpoint hashes each file (sha256, ~1 GB/s) before ``torch.load`` reads it
+again, from the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._disk import sha256
+
+FORMAT = "unbroken.Checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+# What the writer names files: never "..", a "/" or a NUL, whatever a manifest says.
+_FILE = re.compile(r"\d{3,}-[A-Za-z0-9_.-]{0,60}\.pt")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class Corrupt(Exception):
+    """A checkpoint that is not whole or not well formed: skipped by load_latest."""
+
+
+def file_name(index: int, name: str) -> str:
+    return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}.pt"
+
+
+def seal(step: int, entries: dict, files: dict) -> bytes:
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "torch": torch.__version__,
+                "entries": entries, "files": files}
+    return json.dumps({**manifest, "sha256": _digest(manifest)}, indent=1).encode()
+
+
+def read(path: Path, step: int) -> tuple[dict, dict]:
+    """The manifest and the entries of checkpoint ``path``; ``Corrupt`` if it is not whole."""
+    try:
+        data = (path / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        raise Corrupt(f"{MANIFEST} is missing") from None
+    except OSError as error:
+        raise Corrupt(f"{MANIFEST} is unreadable: {error}") from None
+    manifest = _parse(data, step, path)
+    for file, spec in manifest["files"].items():
+        try:
+            actual = (path / file).stat().st_size
+            if actual != spec["size"]:
+                raise Corrupt(f"{file} has {actual} bytes, the manifest says {spec['size']}")
+            if sha256(path / file) != spec["sha256"]:
+                raise Corrupt(f"{file} does not match its sha256 in the manifest")
+        except OSError as error:
+            raise Corrupt(f"{file} is unreadable: {error.strerror or error}") from None
+    saved = {}
+    for name, entry in manifest["entries"].items():
+        file = entry["file"]
+        try:
+            saved[name] = torch.load(path / file, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - any failure means: not this checkpoint
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+            reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+            reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here
+            raise Corrupt(f"{file} does not load with torch.load(weights_only=True): "
+                          f"{type(error).__name__}: {reason}") from None
+        if "param_shapes" in entry:
+            _check_param_shapes(name, entry["param_shapes"], saved[name], file)
+    return manifest, saved
+
+
+def _digest(manifest: dict) -> str:
+    # The manifest seals itself too: a flipped digit in a size or a shape would otherwise pass.
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _parse(data: bytes, step: int, path: Path) -> dict:
+    try:
+        manifest = json.loads(data)
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise Corrupt(f"{MANIFEST} does not have format {FORMAT!r}")
+        if manifest.pop("sha256", None) != _digest(manifest):
+            raise Corrupt(f"{MANIFEST} does not match its own sha256 (it was modified)")
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
+        raise Corrupt(f"{MANIFEST} is unreadable: {error}") from None
+    version = _get(manifest, "version", int, "an int")
+    if version != VERSION:  # whole, but not ours to read: never skip past it
+        raise ValueError(
+            f"checkpoint {path} has format version {version!r}; this unbroken reads version "
+            f"{VERSION}. Resume with the unbroken version that saved it.")
+    if _count(manifest, "step") != step:
+        raise Corrupt(f"{MANIFEST} says step {manifest['step']!r}, its directory {step}")
+    _get(manifest, "torch", str, "a str")
+    files = _get(manifest, "files", dict, "a dict")
+    for file in files:
+        if not _FILE.fullmatch(file):
+            raise _malformed(f"manifest['files'] has an invalid file name {file!r}, expected "
+                             "one like '000-model.pt'")
+        spec = _get(files, file, dict, "a dict", "manifest['files']")
+        where = f"manifest['files'][{file!r}]"
+        _count(spec, "size", where)
+        if not _SHA256.fullmatch(_get(spec, "sha256", str, "64 lowercase hex digits", where)):
+            raise _malformed(f"{where}['sha256'] is {spec['sha256']!r}, expected 64 lowercase "
+                             "hex digits")
+    entries = _get(manifest, "entries", dict, "a dict")
+    for name in entries:
+        entry = _get(entries, name, dict, "a dict", "manifest['entries']")
+        where = f"manifest['entries'][{name!r}]"
+        file = _get(entry, "file", str, "a str", where)
+        if file not in files:
+            raise _malformed(f"{where}['file'] is {file!r}, which is not in manifest['files']")
+        if "param_shapes" in entry:  # [group][parameter] -> shape
+            groups = _get(entry, "param_shapes", list, "a list of parameter groups", where)
+            where += "['param_shapes']"
+            for g in range(len(groups)):
+                group = _get(groups, g, list, "a list of shapes", where)
+                for i in range(len(group)):
+                    shape = _get(group, i, list, "a shape (a list of ints)", f"{where}[{g}]")
+                    for d in range(len(shape)):
+                        _count(shape, d, f"{where}[{g}][{i}]")
+    return manifest
+
+
+def _check_param_shapes(name: str, shapes: list, saved: Any, file: str) -> None:
+    """The shapes must match the optimizer state_dict they describe (restore indexes them)."""
+    try:
+        sizes = [len(group["params"]) for group in saved["param_groups"]]
+    except (KeyError, TypeError):
+        raise _malformed(f"manifest['entries'][{name!r}] has 'param_shapes', but {file} holds "
+                         "no optimizer state_dict (no 'param_groups' with 'params')") from None
+    listed = [len(group) for group in shapes]
+    if listed != sizes:
+        raise _malformed(
+            f"manifest['entries'][{name!r}]['param_shapes'] lists {len(listed)} parameter groups "
+            f"of sizes {listed}, the optimizer state_dict in {file} has {len(sizes)} of sizes "
+            f"{sizes}")
+
+
+def _malformed(problem: str) -> Corrupt:
+    return Corrupt(f"{MANIFEST} is malformed: {problem}")
+
+
+def _get(parent: dict | list, key: Any, kind: type, expected: str, where: str = "manifest") -> Any:
+    """``parent[key]`` if it is exactly a ``kind`` (a bool is not an int), else ``Corrupt``."""
+    if isinstance(parent, dict) and key not in parent:
+        raise _malformed(f"{where} has no {key!r}")
+    value = parent[key]
+    if type(value) is not kind:
+        raise _malformed(f"{where}[{key!r}] is {_a(value)}, expected {expected}")
+    return value
+
+
+def _count(parent: dict | list, key: Any, where: str = "manifest") -> int:
+    value = _get(parent, key, int, "an int >= 0", where)
+    if value < 0:
+        raise _malformed(f"{where}[{key!r}] is {value}, expected an int >= 0")
+    return value
+
+
+def _a(value: Any) -> str:
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
