@@ -81,47 +81,36 @@ def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly
     _same(interrupted, reference)
 
 
-def test_a_signal_before_training_starts_exits_75_and_changes_nothing(tmp_path, capfd, monkeypatch):
+@pytest.mark.parametrize("when, signum", [
+    ("the Trainer is built", signal.SIGTERM),  # e.g. while the model is built after it
+    ("the checkpoint loads", signal.SIGUSR1),
+])
+def test_a_signal_before_training_starts_exits_75_and_changes_nothing(
+        tmp_path, capfd, monkeypatch, when, signum):
     with pytest.raises(SystemExit):  # a run with a checkpoint and a log
         run(tmp_path, callbacks=[_Signal(6)])
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     log = (tmp_path / "metrics.csv").read_text()
     capfd.readouterr()
     before = {s: signal.getsignal(s) for s in TEST_SIGNALS}
-    # The scheduler's signal comes while the next process builds its model: after the Trainer
-    # exists (handlers are installed by its constructor) and before fit() trains anything.
-    build = unbroken.Trainer.__init__
+    cls, method = ((unbroken.Trainer, "__init__") if when == "the Trainer is built"
+                   else (unbroken.Checkpointer, "load_latest"))
+    original = getattr(cls, method)
 
-    def build_then_signal(self, *args, **kwargs):
-        build(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)
+    def then_signal(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        os.kill(os.getpid(), signum)
+        return result
 
-    monkeypatch.setattr(unbroken.Trainer, "__init__", build_then_signal)
+    monkeypatch.setattr(cls, method, then_signal)
     with pytest.raises(SystemExit) as exit:
         run(tmp_path)
     assert exit.value.code == EXIT_CODE
-    assert "SIGTERM received before training started" in capfd.readouterr().err
+    name = signal.Signals(signum).name
+    assert f"{name} received before training started" in capfd.readouterr().err
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == checkpoints
     assert (tmp_path / "metrics.csv").read_text() == log
     assert {s: signal.getsignal(s) for s in TEST_SIGNALS} == before
-
-
-def test_a_signal_while_the_checkpoint_loads_exits_75_without_saving(tmp_path, monkeypatch, capfd):
-    with pytest.raises(SystemExit):
-        run(tmp_path, callbacks=[_Signal(6)])
-    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    load = unbroken.Checkpointer.load_latest
-
-    def slow_load(self, state):
-        os.kill(os.getpid(), signal.SIGUSR1)
-        return load(self, state)
-
-    monkeypatch.setattr(unbroken.Checkpointer, "load_latest", slow_load)
-    with pytest.raises(SystemExit) as exit:
-        run(tmp_path)
-    assert exit.value.code == EXIT_CODE
-    assert "SIGUSR1 received before training started" in capfd.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == checkpoints
 
 
 @pytest.mark.parametrize("outcome", ["finishes", "raises", "preempted", "refuses"])
