@@ -253,3 +253,20 @@ def test_freeing_a_loader_with_persistent_workers_needs_no_cycle_collection():
         assert alive() is None  # freed by reference counting, workers shut down now
     finally:
         gc.enable()
+
+
+def test_public_docstrings_point_to_public_documentation_not_private_modules():
+    import inspect
+    import re
+
+    for name in ["DataLoader", "CombinedLoader", "Resumable", "ShuffleBuffer", "resumable",
+                 "shuffle_buffer", "sample_rng", "sample_seed"]:
+        obj = getattr(unbroken, name)
+        docs = [inspect.getdoc(obj) or ""]
+        docs += [inspect.getdoc(member) or "" for attribute, member in vars(obj).items()
+                 if not attribute.startswith("_") and callable(member)] if inspect.isclass(obj) else []
+        for doc in docs:
+            private = re.findall(r"unbroken\._\w+|``_[a-z]\w*``", doc)
+            assert not private, f"unbroken.{name}'s documentation points to {private}"
+    assert "Randomness" in inspect.getdoc(unbroken.DataLoader)
+    assert "unbroken.sample_rng()" in inspect.getdoc(unbroken.DataLoader)

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import unbroken
 from pipelines import Counting
@@ -114,10 +115,54 @@ def test_user_states_with_tensors_round_trip_through_json():
     "value, match",
     [
         ({"fn": print}, r"state\.fn: a builtins\.builtin_function_or_method cannot be saved"),
-        ({1: 2}, "JSON keys must be str"),
+        ({"a": {frozenset(): 2}}, r"state\.a: key frozenset\(\) is a frozenset; a state's keys may "
+                                  "be str, int"),
+        ({(1, object()): 2}, "key <object object at .*> is a object"),
+        ({float("inf"): 2}, "key inf is a float"),
         ({"x": [float("nan")]}, r"state\.x\[0\]: nan is not valid JSON"),
     ],
 )
 def test_unserializable_user_state_names_its_key(value, match):
     with pytest.raises(ValueError, match=match):
         to_jsonable(value)
+
+
+_SCALAR_KEYS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                         st.floats(allow_nan=False, allow_infinity=False),
+                         st.text(max_size=4), st.sampled_from(["__items__", "__tensor__"]))
+_KEYS = st.recursive(_SCALAR_KEYS, lambda inner: st.tuples(inner, inner) | st.tuples(inner),
+                     max_leaves=4)
+_STATES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=4),
+              st.floats(allow_nan=False, allow_infinity=False)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _strictly_equal(a, b):
+    """==, and also the same types of keys and values all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(
+            type(ka) is type(kb) and _strictly_equal(ka, kb) and _strictly_equal(a[ka], b[kb])
+            for ka, kb in zip(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_strictly_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@given(state=_STATES)
+@settings(max_examples=200)
+def test_states_with_any_hashable_json_keys_round_trip_through_json_keeping_key_types(state):
+    # torchdata's test datasets return {0: 0, 1: 0}; keys may also be floats, None, tuples, and
+    # str keys that look like unbroken's own tags.
+    encoded = json.dumps(to_jsonable(state), allow_nan=False)
+    assert _strictly_equal(from_jsonable(json.loads(encoded)), state)
+
+
+def test_int_keys_are_tagged_and_str_keys_stay_plain():
+    assert to_jsonable({"a": {0: 0, 1: 0}}) == {"a": {"__items__": [[0, 0], [1, 0]]}}
+    assert to_jsonable({"a": 1}) == {"a": 1}
+    assert from_jsonable(to_jsonable({(1, (2, None)): "x"})) == {(1, (2, None)): "x"}

@@ -24,7 +24,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._shuffle import IndexShuffle, derive_key
-from ._state import from_jsonable, has_state, to_jsonable
+from ._state import (check_user_state, encode_or_defer, from_jsonable, has_state,
+                     raise_if_unsaveable)
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block
 # keeps the per-index cost at ~0.1 us without holding more than a block in memory.
@@ -71,7 +72,13 @@ class NativeOrder:
     def __len__(self) -> int:
         return math.ceil(self.epoch_samples / (self.batch_size or 1))
 
+    def check_saveable(self, source: None) -> None:
+        pass
+
     def check_cursor(self, cursor: Cursor, what: str) -> None:
+        if cursor.source is not None:
+            raise ValueError(f"{what} state field 'source': expected null (unbroken's own order "
+                             f"keeps no sampler state), got {cursor.source!r:.200}")
         step = self.batch_size or 1
         expected = min(cursor.batches * step, self.epoch_samples)
         if cursor.samples != expected or cursor.batches > len(self):
@@ -115,22 +122,41 @@ class _UserOrder:
         cls = type(self.sampler)
         return {"sampler": f"{cls.__module__}.{cls.__qualname__}", "shuffle": None}
 
+    def check_saveable(self, source: dict | None) -> None:
+        if source is not None:
+            raise_if_unsaveable(source["state"])
+
     def check_cursor(self, cursor: Cursor, what: str) -> None:
-        saved = cursor.source
-        well_formed = saved is None or (
+        saved, samples, batches = cursor.source, cursor.samples, cursor.batches
+        # Before the epoch's first batch there is no sampler state; after it, always one entry.
+        started = batches > 0
+        well_formed = saved is None if not started else (
             isinstance(saved, dict) and set(saved) == {"state", "end"}
             and isinstance(saved["end"], bool)
         )
         if not well_formed:
+            expected = "null at the start of an epoch" if not started else \
+                "{'state': ..., 'end': bool} after a batch"
             raise ValueError(
-                f"{what} state field 'source': expected None or {{'state': ..., 'end': bool}}, "
-                f"got {saved!r}"
+                f"{what} state field 'source': expected {expected} (batches={batches}), "
+                f"got {saved!r:.200}"
             )
-        if cursor.samples < cursor.batches:
+        if samples < batches or (samples > 0) != started:
             raise ValueError(
-                f"{what} state is inconsistent: samples={cursor.samples} < "
-                f"batches={cursor.batches}; the state is corrupt"
+                f"{what} state is inconsistent: samples={samples} and batches={batches}; every "
+                "batch holds at least one sample; the state is corrupt"
             )
+        self._check_counts(cursor, what)
+        if saved is not None and saved["state"] is not None:
+            if not self.stateful:
+                raise ValueError(
+                    f"{what} state field 'source.state': {type(self.sampler).__qualname__} has no "
+                    f"state_dict(), so the saved sampler state must be null, got "
+                    f"{saved['state']!r:.200}"
+                )
+            check_user_state(saved["state"], f"{what} state field 'source.state'")
+        # The sampler's length is not checked against the counters: it is the user's, not in the
+        # fingerprint, and one that now yields less is a clear error when the resume skips.
 
     def _start(self, epoch: int, cursor: Cursor) -> tuple[Iterator, int]:
         """Set up the sampler for ``epoch``; return its iterator and how much to skip."""
@@ -147,10 +173,12 @@ class _UserOrder:
         return iter(self.sampler), self._skip_count(cursor)
 
     def _snapshot(self) -> Any:
-        """The sampler's own state right after a batch was drawn (None if it has none)."""
+        """The sampler's own state right after a batch was drawn (None if it has none); one that
+        JSON cannot hold is refused by the loader's ``state_dict()``, not here, mid-iteration."""
         if not self.stateful:
             return None
-        return to_jsonable(self.sampler.state_dict(), "sampler.state_dict()")
+        return encode_or_defer(self.sampler.state_dict(), "sampler.state_dict()",
+                               "unbroken.DataLoader")
 
     def _skip(self, iterator: Iterator, count: int, unit: str) -> None:
         if count == 0:
@@ -192,6 +220,25 @@ class UserSampler(_UserOrder):
     def _skip_count(self, cursor: Cursor) -> int:
         return cursor.samples
 
+    def _check_counts(self, cursor: Cursor, what: str) -> None:
+        step = self.batch_size or 1
+        # Batches are whole `step`s of indices except an epoch's last, which drop_last drops.
+        ok = (cursor.batches - 1) * step < cursor.samples <= cursor.batches * step
+        if self.drop_last:
+            ok = cursor.samples == cursor.batches * step
+        if not ok and cursor.batches > 0:
+            raise ValueError(
+                f"{what} state is inconsistent: samples={cursor.samples} and "
+                f"batches={cursor.batches} are not whole batches of {step} (but the last"
+                f"{', which drop_last drops' if self.drop_last else ''}); the state is corrupt"
+            )
+        if cursor.samples < cursor.batches * step and not cursor.source["end"]:
+            raise ValueError(
+                f"{what} state field 'source.end': end=False, but samples={cursor.samples} in "
+                f"batches={cursor.batches} of {step} end with a partial batch, which only an "
+                "epoch's last batch is; the state is corrupt"
+            )
+
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         epoch_key = derive_key(seed, epoch)
         step = self.batch_size or 1
@@ -222,6 +269,9 @@ class UserBatchSampler(_UserOrder):
 
     def _skip_count(self, cursor: Cursor) -> int:
         return cursor.batches
+
+    def _check_counts(self, cursor: Cursor, what: str) -> None:
+        pass  # batches may hold any number of indices
 
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         epoch_key = derive_key(seed, epoch)

@@ -36,7 +36,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._state import StateReader, from_jsonable, has_state, mismatch, to_jsonable
+from ._state import (StateReader, Unsaveable, check_user_state, encode_or_defer, from_jsonable,
+                     has_state, mismatch, raise_if_unsaveable, same)
 
 FORMAT = "unbroken.resumable"
 VERSION = 1
@@ -53,19 +54,14 @@ def resumable(
     return Resumable(make_iterable, name=name, progress=progress)
 
 
-class Unsaveable:
-    """Stands in for a state that ``to_jsonable`` refused; ``state_dict()`` raises its error."""
-
-    def __init__(self, error: ValueError) -> None:
-        self.error = error
-
-
 def snapshot(obj: Any, what: str) -> Any:
     """``obj.state_dict()`` as JSON data (a copy), or an ``Unsaveable`` saying why it is not."""
+    path = f"{type(obj).__qualname__}.state_dict()"
     try:
-        return to_jsonable(obj.state_dict(), f"{type(obj).__qualname__}.state_dict()")
-    except ValueError as error:
-        return Unsaveable(ValueError(f"{what}: cannot save the state: {error}"))
+        state = obj.state_dict()
+    except ValueError as error:  # e.g. a nested buffer's own refusal: deferred the same way
+        return Unsaveable(error)
+    return encode_or_defer(state, path, what)
 
 
 class _Position:
@@ -219,8 +215,7 @@ class Resumable:
         JSON (tensors and numpy arrays can).
         """
         pos = self._pos
-        if isinstance(pos.inner, Unsaveable):
-            raise pos.inner.error
+        raise_if_unsaveable(pos.inner)
         return {
             "format": FORMAT, "version": VERSION, "name": self.name, "epoch": self._epoch,
             "items": pos.items, "end": pos.end, "inner": pos.inner,
@@ -229,17 +224,20 @@ class Resumable:
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter()`` continue right after the last item the saved stream yielded.
 
-        Raises ``ValueError`` naming the field if the state is malformed, from another format
-        or version, or was saved under another ``name``. Nothing changes unless it is valid.
+        Raises ``ValueError`` naming the field if the state is malformed (a field of the wrong
+        type or out of range, counters that contradict each other), from another format or
+        version, or was saved under another ``name``. Nothing changes unless it is valid.
+        Whether the epoch's iterable can load ``inner`` is known only once it is made, at
+        ``iter()``.
         """
         reader = StateReader(state, self._what, _FIELDS, FORMAT, VERSION)
-        if state["name"] != self.name:
+        if not same(state["name"], self.name):
             raise mismatch(self._what, "name", state["name"], self.name,
                            "Load the state saved by the stream of this name.")
-        epoch, items = reader.int("epoch"), reader.int("items")
-        end, inner = state["end"], state["inner"]
-        if not isinstance(end, bool):
-            raise ValueError(f"{self._what} state field 'end': expected a bool, got {end!r}")
+        epoch, items, end = reader.int("epoch"), reader.int("items"), reader.bool("end")
+        inner = state["inner"]
+        if inner is not None:
+            check_user_state(inner, f"{self._what} state field 'inner'")
         if items == 0 and (end or inner is not None):
             raise ValueError(
                 f"{self._what} state is inconsistent: items=0 with end={end!r} and "

@@ -37,8 +37,9 @@ from typing import Any
 import numpy as np
 
 from ._shuffle import derive_key
-from ._state import StateReader, from_jsonable, has_state, mismatch
-from ._resumable import Resumable, Unsaveable, snapshot
+from ._state import (COUNT_LIMIT, StateReader, check_user_state, from_jsonable, has_state,
+                     mismatch, raise_if_unsaveable, same)
+from ._resumable import Resumable, snapshot
 
 FORMAT = "unbroken.shuffle_buffer"
 VERSION = 1
@@ -87,6 +88,9 @@ class ShuffleBuffer:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         stateful = has_state(iterable) and isinstance(iterable, Iterable)
         self.upstream = iterable if stateful else Resumable(iterable)
+        # An upstream made here has no other consumer: its position is the buffer's, checked on
+        # load (a user's may have been iterated before, or count in batches of its own).
+        self._own_upstream = not stateful
         self.size, self.seed = size, seed
         self._epoch = 0
         self._pos = _Position()
@@ -200,6 +204,22 @@ class ShuffleBuffer:
         key = derive_key(self.seed, _DOMAIN, epoch, window)
         return np.random.Generator(np.random.Philox(key=key)).permutation(n).tolist()
 
+    def _check_window(self, epoch: int, window: int, end: bool, upstream: dict) -> None:
+        """The upstream's state is taken at the start of the current window, or after its epoch
+        when ``end``; a window (or epoch) edited apart from it would emit another window's
+        permutation over these items: one item twice and another never."""
+        read, its_epoch = upstream.get("items"), upstream.get("epoch")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (read, its_epoch)):
+            return  # malformed: the upstream's own load_state_dict names the field
+        expected = (0, epoch + 1) if end else (window * self.size, epoch)
+        if (read, its_epoch) != expected:
+            raise ValueError(
+                f"{_WHAT} state field 'window': window={window} of epoch={epoch} (end={end}) "
+                f"in windows of {self.size} expects the upstream at items={expected[0]} of its "
+                f"epoch {expected[1]}, but its state says items={read} of epoch {its_epoch}; the "
+                "state is corrupt"
+            )
+
     def state_dict(self) -> dict:
         """The buffer's position: JSON-serializable, as small as the upstream's state.
 
@@ -207,8 +227,7 @@ class ShuffleBuffer:
         """
         pos = self._pos
         upstream = self._upstream_state()
-        if isinstance(upstream, Unsaveable):
-            raise upstream.error
+        raise_if_unsaveable(upstream)
         return {
             "format": FORMAT, "version": VERSION, "size": self.size, "seed": self.seed,
             "epoch": self._epoch, "window": pos.window, "emitted": pos.emitted, "end": pos.end,
@@ -218,20 +237,29 @@ class ShuffleBuffer:
     def load_state_dict(self, state: dict) -> None:
         """Restore the upstream to the current window's start and the position in it.
 
-        Raises ``ValueError`` naming the field if the state is malformed, from another format
-        or version, or was saved with another ``size`` or ``seed``; the upstream checks its own
-        part. Nothing changes unless the buffer's fields are valid.
+        Raises ``ValueError`` naming the field if the state is malformed (a field of the wrong
+        type or out of range; a window that is not where the upstream's state is, when the
+        buffer made the upstream itself), from another format or version, or was saved with
+        another ``size`` or ``seed``; the upstream checks its own part. Nothing changes unless
+        the whole state is valid.
         """
         reader = StateReader(state, _WHAT, _FIELDS, FORMAT, VERSION)
         for field in ("size", "seed"):
-            if state[field] != getattr(self, field):
+            if not same(state[field], getattr(self, field)):
                 raise mismatch(_WHAT, field, state[field], getattr(self, field),
                                "Build the buffer with the saved setting, or start a new run.")
-        epoch, window = reader.int("epoch"), reader.int("window")
-        end = state["end"]
-        if not isinstance(end, bool):
-            raise ValueError(f"{_WHAT} state field 'end': expected a bool, got {end!r}")
-        emitted = reader.int("emitted", 1 if end else 0, self.size - 1)
+        end = reader.bool("end")
+        epoch = reader.int("epoch")
+        window = reader.int("window", 0, COUNT_LIMIT // self.size)
+        # A state after the epoch's last item (end) has emitted some of a last, partial window.
+        try:
+            emitted = reader.int("emitted", 1 if end else 0, self.size - 1)
+        except ValueError as error:
+            raise ValueError(f"{error}, with end={end}") from None
+        upstream = state["upstream"]
+        check_user_state(upstream, f"{_WHAT} state field 'upstream'")
+        if self._own_upstream:
+            self._check_window(epoch, window, end, upstream)
         try:
             self.upstream.load_state_dict(from_jsonable(state["upstream"]))
         except ValueError as error:

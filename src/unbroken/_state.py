@@ -1,10 +1,13 @@
 """Plain, JSON-able, versioned state: encoding user states and checking what is loaded.
 
 Every state unbroken produces passes ``json.dumps``. States of user objects (samplers, datasets)
-may hold tensors or numpy arrays, e.g. a generator's state; ``to_jsonable`` turns those into
-tagged dicts ``{"__tensor__": ...}`` and ``from_jsonable`` turns them back. Anything else that
-JSON cannot hold is refused when the state is *taken*, naming its key, so that a state that
-saved is a state that loads.
+may hold what JSON cannot: ``to_jsonable`` turns tensors and numpy arrays into tagged dicts
+``{"__tensor__": ...}`` and a dict whose keys are not all str (torchdata's test datasets key
+their states by int) into ``{"__items__": [[key, value], ...]}``, keys being str, int, float,
+bool, None or tuples of these; ``from_jsonable`` turns them back, key types included. Anything
+else is refused when the state is *taken*, naming its key path, so that a state that saved is a
+state that loads. ``snapshot`` takes an object's state that way but defers a refusal
+(``Unsaveable``) to the moment the user asks for the state, so iterating never fails for it.
 
 Loading checks every field before anything changes, and a mismatch is a ``ValueError`` that
 names the field, the saved value and the current one: never a bare ``KeyError``, and never a
@@ -23,6 +26,11 @@ import torch
 
 _TENSOR_TAG = "__tensor__"
 _NDARRAY_TAG = "__ndarray__"
+_ITEMS_TAG = "__items__"
+_TAGS = (_TENSOR_TAG, _NDARRAY_TAG, _ITEMS_TAG)
+# Counters in states (epochs, positions) stay below this: any real run does, and a larger value
+# is a corrupt or edited state.
+COUNT_LIMIT = (1 << 63) - 1
 
 
 def has_state(obj: Any) -> bool:
@@ -50,20 +58,45 @@ def to_jsonable(value: Any, path: str = "state") -> Any:
     if isinstance(value, np.ndarray):
         return {_NDARRAY_TAG: _encode_array(np.ascontiguousarray(value), str(value.dtype))}
     if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ValueError(
-                    f"{path}: key {key!r} is a {type(key).__name__}; JSON keys must be str"
-                )
-            out[key] = to_jsonable(item, f"{path}.{key}")
-        return out
+        # A dict with only str keys stays a dict, unless it would read back as a tag.
+        if all(isinstance(key, str) for key in value) and not (len(value) == 1 and
+                                                               next(iter(value)) in _TAGS):
+            return {key: to_jsonable(item, f"{path}.{key}") for key, item in value.items()}
+        return {_ITEMS_TAG: [[_encode_key(key, path), to_jsonable(item, _key_path(path, key))]
+                             for key, item in value.items()]}
     if isinstance(value, (list, tuple)):
         return [to_jsonable(item, f"{path}[{i}]") for i, item in enumerate(value)]
     raise ValueError(
         f"{path}: a {type(value).__module__}.{type(value).__qualname__} cannot be saved as JSON; "
         "a state may hold dicts, lists, str, int, float, bool, None, tensors and numpy arrays"
     )
+
+
+def _encode_key(key: Any, path: str) -> Any:
+    """A dict key as JSON: str/int/float/bool/None as themselves, a tuple as a list (a key
+    cannot be a list, so a list read back in a key is a tuple)."""
+    if key is None or isinstance(key, (bool, str)):
+        return key
+    if isinstance(key, np.bool_):
+        return bool(key)
+    if isinstance(key, (int, np.integer)):
+        return int(key)
+    if isinstance(key, (float, np.floating)) and math.isfinite(key):
+        return float(key)
+    if isinstance(key, tuple):
+        return [_encode_key(part, path) for part in key]
+    raise ValueError(
+        f"{path}: key {key!r} is a {type(key).__name__}; a state's keys may be str, int, "
+        "finite float, bool, None or tuples of these: use one of those as the key"
+    )
+
+
+def _key_path(path: str, key: Any) -> str:
+    return f"{path}.{key}" if isinstance(key, str) else f"{path}[{key!r}]"
+
+
+def _decode_key(key: Any) -> Any:
+    return tuple(_decode_key(part) for part in key) if isinstance(key, list) else key
 
 
 def _encode_array(array: np.ndarray, dtype: str) -> dict:
@@ -81,16 +114,74 @@ def _decode_array(spec: dict) -> np.ndarray:
 
 
 def from_jsonable(value: Any) -> Any:
-    """Inverse of ``to_jsonable`` (tuples come back as lists)."""
+    """Inverse of ``to_jsonable`` (tuples come back as lists, except in dict keys)."""
     if isinstance(value, dict):
         if set(value) == {_TENSOR_TAG}:
             return torch.from_numpy(_decode_array(value[_TENSOR_TAG]))
         if set(value) == {_NDARRAY_TAG}:
             return _decode_array(value[_NDARRAY_TAG])
+        if set(value) == {_ITEMS_TAG}:
+            return {_decode_key(key): from_jsonable(item) for key, item in value[_ITEMS_TAG]}
         return {key: from_jsonable(item) for key, item in value.items()}
     if isinstance(value, list):
         return [from_jsonable(item) for item in value]
     return value
+
+
+class Unsaveable:
+    """Stands in for a state that ``to_jsonable`` refused; ``state_dict()`` raises its error."""
+
+    def __init__(self, error: ValueError) -> None:
+        self.error = error
+
+    def __reduce__(self):  # sent from loader workers to the training process
+        return (Unsaveable, (self.error,))
+
+
+def encode_or_defer(value: Any, path: str, what: str) -> Any:
+    """A user object's ``state_dict()`` result as JSON data, or an ``Unsaveable`` carrying the
+    refusal: taking a state happens while iterating, and only asking for it (``state_dict()``)
+    should fail. It must be a dict, as in torch's Stateful protocol: a loaded state is checked
+    to be one, so that a state that saved is a state that loads."""
+    if not isinstance(value, dict):
+        return Unsaveable(ValueError(f"{what}: cannot save the state: {path} returned a "
+                                     f"{type(value).__name__}, expected a dict"))
+    try:
+        return to_jsonable(value, path)
+    except ValueError as error:
+        return Unsaveable(ValueError(f"{what}: cannot save the state: {error}"))
+
+
+def raise_if_unsaveable(value: Any) -> None:
+    if isinstance(value, Unsaveable):
+        raise value.error
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as JSON data: unlike ``==``, ``True`` is not ``1`` and ``1.0`` is not ``1``."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_user_state(value: Any, where: str) -> None:
+    """Refuse a user object's saved state (a sampler's, a dataset's) that is not a dict or that
+    ``from_jsonable`` could not read back, at load time rather than when the object is restored,
+    mid-iteration."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected the object's state_dict() (a dict), got "
+                         f"{value!r:.200}")
+    try:
+        from_jsonable(value)
+    except Exception as error:  # whatever a mangled tag makes numpy or base64 raise
+        raise ValueError(
+            f"{where}: a tagged value (tensor, array or non-str keys) is malformed "
+            f"({type(error).__name__}: {error}); the state is corrupt"
+        ) from None
 
 
 class StateReader:
@@ -105,12 +196,12 @@ class StateReader:
         if state.get("format") != fmt:
             raise mismatch(what, "format", state.get("format"), fmt,
                            f"This state does not come from {what}.state_dict().")
-        if state.get("version") != version:
+        if not same(state.get("version"), version):
             raise mismatch(what, "version", state.get("version"), version,
                            "This state comes from another version of unbroken; resume with "
                            "the version that saved it.")
         try:
-            json.dumps(state)
+            json.dumps(state, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise ValueError(f"{what} state is not plain JSON data ({error})") from None
         unexpected = sorted(set(state) - fields)
@@ -122,15 +213,14 @@ class StateReader:
             )
         self.state, self.what = state, what
 
-    def int(self, field: str, minimum: int = 0, maximum: int | None = None) -> int:
+    def int(self, field: str, minimum: int = 0, maximum: int = COUNT_LIMIT) -> int:
         value = self.state[field]
-        bad = not isinstance(value, int) or isinstance(value, bool) or value < minimum
-        if bad or (maximum is not None and value > maximum):
-            upper = "" if maximum is None else f" and <= {maximum}"
-            raise ValueError(
-                f"{self.what} state field '{field}': expected an int >= {minimum}{upper}, "
-                f"got {value!r}"
-            )
+        return check_int(value, f"{self.what} state field '{field}'", minimum, maximum)
+
+    def bool(self, field: str) -> bool:
+        value = self.state[field]
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.what} state field '{field}': expected a bool, got {value!r}")
         return value
 
     def dict(self, field: str) -> dict:
@@ -140,6 +230,16 @@ class StateReader:
                 f"{self.what} state field '{field}': expected a dict, got {value!r}"
             )
         return value
+
+
+def check_int(value: Any, where: str, minimum: int = 0, maximum: int = COUNT_LIMIT) -> int:
+    """``value`` if it is an int (not a bool) in [minimum, maximum], else a ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        upper, note = f" and <= {maximum}", ""
+        if maximum == COUNT_LIMIT:
+            upper, note = "", " (counters stay below 2**63)"
+        raise ValueError(f"{where}: expected an int >= {minimum}{upper}, got {value!r:.100}{note}")
+    return value
 
 
 def mismatch(what: str, field: str, saved: Any, current: Any, hint: str = "") -> ValueError:

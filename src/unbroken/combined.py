@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._state import StateReader, mismatch
+from ._state import StateReader, check_int, mismatch, same
 
 FORMAT = "unbroken.CombinedLoader"
 VERSION = 1
@@ -238,9 +238,9 @@ class CombinedLoader:
         children loaded before a failing one get their previous states back.
         """
         reader = StateReader(state, _WHAT, _FIELDS, FORMAT, VERSION)
-        if state["mode"] != self.mode:
+        if not same(state["mode"], self.mode):
             raise mismatch(_WHAT, "mode", state["mode"], self.mode)
-        if state["keys"] != self._saved_keys():
+        if not same(state["keys"], self._saved_keys()):  # strictly: a count of True is not 1
             raise mismatch(_WHAT, "keys", state["keys"], self._saved_keys(),
                            "A state resumes the same loaders under the same keys.")
         epoch, batches = reader.int("epoch"), reader.int("batches")
@@ -309,9 +309,7 @@ def _check_entry(key: Any, entry: Any) -> None:
     if not isinstance(entry, dict) or set(entry) != _CHILD_FIELDS:
         raise ValueError(f"{where}: expected a dict with fields {sorted(_CHILD_FIELDS)}, "
                          f"got {entry!r:.200}")
-    count = entry["batches"]
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"{where}: 'batches' must be an int >= 0, got {count!r}")
+    check_int(entry["batches"], f"{where}: 'batches'")
     for flag in ("exhausted", "open"):
         if not isinstance(entry[flag], bool):
             raise ValueError(f"{where}: '{flag}' must be a bool, got {entry[flag]!r}")
@@ -336,6 +334,8 @@ def _check_progress(mode: str, batches: int, current: Any, entries: list) -> Non
         else:  # every child gives a batch at every step
             ok = ok and all(c == batches for c in counts)
             ok = ok and (mode == "max_size_cycle" or not any(exhausted))
+    # A child that gave batches in this combined epoch and has not run out is mid-epoch.
+    ok = ok and all(o for c, e, o in zip(counts, exhausted, opened) if c and not e)
     if batches == 0:  # the start of a combined epoch: nothing is in progress
         ok = ok and not any(counts) and not any(opened) and not any(exhausted)
         ok = ok and current in (None, 0)

@@ -4,7 +4,7 @@ It wraps a real ``torch.utils.data.DataLoader`` (workers, pinning, prefetching a
 and gives it, for map-style datasets, a batch sampler that starts each epoch at a cursor and a
 dataset wrapper that seeds every sample's RNGs from (seed, epoch, position); for iterable
 datasets, a worker-side wrapper that batches, seeds and tags each batch with the worker's
-dataset state (``_stream``). The loader itself only
+dataset state (see the README, "Iterable datasets and other iterables"). The loader itself only
 counts what it *yields*; batches prefetched by workers are never counted, so
 ``state_dict()`` describes exactly what the user received.
 
@@ -12,8 +12,8 @@ State: ``{"format", "version", "seed", "epoch", "samples", "batches", "source",
 "fingerprint"}``, a few integers plus a user sampler's own state if it has one.
 Per-batch cost, measured alone (benchmarks/RESULTS.md): ~1.7 us for a batch of 2 (the batch
 sampler's generator, the fetch wrapper, a deque append/pop), plus the per-sample seeding
-described in ``_rng`` (``global_rngs`` chooses it) and, with ``num_workers=0``, ~1.2 us to put
-the training process's torch generator back.
+described in the README's "Randomness" section (``global_rngs`` chooses it) and, with
+``num_workers=0``, ~1.2 us to put the training process's torch generator back.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from ._fetch import SeededDataset
 from ._order import Cursor, NativeOrder, UserBatchSampler, UserSampler
 from ._rng import GLOBAL_RNGS, check_global_rngs
 from ._shuffle import derive_key
-from ._state import StateReader, mismatch
+from ._state import StateReader, mismatch, same
 from ._stream import SKIP, StreamSource, StreamWorker, _identity, is_stream
+from ._workers import signals_blocked, worker_init
 
 FORMAT = "unbroken.DataLoader"
 VERSION = 1
@@ -51,9 +52,10 @@ class DataLoader:
       adopts the saved seed, so a restarted run continues the same order.
     - ``global_rngs``: which process-global generators are seeded before each sample:
       any of ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves
-      its seeding cost (see ``unbroken._rng``) but makes draws from it inside ``__getitem__``
-      depend on the worker, so they no longer repeat after a resume; ``sample_rng()`` and
-      ``sample_seed()`` stay exact either way.
+      its seeding cost (about 1 us per sample for torch, 1.3 us for numpy, 3.5 us for
+      ``random``; the README's "Randomness" section) but makes draws from it inside
+      ``__getitem__`` depend on the worker, so they no longer repeat after a resume;
+      ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay exact either way.
 
     ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
     the next epoch (the first is epoch 0).
@@ -114,6 +116,7 @@ class DataLoader:
         # The inner loader draws its workers' base seed from this private generator, never from
         # torch's global one, so iterating a loader leaves the training process's RNG untouched.
         self._worker_seeds = torch.Generator()
+        self._user_worker_init = worker_init_fn
         if stream:
             self._worker = StreamWorker(dataset, batch_size, drop_last, collate_fn, self.global_rngs)
             self._receive = self._order.receive
@@ -134,7 +137,7 @@ class DataLoader:
             num_workers=num_workers,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init_fn,
+            worker_init_fn=worker_init(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
             generator=self._worker_seeds,
             prefetch_factor=prefetch_factor,
@@ -176,7 +179,13 @@ class DataLoader:
         self._worker_seeds.manual_seed(derive_key(self.seed, self._epoch, 2))
         if self._receive is not None:  # iterable datasets: the workers need the epoch's plan
             self._worker.plan = self._order.plan(self.seed, self._epoch, self._cursor)
-        return self._yield(iter(self._inner))
+        if self.num_workers == 0:
+            return self._yield(iter(self._inner))
+        # Workers ignore the preemption signals, which the training process may handle now
+        # but not when the loader was built; see _workers.
+        self._inner.worker_init_fn = worker_init(self._user_worker_init)
+        with signals_blocked():
+            return self._yield(iter(self._inner))
 
     def _yield(self, batches: Iterator) -> Iterator:
         cursor, done, receive = self._cursor, self._done, self._receive
@@ -209,8 +218,13 @@ class DataLoader:
         self._open = self._resume_pending = False
 
     def state_dict(self) -> dict:
-        """What the user has received so far: JSON-serializable (``json.dumps`` works)."""
+        """What the user has received so far: JSON-serializable (``json.dumps`` works).
+
+        Raises ``ValueError`` naming the key if a sampler's or dataset's own state cannot be
+        saved as JSON (iterating never fails for it).
+        """
         cursor = self._cursor
+        self._order.check_saveable(cursor.source)
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -225,9 +239,11 @@ class DataLoader:
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter()`` continue right after the last batch the saved loader yielded.
 
-        Raises ``ValueError`` naming the field if the state is malformed, from another version,
-        or was saved with a different dataset length, seed, batch size, drop_last, shuffle or
-        sampler. Nothing changes unless the whole state is valid.
+        Raises ``ValueError`` naming the field if the state is malformed (a field of the wrong
+        type or out of range, counters that describe no position of an epoch, a source of
+        another shape than this loader's order saves), from another version, or was saved
+        with a different dataset length, seed, batch size, drop_last, shuffle or sampler.
+        Nothing changes unless the whole state is valid.
         """
         what = "unbroken.DataLoader"
         reader = StateReader(state, what, _FIELDS, FORMAT, VERSION)
@@ -236,11 +252,15 @@ class DataLoader:
             raise mismatch(what, "seed", saved_seed, self.seed,
                            "Pass the saved seed, or seed=None to adopt it.")
         saved_print = reader.dict("fingerprint")
-        for field, current in self._fingerprint().items():
+        current_print = self._fingerprint()
+        for field, current in current_print.items():
             if field not in saved_print:
                 raise ValueError(f"{what} state is malformed: fingerprint lacks '{field}'")
-            if saved_print[field] != current:
+            if not same(saved_print[field], current):  # strictly: True is not 1
                 raise mismatch(what, field, saved_print[field], current)
+        if set(saved_print) != set(current_print):
+            raise ValueError(f"{what} state field 'fingerprint': unexpected fields "
+                             f"{sorted(set(saved_print) - set(current_print))}")
         cursor = Cursor(reader.int("samples"), reader.int("batches"), state["source"])
         self._order.check_cursor(cursor, what)
         epoch = reader.int("epoch")

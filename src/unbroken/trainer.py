@@ -76,7 +76,7 @@ class Trainer:
       the moment the Trainer is built until ``fit`` returns; one that comes before training
       starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
     - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
-      bit-exact resume on CUDA, see ``unbroken._determinism``); ``None`` (default) changes
+      bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
       nothing and says so once if the model is on CUDA; ``False`` changes nothing.
     """
 
