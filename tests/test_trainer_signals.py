@@ -263,3 +263,11 @@ class _FakeClock:
     def __call__(self) -> float:
         self.now += self.step
         return self.now
+
+
+def test_the_trainer_docstring_describes_every_argument():
+    import inspect
+
+    names = [n for n in inspect.signature(unbroken.Trainer.__init__).parameters if n != "self"]
+    missing = [n for n in names if f"``{n}``" not in unbroken.Trainer.__doc__]
+    assert not missing, f"help(unbroken.Trainer) does not describe {missing}"
