@@ -1,6 +1,8 @@
 """Resume equivalence of unbroken.DataLoader: every cut point, every setting that may change."""
 
+import functools
 import json
+import os
 import tracemalloc
 
 import pytest
@@ -189,16 +191,54 @@ def test_spawned_workers_resume_exactly():
                                   cuts=[2]) == 1
 
 
-def test_torch_arguments_pass_through():
-    seen = []
+def _record_worker(directory, worker):
+    """A worker_init_fn: one file per call, named by the id it got and the worker's own."""
+    info = torch.utils.data.get_worker_info()
+    path = directory / f"{worker}-{info.id}-{os.getpid()}"
+    assert not path.exists()
+    path.touch()
+
+
+def test_torch_arguments_pass_through(tmp_path):
     loader = unbroken.DataLoader(
         Counting(7), batch_size=3, drop_last=True, collate_fn=lambda items: [int(i) for i in items],
-        num_workers=1, worker_init_fn=lambda worker: seen.append(worker), seed=0,
+        num_workers=2, worker_init_fn=functools.partial(_record_worker, tmp_path), seed=0,
     )
     assert len(loader) == 2 and [len(batch) for batch in loader] == [3, 3]
     assert list(loader)[0] == [0, 1, 2]
+    # Called once per worker and epoch (workers restart each epoch), with the worker's own id,
+    # though unbroken wraps it to shield workers from preemption signals.
+    calls = sorted(path.name.split("-") for path in tmp_path.iterdir())
+    assert [(worker, own) for worker, own, _ in calls] == [("0", "0")] * 2 + [("1", "1")] * 2
+    assert len({pid for _, _, pid in calls}) == 4
     seeded = unbroken.DataLoader(Counting(7), shuffle=True, generator=torch.Generator().manual_seed(42))
     assert seeded.seed == 42
+
+
+@pytest.mark.parametrize("kw", [{"shuffle": True}, {},
+                                {"sampler": torch.utils.data.SequentialSampler(range(10))}],
+                         ids=["shuffled", "sequential", "sampler"])
+def test_another_batch_size_is_refused_at_every_cut_point(kw):
+    def make(batch_size):
+        return unbroken.DataLoader(Counting(10), batch_size=batch_size, seed=7, **kw)
+
+    # Before the first batch, mid-epoch, right after the epoch's last batch (inside the loop)
+    # and after the loop: each state is refused naming batch_size, changing nothing.
+    loader = make(3)
+    states = [loader.state_dict()]
+    for batch_number, _ in enumerate(loader):
+        if batch_number == 1:
+            states.append(loader.state_dict())
+        inside = loader.state_dict()
+    states += [inside, loader.state_dict()]
+    assert [(s["epoch"], s["batches"]) for s in states] == [(0, 0), (0, 2), (0, 4), (1, 0)]
+    for state in states:
+        other = make(4)
+        before = other.state_dict()
+        with pytest.raises(ValueError, match="saved with batch_size=3 but this loader has "
+                                             "batch_size=4"):
+            other.load_state_dict(json.loads(json.dumps(state)))
+        assert other.state_dict() == before
 
 
 def test_an_iterator_that_yields_nothing_starts_no_epoch_and_keeps_a_loaded_state():
