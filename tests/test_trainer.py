@@ -1,9 +1,9 @@
 """The whole run resumes bit for bit: weights, optimizer, schedule, RNGs, metrics, logs."""
 
 import json
-import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer_job import SignalAt, run
+import unbroken
+from trainer_job import SignalAt, kill_seed, run
+from unbroken.checkpoint import Checkpointer
+from unbroken.csvlog import HEADER
 from unbroken.preemption import EXIT_CODE
 from unbroken.testing import assert_same
 
@@ -21,11 +24,20 @@ JOB = Path(__file__).with_name("trainer_job.py")
 
 
 def _same_run(directory: Path, reference: Path) -> None:
-    got = torch.load(directory / "final.pt", weights_only=True) if (directory / "final.pt").exists() else None
-    want = torch.load(reference / "final.pt", weights_only=True) if got is not None else None
-    if got is not None:
-        assert_same(dict(got), dict(want), "final weights")
+    """The finished run's weights and log are the reference's; a run without final.pt failed."""
+    for run_directory in (directory, reference):
+        assert (run_directory / "final.pt").is_file(), f"{run_directory} has no final.pt"
+    got = torch.load(directory / "final.pt", weights_only=True)
+    want = torch.load(reference / "final.pt", weights_only=True)
+    assert_same(dict(got), dict(want), "final weights")
     assert (directory / "metrics.csv").read_text() == (reference / "metrics.csv").read_text()
+
+
+def _newest_checkpoint(directory: Path) -> tuple[str, dict]:
+    """The newest committed checkpoint's directory name and the loop counters it holds."""
+    restored = Checkpointer(directory / "checkpoints").load_latest({"progress": None})
+    assert restored is not None, f"no checkpoint was committed in {directory}"
+    return restored.path.name, restored.values["progress"]
 
 
 def _finish(directory: Path, **config) -> torch.nn.Module:
@@ -61,13 +73,20 @@ def reference(tmp_path_factory):
     ],
 )
 def test_preemption_saves_exits_75_and_resumes_bit_for_bit(tmp_path, reference, phase, batch, capfd):
+    signal_at = SignalAt(phase, batch)
     with pytest.raises(SystemExit) as exit:
-        run(tmp_path, callbacks=[SignalAt(phase, batch)])
+        run(tmp_path, callbacks=[signal_at])
     assert exit.value.code == EXIT_CODE
     assert re.search(r"SIGTERM received; checkpoint .* committed \d+\.\d+ s after the signal",
                      capfd.readouterr().err)
-    committed = sorted((tmp_path / "checkpoints").glob("step-*"))
-    assert committed, "the preemption checkpoint was not committed"
+    # The checkpoint is the signal's batch, not an earlier periodic one (none of these batches
+    # is one: with accumulate=2 and checkpoint_every_steps=2 those are every 4th training batch).
+    at_signal = signal_at.progress
+    name, saved = _newest_checkpoint(tmp_path)
+    assert name == f"step-{at_signal['ticks']:09d}", f"newest is {name}; signal at {at_signal}"
+    assert saved == at_signal
+    assert saved["phase"] == phase
+    assert saved["batches" if phase == "train" else "ticks"] == batch, saved
     _finish(tmp_path)
     _same_run(tmp_path, reference)
 
@@ -106,20 +125,102 @@ def test_a_combined_map_and_iterable_loader_resumes_bit_for_bit(tmp_path):
         _same_run(interrupted, reference)
 
 
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """A run directory with one checkpoint (training batch 4) and a log: copy, do not change."""
+    directory = tmp_path_factory.mktemp("preempted")
+    with pytest.raises(SystemExit):
+        run(directory, callbacks=[SignalAt("train", 4)])
+    return directory
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
         ({"hidden": 32}, r"model.*shape"),
         ({"dataset_length": 40}, r"dataset_length=48.*dataset_length=40"),
-        ({"seed": 1}, r"seed=0.*seed=1"),
-        ({"accumulate": 4}, r"accumulate=2.*accumulate=4"),
     ],
 )
-def test_a_directory_from_another_configuration_is_a_clear_error(tmp_path, change, match):
-    with pytest.raises(SystemExit):
-        run(tmp_path, callbacks=[SignalAt("train", 4)])
+def test_a_directory_from_another_configuration_is_a_clear_error(tmp_path, preempted, change,
+                                                                 match):
+    shutil.copytree(preempted, tmp_path, dirs_exist_ok=True)
     with pytest.raises(ValueError, match=match):
         run(tmp_path, **change)
+
+
+# The settings the README says are checked on resume, each with a value other than trainer_job's.
+CHANGED = {"seed": 1, "accumulate": 3, "clip_grad_norm": 1.0, "scheduler_interval": "epoch"}
+
+
+def _recorded_settings() -> list[str]:
+    """The settings a Trainer records in its checkpoints (no signal handler, nothing on disk)."""
+    trainer = unbroken.Trainer("unused", max_epochs=1, signals=())
+    return list(trainer.progress.state_dict()["config"])
+
+
+def test_a_checkpoint_records_every_setting_that_is_checked_on_resume(preempted):
+    _, saved = _newest_checkpoint(preempted)
+    assert sorted(saved["config"]) == sorted(CHANGED)
+    assert saved["config"] == {"seed": 0, "accumulate": 2, "clip_grad_norm": 0.5,
+                               "scheduler_interval": "step"}
+
+
+@pytest.mark.parametrize("field", sorted(set(CHANGED) | set(_recorded_settings())))
+def test_every_recorded_setting_is_checked_on_resume(tmp_path, preempted, field):
+    """A changed value is a ValueError naming the field and both values, before any training."""
+    if field not in CHANGED:
+        pytest.fail(f"Trainer records {field!r} in checkpoints: add it and a changed value to "
+                    "CHANGED (and to the README's \"Checked on resume\")")
+    shutil.copytree(preempted, tmp_path, dirs_exist_ok=True)
+    _, saved = _newest_checkpoint(tmp_path)
+    assert field in saved["config"], f"the checkpoint does not record {field}: {saved['config']}"
+    old, new = saved["config"][field], CHANGED[field]
+    assert old != new
+    log = (tmp_path / "metrics.csv").read_text()
+    change = {field: new, "loader_seed": 0}  # the loaders keep their seed: only the Trainer's check
+    with pytest.raises(ValueError) as error:
+        run(tmp_path, **change)
+    message = str(error.value)
+    assert f"{field}={old!r}" in message and f"{field}={new!r}" in message, message
+    assert message.index(f"{field}={old!r}") < message.index(f"{field}={new!r}"), message
+    assert (tmp_path / "metrics.csv").read_text() == log  # nothing was trained or logged
+
+
+class _Crash(Exception):
+    pass
+
+
+class _CrashAt:
+    """Raises after the given training batch: a process that died without saving."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        if trainer.progress.batches == self.batch:
+            raise _Crash(f"crash at batch {self.batch}")
+
+
+def test_a_fresh_start_empties_the_log_of_a_process_that_never_committed_a_checkpoint(
+        tmp_path, reference):
+    with pytest.raises(_Crash):
+        run(tmp_path, checkpoint_every_steps=None, checkpoint_every_seconds=None,
+            callbacks=[_CrashAt(7)])
+    assert not list((tmp_path / "checkpoints").glob("step-*"))
+    log = tmp_path / "metrics.csv"
+    with log.open("a") as file:
+        file.write("8,0,train,lo")  # and a row cut off by the kill
+    assert log.read_text().count("\n") > 7  # rows of the process that died
+
+    at_start = []
+
+    class LogAtStart:
+        def on_fit_start(self, trainer):
+            at_start.append(log.read_text())
+
+    _finish(tmp_path, callbacks=[LogAtStart()])
+    assert at_start == [HEADER]
+    _same_run(tmp_path, reference)
 
 
 @pytest.mark.parametrize("job, count", [
@@ -131,7 +232,8 @@ def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
     config = json.dumps({"workers": 2, "epochs": 6, "checkpoint_every_steps": 1, "pace": 0.01, **job})
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     subprocess.run([sys.executable, str(JOB), str(reference), config], check=True)
-    rng = random.Random(os.environ.get("UNBROKEN_KILL_SEED"))
+    seed = kill_seed()  # printed: pytest shows it with a failure
+    rng = random.Random(seed)
     status, checkpoints = interrupted / "status", interrupted / "checkpoints"
     kills = inside_saves = 0
     while kills < count:
@@ -152,11 +254,22 @@ def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
             time.sleep(0.0005)
         if process.wait() == 0:
             break  # it finished before the kill it was meant to get
-        assert process.returncode == -signal.SIGKILL, process.returncode
+        assert process.returncode == -signal.SIGKILL, (process.returncode,
+                                                       f"UNBROKEN_KILL_SEED={seed}")
     subprocess.run([sys.executable, str(JOB), str(interrupted), config], check=True)
-    assert kills == count, f"the run finished after {kills} kills"
-    assert inside_saves >= count // 6, f"only {inside_saves} kills landed inside a checkpoint write"
+    assert kills == count, f"the run finished after {kills} kills (UNBROKEN_KILL_SEED={seed})"
+    assert inside_saves >= count // 6, (f"only {inside_saves} kills landed inside a checkpoint "
+                                        f"write (UNBROKEN_KILL_SEED={seed})")
     _same_run(interrupted, reference)
+
+
+def test_the_kill_seed_is_printed_and_replayable(monkeypatch, capsys):
+    monkeypatch.delenv("UNBROKEN_KILL_SEED", raising=False)
+    chosen = kill_seed()
+    assert capsys.readouterr().out.startswith(f"UNBROKEN_KILL_SEED={chosen} ")
+    monkeypatch.setenv("UNBROKEN_KILL_SEED", str(chosen))
+    assert kill_seed() == chosen
+    assert f"UNBROKEN_KILL_SEED={chosen} " in capsys.readouterr().out
 
 
 def test_tensorboard_curves_of_a_resumed_run_equal_the_uninterrupted_ones(tmp_path, reference):

@@ -16,7 +16,7 @@ import torch
 
 import unbroken
 import unbroken.trainer
-from trainer_job import Noisy, run
+from trainer_job import Noisy, kill_seed, run
 from unbroken import DirectoryInUse
 from unbroken.preemption import EXIT_CODE
 
@@ -65,7 +65,8 @@ def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly
     config = {"workers": 2, "epochs": 2, "pace": 0.02, **KINDS[kind]}
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     subprocess.run([sys.executable, str(JOB), str(reference), json.dumps(config)], check=True)
-    rng = random.Random(os.environ.get("UNBROKEN_KILL_SEED"))
+    seed = kill_seed()  # printed: pytest shows it with a failure
+    rng = random.Random(seed)
     after = rng.randint(1, 14)  # batches of this process; epoch ends and validation included
     process = _job(interrupted, config, start_new_session=True)  # its own process group
     while process.poll() is None and _ran(interrupted) < after:
@@ -73,10 +74,11 @@ def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly
     time.sleep(rng.uniform(0, 0.02))  # anywhere inside a batch, not only at its end
     os.killpg(process.pid, signum)
     _, err = process.communicate(timeout=120)
+    err += f"\n(signalled after {after} batches; replay with UNBROKEN_KILL_SEED={seed})"
     assert process.returncode == EXIT_CODE, err
     assert f"{signal.Signals(signum).name} received; checkpoint" in err
     assert "killed by signal" not in err and "Traceback" not in err, err
-    assert list((interrupted / "checkpoints").glob("step-*")), "nothing was committed"
+    assert list((interrupted / "checkpoints").glob("step-*")), f"nothing was committed\n{err}"
     subprocess.run([sys.executable, str(JOB), str(interrupted), json.dumps(config)], check=True)
     _same(interrupted, reference)
 

@@ -57,18 +57,39 @@ class Counter:
 
 
 class SignalAt:
-    """Sends `signum` to this process after the given batch of the given phase (test hook)."""
+    """Sends `signum` to this process after the given batch of the given phase (test hook).
+
+    `progress` is the loop's counters when the signal was sent: the preemption checkpoint
+    must hold exactly these (not an earlier periodic checkpoint's).
+    """
 
     def __init__(self, phase: str, batch: int, signum: int = signal.SIGTERM) -> None:
         self.phase, self.batch, self.signum = phase, batch, signum
+        self.progress: dict | None = None
+
+    def _send(self, trainer) -> None:
+        self.progress = trainer.progress.state_dict()
+        os.kill(os.getpid(), self.signum)
 
     def on_train_batch_end(self, trainer, logs) -> None:
         if self.phase == "train" and trainer.progress.batches == self.batch:
-            os.kill(os.getpid(), self.signum)
+            self._send(trainer)
 
     def on_validation_batch_end(self, trainer, logs) -> None:
         if self.phase == "val" and trainer.progress.ticks == self.batch:
-            os.kill(os.getpid(), self.signum)
+            self._send(trainer)
+
+
+def kill_seed() -> int:
+    """The seed of a test's random kill moments: $UNBROKEN_KILL_SEED, else a fresh one.
+
+    Printed (pytest shows it with a failure) so that a failing run can be replayed with
+    ``UNBROKEN_KILL_SEED=<seed> pytest ...``.
+    """
+    chosen = os.environ.get("UNBROKEN_KILL_SEED")
+    seed = int(chosen) if chosen else random.SystemRandom().randrange(2**32)
+    print(f"UNBROKEN_KILL_SEED={seed} (set it to replay these kill moments)")
+    return seed
 
 
 class Pace:
@@ -115,21 +136,23 @@ def _combined_step(step):
 
 def run(directory, *, epochs=3, pace=None, combined=False, stream=False, workers=0, accumulate=2, checkpoint_every_steps=2, scaler=True,
         scheduler_interval="step", seed=0, dataset_length=48, hidden=16, callbacks=(),
-        max_steps=None, context=None, **trainer_options) -> nn.Module:
+        max_steps=None, context=None, clip_grad_norm=0.5, loader_seed=None,
+        **trainer_options) -> nn.Module:
     from torchmetrics.classification import MulticlassAccuracy
 
+    loader_seed = seed if loader_seed is None else loader_seed  # given: only the Trainer gets `seed`
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
     train_loader = unbroken.DataLoader(Noisy(dataset_length), batch_size=5, shuffle=True,
-                                       num_workers=workers, persistent_workers=workers > 0, seed=seed,
+                                       num_workers=workers, persistent_workers=workers > 0, seed=loader_seed,
                                        multiprocessing_context=context)
-    val_loader = unbroken.DataLoader(Noisy(20), batch_size=4, seed=seed)
+    val_loader = unbroken.DataLoader(Noisy(20), batch_size=4, seed=loader_seed)
     if stream:  # an iterable dataset with its own state, sharded over the workers
-        train_loader = unbroken.DataLoader(NoisyStream(60), batch_size=3, num_workers=workers, seed=seed)
+        train_loader = unbroken.DataLoader(NoisyStream(60), batch_size=3, num_workers=workers, seed=loader_seed)
     if combined:  # a map-style and an iterable loader, Lightning's max_size_cycle
-        stream = unbroken.DataLoader(NoisyStream(), batch_size=3, num_workers=workers, seed=seed)
+        stream = unbroken.DataLoader(NoisyStream(), batch_size=3, num_workers=workers, seed=loader_seed)
         train_loader = unbroken.CombinedLoader({"map": train_loader, "stream": stream})
     train_acc, val_acc = MulticlassAccuracy(3), MulticlassAccuracy(3)
 
@@ -143,7 +166,7 @@ def run(directory, *, epochs=3, pace=None, combined=False, stream=False, workers
 
     trainer = unbroken.Trainer(
         directory, max_epochs=epochs, max_steps=max_steps, seed=seed,
-        checkpoint_every_steps=checkpoint_every_steps, accumulate=accumulate, clip_grad_norm=0.5,
+        checkpoint_every_steps=checkpoint_every_steps, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
         scheduler_interval=scheduler_interval, callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
         progress_bar=False, tensorboard_every=1, **trainer_options,
     )
