@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unbroken-installed
 
-.PHONY: test demo demo-loader bench clean
+.PHONY: test demo demo-loader bench mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,5 +31,16 @@ bench: $(STAMP)
 	$(PY) benchmarks/trainer_overhead.py
 	$(PY) benchmarks/stream_overhead.py
 
+# Mutation testing of the core modules with mutmut (slow: see TESTING.md). Configured in
+# pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken._shuffle*"` runs one module,
+# MUTATE_CHILDREN sets the parallel workers. PYTHONPATH makes the tests' subprocesses import the
+# mutated copy too. Results: `.venv/bin/mutmut results`, `.venv/bin/mutmut show NAME`.
+MUTATE_CHILDREN ?= 1
+MUTANTS ?=
+mutate: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,demo,mutate]"
+	PYTHONPATH=$(CURDIR)/mutants/src $(VENV)/bin/mutmut run --max-children $(MUTATE_CHILDREN) $(MUTANTS)
+	$(VENV)/bin/mutmut results
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis demo_output bench_output
+	rm -rf $(VENV) .pytest_cache .hypothesis demo_output bench_output mutants

@@ -1,6 +1,15 @@
-"""Hypothesis settings for the suite: no deadlines (worker processes start at their own pace)."""
+"""Suite-wide settings: Hypothesis without deadlines (worker processes start at their own pace),
+and the preemption signals at their default action."""
+
+import signal
 
 from hypothesis import HealthCheck, settings
+
+# Tests signal their own process; if unbroken failed to install its handlers, the default action
+# kills the test run loudly. A runner may have installed its own (mutmut's fork server makes
+# SIGTERM exit with status 0, which would read as a pass), so put the defaults back.
+for _signal in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(_signal, signal.SIG_DFL)
 
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
