@@ -42,3 +42,20 @@ class Counting(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> torch.Tensor:
         self.fetched.append(index)
         return torch.tensor(index)
+
+
+class Stateless(torch.utils.data.Sampler):
+    """A sampler whose order depends on its epoch, with no state_dict: resumed by skipping."""
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.epoch)
+        return iter(torch.randperm(self.n, generator=generator).tolist())

@@ -34,6 +34,8 @@ from unbroken._rng import sample_seed_at
 from unbroken._shuffle import IndexShuffle, derive_key
 from unbroken.combined import MODES, CombinedLoader
 
+from pipelines import Stateless
+
 
 def _as_list(items):
     return list(items)  # collate: keep the samples (a sample_seed() needs 64 unsigned bits)
@@ -153,23 +155,6 @@ def test_randomness_follows_the_position_not_the_index():
 # --- user samplers and batch samplers ----------------------------------------------------------
 
 
-class EpochPermutation(torch.utils.data.Sampler):
-    """A sampler whose order depends on its epoch; iterated directly for the reference."""
-
-    def __init__(self, n):
-        self.n, self.epoch = n, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
-                    .tolist())
-
-
 class UnevenBatches(torch.utils.data.Sampler):
     """Batches of 1, 2, 3, 1, 2, ... indices, reversed every other epoch."""
 
@@ -194,10 +179,10 @@ class UnevenBatches(torch.utils.data.Sampler):
 @given(n=st.integers(0, 20), batch_size=st.integers(1, 4), drop_last=st.booleans())
 @settings(max_examples=15)
 def test_a_user_sampler_order_is_the_samplers_own(n, batch_size, drop_last):
-    loader = unbroken.DataLoader(Probe(n), batch_size=batch_size, sampler=EpochPermutation(n),
+    loader = unbroken.DataLoader(Probe(n), batch_size=batch_size, sampler=Stateless(n),
                                  drop_last=drop_last, seed=0, collate_fn=_as_list)
     for epoch in range(2):
-        sampler = EpochPermutation(n)
+        sampler = Stateless(n)
         sampler.set_epoch(epoch)
         order = list(sampler)
         expected = [order[i:i + batch_size] for i in range(0, n, batch_size)]
