@@ -6,7 +6,7 @@ may hold what JSON cannot: ``to_jsonable`` turns tensors and numpy arrays into t
 their states by int) into ``{"__items__": [[key, value], ...]}``, keys being str, int, float,
 bool, None or tuples of these; ``from_jsonable`` turns them back, key types included. Anything
 else is refused when the state is *taken*, naming its key path, so that a state that saved is a
-state that loads. ``snapshot`` takes an object's state that way but defers a refusal
+state that loads. ``encode_or_defer`` takes an object's state that way but defers a refusal
 (``Unsaveable``) to the moment the user asks for the state, so iterating never fails for it.
 
 Loading checks every field before anything changes, and a mismatch is a ``ValueError`` that

@@ -137,7 +137,7 @@ class DataLoader:
             num_workers=num_workers,
             pin_memory=pin_memory,
             timeout=timeout,
-            worker_init_fn=worker_init(worker_init_fn),
+            worker_init_fn=worker_init_fn,  # wrapped by __iter__, which starts the workers
             multiprocessing_context=multiprocessing_context,
             generator=self._worker_seeds,
             prefetch_factor=prefetch_factor,

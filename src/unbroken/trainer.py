@@ -322,10 +322,11 @@ class Trainer:
         if restored is None:
             return f"no checkpoint in {self.checkpointer.directory}: starting fresh"
         progress = self.progress
-        where = (f"epoch {progress.epoch}, {progress.phase} batch {self._phase_batch()}, "
-                 f"optimizer step {progress.steps}")
         if progress.phase == "end":
             where = f"the end of epoch {progress.epoch}, optimizer step {progress.steps}"
+        else:
+            where = (f"epoch {progress.epoch}, {progress.phase} batch {self._phase_batch()}, "
+                     f"optimizer step {progress.steps}")
         return f"resumed from checkpoint {restored.path} ({where})"
 
     def _save(self, blocking: bool = True) -> None:
