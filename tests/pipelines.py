@@ -59,3 +59,22 @@ class Stateless(torch.utils.data.Sampler):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.epoch)
         return iter(torch.randperm(self.n, generator=generator).tolist())
+
+
+class Positioned(torch.utils.data.IterableDataset):
+    """torch's Stateful protocol: its state, a position, is the user's. ``__iter__`` continues
+    from the state, so each fresh epoch must start from the state as constructed."""
+
+    def __init__(self, n, start=0):
+        self.n, self.position = n, start
+
+    def __iter__(self):
+        while self.position < self.n:
+            self.position += 1
+            yield self.position - 1
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 import unbroken
+from pipelines import Positioned
 from unbroken.testing import assert_resumes_exactly
 
 REPLAY_WARNING = r"ignore:.*O\(k\):UserWarning"
@@ -112,28 +113,9 @@ def test_a_dataset_that_sets_up_its_state_in_iter_resumes_mid_epoch_exactly(work
     assert epochs == [list(range(12))] * 2
 
 
-class CountsFromConstruction(IterableDataset):
-    """A dataset whose ``__iter__`` continues from its state: each fresh epoch must start from
-    the state as constructed, also with num_workers=0 where the same object is iterated again."""
-
-    def __init__(self, n, start):
-        self.n, self.position = n, start
-
-    def __iter__(self):
-        while self.position < self.n:
-            self.position += 1
-            yield self.position - 1
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_each_fresh_epoch_starts_from_the_state_as_constructed(workers):
-    loader = unbroken.DataLoader(CountsFromConstruction(7, 3), batch_size=2, num_workers=workers,
+    loader = unbroken.DataLoader(Positioned(7, 3), batch_size=2, num_workers=workers,
                                  seed=0)
     epochs = [sorted(sum((b.tolist() for b in loader), [])) for _ in range(3)]
     expected = [3, 4, 5, 6] if workers == 0 else [3, 3, 4, 4, 5, 5, 6, 6]  # a replica per worker

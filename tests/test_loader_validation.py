@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from torch.utils.data import IterableDataset, get_worker_info
 
 import unbroken
-from pipelines import Counting
+from pipelines import Counting, Positioned
 from unbroken.testing import assert_same
 
 
@@ -137,24 +137,6 @@ class Batches(torch.utils.data.Sampler):
 
     def __len__(self):
         return 4
-
-
-class Positioned(IterableDataset):
-    """torch's Stateful protocol: its state, a position, is the user's."""
-
-    def __init__(self, n):
-        self.n, self.position = n, 0
-
-    def __iter__(self):
-        while self.position < self.n:
-            self.position += 1
-            yield self.position - 1
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 def _dataloader(**kw):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import unbroken
-from trainer_job import SignalAt, kill_seed, run
+from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 from unbroken.checkpoint import Checkpointer
 from unbroken.csvlog import HEADER
 from unbroken.preemption import EXIT_CODE
@@ -186,26 +186,13 @@ def test_every_recorded_setting_is_checked_on_resume(tmp_path, preempted, field)
     assert (tmp_path / "metrics.csv").read_text() == log  # nothing was trained or logged
 
 
-class _Crash(Exception):
-    pass
-
-
-class _CrashAt:
-    """Raises after the given training batch: a process that died without saving."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-
-    def on_train_batch_end(self, trainer, logs) -> None:
-        if trainer.progress.batches == self.batch:
-            raise _Crash(f"crash at batch {self.batch}")
 
 
 def test_a_fresh_start_empties_the_log_of_a_process_that_never_committed_a_checkpoint(
         tmp_path, reference):
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         run(tmp_path, checkpoint_every_steps=None, checkpoint_every_seconds=None,
-            callbacks=[_CrashAt(7)])
+            callbacks=[CrashAt(7)])
     assert not list((tmp_path / "checkpoints").glob("step-*"))
     log = tmp_path / "metrics.csv"
     with log.open("a") as file:

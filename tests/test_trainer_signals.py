@@ -16,7 +16,7 @@ import torch
 
 import unbroken
 import unbroken.trainer
-from trainer_job import Noisy, kill_seed, run
+from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 from unbroken import DirectoryInUse
 from unbroken.preemption import EXIT_CODE
 
@@ -90,7 +90,7 @@ def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly
 def test_a_signal_before_training_starts_exits_75_and_changes_nothing(
         tmp_path, capfd, monkeypatch, when, signum):
     with pytest.raises(SystemExit):  # a run with a checkpoint and a log
-        run(tmp_path, callbacks=[_Signal(6)])
+        run(tmp_path, callbacks=[SignalAt("train", 6)])
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     log = (tmp_path / "metrics.csv").read_text()
     capfd.readouterr()
@@ -120,13 +120,13 @@ def test_every_signal_handler_is_put_back_after_fit(tmp_path, outcome):
     previous = {s: (lambda *_: None) for s in TEST_SIGNALS}
     originals = {s: signal.signal(s, handler) for s, handler in previous.items()}
     try:
-        callbacks = {"finishes": [], "raises": [_Raise(3)], "preempted": [_Signal(3)],
+        callbacks = {"finishes": [], "raises": [CrashAt(3)], "preempted": [SignalAt("train", 3)],
                      "refuses": []}[outcome]
         try:
             if outcome == "refuses":  # fit() rejects its arguments before it starts
                 unbroken.Trainer(tmp_path, max_epochs=1).fit(torch.nn.Linear(1, 1), None, [1])
             run(tmp_path, epochs=1, callbacks=callbacks)
-        except (SystemExit, _Crash, TypeError):
+        except (SystemExit, Crash, TypeError):
             pass
         for s, handler in previous.items():
             assert signal.getsignal(s) is handler, signal.Signals(s).name
@@ -169,8 +169,8 @@ def test_by_default_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monk
     clock = _FakeClock(seconds_per_call=70)  # a batch takes 70 s: a save every ~9 batches
     monkeypatch.setattr(unbroken.trainer, "_clock", clock)
     crashed = tmp_path / "crashed"
-    with pytest.raises(_Crash):
-        run(crashed, checkpoint_every_steps=None, callbacks=[_Raise(20)])
+    with pytest.raises(Crash):
+        run(crashed, checkpoint_every_steps=None, callbacks=[CrashAt(20)])
     # Training batch 20 is tick 25 (epoch 0 had 5 validation batches): ~9 batches are 600 s.
     ticks = sorted(int(p.name.split("-")[1]) for p in (crashed / "checkpoints").glob("step-*"))
     assert ticks and 25 - 10 <= ticks[-1] < 25, ticks
@@ -190,10 +190,10 @@ def test_checkpoint_every_steps_counts_optimizer_steps(tmp_path):
 
 def test_the_trainer_says_where_it_starts(tmp_path, capfd):
     with pytest.raises(SystemExit):
-        run(tmp_path, callbacks=[_Signal(5)])
+        run(tmp_path, callbacks=[SignalAt("train", 5)])
     assert f"no checkpoint in {tmp_path / 'checkpoints'}: starting fresh" in capfd.readouterr().err
     with pytest.raises(SystemExit):
-        run(tmp_path, callbacks=[_Signal(13)])
+        run(tmp_path, callbacks=[SignalAt("train", 13)])
     err = capfd.readouterr().err
     assert re.search(r"resumed from checkpoint \S+step-000000005 \(epoch 0, train batch 5, "
                      r"optimizer step 2\)", err), err
@@ -225,37 +225,13 @@ def test_deterministic_turns_on_deterministic_kernels_during_fit_only(tmp_path, 
 
 def test_a_seed_mismatch_names_the_trainer_not_a_loader(tmp_path):
     with pytest.raises(SystemExit):
-        run(tmp_path, callbacks=[_Signal(4)])
+        run(tmp_path, callbacks=[SignalAt("train", 4)])
     with pytest.raises(ValueError, match=r"seed=0, but this Trainer has seed=1") as error:
         run(tmp_path, seed=1)
     assert "loader" not in str(error.value).split("rejected the entry")[-1]
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-class _Crash(Exception):
-    pass
-
-
-class _Raise:
-    """A crash (an exception, as from a bad batch or an OOM) after the given training batch."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-
-    def on_train_batch_end(self, trainer, logs) -> None:
-        if trainer.progress.batches == self.batch:
-            raise _Crash(f"crash at batch {self.batch}")
-
-
-class _Signal:
-    def __init__(self, batch: int, signum: int = signal.SIGTERM) -> None:
-        self.batch, self.signum = batch, signum
-
-    def on_train_batch_end(self, trainer, logs) -> None:
-        if trainer.progress.batches == self.batch:
-            os.kill(os.getpid(), self.signum)
 
 
 class _FakeClock:

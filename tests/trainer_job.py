@@ -92,6 +92,21 @@ def kill_seed() -> int:
     return seed
 
 
+class Crash(Exception):
+    """What CrashAt raises: a process that dies without saving (a bad batch, an OOM)."""
+
+
+class CrashAt:
+    """Raises Crash after the given training batch."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        if trainer.progress.batches == self.batch:
+            raise Crash(f"crash at batch {self.batch}")
+
+
 class Pace:
     """Slows each batch down and reports how many this process ran (for the SIGKILL test)."""
 
