@@ -146,7 +146,7 @@ class SeedingControl(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self._seed is None:  # built lazily: workers rebuild it in their own process
-            from unbroken._rng import make_seeder, sample_seed_at
+            from unbroken.data.rng import make_seeder, sample_seed_at
 
             self._seed, self._at = make_seeder(GLOBAL_RNGS["unbroken"]), sample_seed_at
         self._seed(self._at(0x1234, i))
@@ -181,7 +181,7 @@ def run_epochs(loader, model, opt, step, epochs: int) -> tuple[float, int]:
 
 def seeding_costs(repeat: int = 5) -> dict[str, float]:
     """Microseconds per call of each global seeding, and of unbroken's whole per-sample seeding."""
-    from unbroken._rng import make_seeder, sample_seed_at  # private: only to explain the numbers
+    from unbroken.data.rng import make_seeder, sample_seed_at  # private: only to explain the numbers
 
     value = 0x9E3779B97F4A7C15  # a full 64-bit seed, as unbroken passes
     generator = torch.default_generator

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import unbroken
-from unbroken.csvlog import CSVLog
+from unbroken.train.csvlog import CSVLog
 
 OUTPUT = Path(__file__).resolve().parent.parent / "demo_output"
 EPOCHS, BATCH, SEED = 5, 32, 7
@@ -157,9 +157,9 @@ def main() -> int:
             batch = int(batch_text)
             kills.append((batch, "SIGTERM" if target == "preempt" else phase))
             if target == "preempt":
-                if process.returncode != unbroken.preemption.EXIT_CODE:
+                if process.returncode != unbroken.EXIT_CODE:
                     print(f"training process exited with {process.returncode} after SIGTERM, "
-                          f"not {unbroken.preemption.EXIT_CODE}")
+                          f"not {unbroken.EXIT_CODE}")
                     return 1
                 print(f"  SIGTERM to the process group during {phase} at training batch {batch}: "
                       f"checkpoint committed, exit code {process.returncode}; restarting")

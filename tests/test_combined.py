@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import unbroken
-from unbroken.combined import MODES, CombinedLoader
+from unbroken.data.combined import MODES, CombinedLoader
 from unbroken.testing import assert_resumes_exactly, assert_same
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from unbroken.csvlog import CSVLog
+from unbroken.train.csvlog import CSVLog
 
 
 def test_loading_a_state_rewinds_the_log_to_the_checkpoint(tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.globalrng import GlobalRNG
+from unbroken.train.globalrng import GlobalRNG
 
 
 def _draws():

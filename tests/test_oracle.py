@@ -29,10 +29,10 @@ from hypothesis import given, settings, strategies as st
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import unbroken
-from unbroken._order import _BLOCK
-from unbroken._rng import sample_seed_at
-from unbroken._shuffle import IndexShuffle, derive_key
-from unbroken.combined import MODES, CombinedLoader
+from unbroken.data.orders import _BLOCK
+from unbroken.data.rng import sample_seed_at
+from unbroken.data.shuffle import IndexShuffle, derive_key
+from unbroken.data.combined import MODES, CombinedLoader
 
 from pipelines import Stateless
 

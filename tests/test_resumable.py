@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import unbroken._resumable as resumable_module
-from unbroken._resumable import Resumable, resumable
+import unbroken.data.iterable as resumable_module
+from unbroken.data.iterable import Resumable, resumable
 from unbroken.testing import assert_resumes_exactly, assert_same
 
 SKIP_WARNING = r"ignore:.*costs O\(k\):UserWarning"
@@ -395,5 +395,5 @@ def test_tensors_in_an_inner_state_round_trip():
     resumed = dali_stream(4, 5, [])
     resumed.load_state_dict(state)
     assert_same(list(resumed), [first, *iterator][1:])
-    assert isinstance(resumable_module.snapshot(FakeDali(1, 0, []), "x")["rng"], dict)
+    assert isinstance(resumable_module.take_state(FakeDali(1, 0, []), "x")["rng"], dict)
     assert isinstance(stream, Resumable)

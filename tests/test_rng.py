@@ -3,7 +3,7 @@ import torch
 
 import unbroken
 from pipelines import Augmented
-from unbroken._rng import check_global_rngs
+from unbroken.data.rng import check_global_rngs
 from unbroken.testing import assert_same
 
 

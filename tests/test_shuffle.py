@@ -3,7 +3,7 @@ import tracemalloc
 import numpy as np
 from hypothesis import given, strategies as st
 
-from unbroken._shuffle import IndexShuffle, derive_key
+from unbroken.data.shuffle import IndexShuffle, derive_key
 
 
 @given(n=st.integers(0, 3000), key=st.integers(0, 2**64 - 1))

@@ -13,8 +13,8 @@ from hypothesis import example, given, settings, strategies as st
 
 import unbroken
 from pipelines import Counting
-from unbroken._resumable import resumable
-from unbroken._shuffle_buffer import ShuffleBuffer, shuffle_buffer
+from unbroken.data.iterable import resumable
+from unbroken.data.shuffling import ShuffleBuffer, shuffle_buffer
 from unbroken.testing import assert_resumes_exactly
 
 SKIP_WARNING = r"ignore:.*costs O\(k\):UserWarning"

@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 from torch.utils.data import IterableDataset, get_worker_info
 
 import unbroken
-from unbroken._rng import sample_seed_at
-from unbroken._shuffle import derive_key
+from unbroken.data.rng import sample_seed_at
+from unbroken.data.shuffle import derive_key
 from unbroken.testing import assert_resumes_exactly
 
 

@@ -16,8 +16,8 @@ import torch
 import unbroken
 from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 from unbroken.checkpoint import Checkpointer
-from unbroken.csvlog import HEADER
-from unbroken.preemption import EXIT_CODE
+from unbroken.train.csvlog import HEADER
+from unbroken.train.preemption import EXIT_CODE
 from unbroken.testing import assert_same
 
 JOB = Path(__file__).with_name("trainer_job.py")

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import unbroken
-import unbroken.trainer
+import unbroken.train.trainer
 from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 from unbroken import DirectoryInUse
-from unbroken.preemption import EXIT_CODE
+from unbroken.train.preemption import EXIT_CODE
 
 JOB = Path(__file__).with_name("trainer_job.py")
 TEST_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -167,7 +167,7 @@ def test_by_default_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monk
     reference = tmp_path / "reference"
     torch.save(run(reference, checkpoint_every_steps=None).state_dict(), reference / "final.pt")
     clock = _FakeClock(seconds_per_call=70)  # a batch takes 70 s: a save every ~9 batches
-    monkeypatch.setattr(unbroken.trainer, "_clock", clock)
+    monkeypatch.setattr(unbroken.train.trainer, "_clock", clock)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
         run(crashed, checkpoint_every_steps=None, callbacks=[CrashAt(20)])

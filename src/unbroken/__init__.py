@@ -1,31 +1,36 @@
 """unbroken: PyTorch training that resumes exactly where a killed run stopped.
 
-Public names: ``DataLoader`` (a resumable drop-in for torch's), ``sample_rng`` and
-``sample_seed`` (the current sample's own randomness), ``Checkpointer`` (atomic, verified
-checkpoints; ``load_latest`` returns a ``Restored``), ``GlobalRNG`` (the process's RNGs as a
-checkpoint entry), ``Preemption`` (signals as a flag), ``DirectoryInUse`` (a run directory
-another process trains in), ``CombinedLoader`` (several loaders as one, Lightning's modes) and
-``Trainer`` (a loop that resumes bit for bit); ``resumable`` (any iterable, checkpointable) and
-``shuffle_buffer`` (an exact, resumable shuffle for streams). ``unbroken.testing`` holds
-``assert_resumes_exactly`` for checking a pipeline.
+The public API is the names below (and ``unbroken.testing``); import them from ``unbroken``.
+The implementation is grouped by concern, and each subpackage's ``__all__`` says what it
+offers; the modules inside are internal and may move:
+
+- ``unbroken.data``: ``DataLoader`` (a resumable drop-in for torch's), ``CombinedLoader``
+  (several loaders as one, Lightning's modes), ``resumable`` (any iterable, checkpointable),
+  ``shuffle_buffer`` (an exact, resumable shuffle for streams), ``sample_rng`` and
+  ``sample_seed`` (the current sample's own randomness).
+- ``unbroken.checkpoint``: ``Checkpointer`` (atomic, verified checkpoints; ``load_latest``
+  returns a ``Restored``).
+- ``unbroken.train``: ``Trainer`` (a loop that resumes bit for bit), ``Preemption`` (signals
+  as a flag), ``GlobalRNG`` (the process's RNGs as a checkpoint entry).
+- ``unbroken.distributed``: the place for data parallelism (next).
+- ``unbroken.errors``: ``StateMismatch``, ``CorruptState``, ``CorruptCheckpoint`` (all
+  ``ValueError``) and ``DirectoryInUse``.
+- ``unbroken.testing``: ``assert_resumes_exactly`` for checking a pipeline.
 """
 
-from ._lock import DirectoryInUse
-from ._rng import sample_rng, sample_seed
-from ._restore import Restored
-from .checkpoint import Checkpointer
-from .combined import CombinedLoader
-from .globalrng import GlobalRNG
-from .loader import DataLoader
-from .preemption import Preemption
-from ._resumable import Resumable, resumable
-from ._shuffle_buffer import ShuffleBuffer, shuffle_buffer
-from .trainer import Trainer
+from .checkpoint import Checkpointer, Restored
+from .data import (CombinedLoader, DataLoader, Resumable, ShuffleBuffer, resumable, sample_rng,
+                   sample_seed, shuffle_buffer)
+from .errors import CorruptCheckpoint, CorruptState, DirectoryInUse, StateMismatch
+from .train import EXIT_CODE, GlobalRNG, Preemption, Trainer
 
 __version__ = "0.1.0"
 __all__ = [
+    "EXIT_CODE",
     "Checkpointer",
     "CombinedLoader",
+    "CorruptCheckpoint",
+    "CorruptState",
     "DataLoader",
     "DirectoryInUse",
     "GlobalRNG",
@@ -33,10 +38,10 @@ __all__ = [
     "Restored",
     "Resumable",
     "ShuffleBuffer",
+    "StateMismatch",
     "Trainer",
     "resumable",
     "sample_rng",
     "sample_seed",
     "shuffle_buffer",
 ]
-assert sorted(__all__) == __all__

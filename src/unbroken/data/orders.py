@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from ._shuffle import IndexShuffle, derive_key
-from ._state import (check_user_state, encode_or_defer, from_jsonable, has_state,
+from .shuffle import IndexShuffle, derive_key
+from .._state import (check_user_state, encode_or_defer, from_jsonable, has_state,
                      raise_if_unsaveable)
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block

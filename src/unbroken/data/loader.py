@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch.utils.data import SequentialSampler
 
-from ._fetch import SeededDataset
-from ._order import Cursor, NativeOrder, UserBatchSampler, UserSampler
-from ._rng import GLOBAL_RNGS, check_global_rngs
-from ._shuffle import derive_key
-from ._state import StateReader, mismatch, same
-from ._stream import SKIP, StreamSource, StreamWorker, _identity, is_stream
-from ._workers import signals_blocked, worker_init
+from .fetch import SeededDataset
+from .orders import Cursor, NativeOrder, UserBatchSampler, UserSampler
+from .rng import GLOBAL_RNGS, check_global_rngs
+from .shuffle import derive_key
+from .._state import StateReader, mismatch, same
+from .streams import SKIP, StreamSource, StreamWorker, _identity, is_stream
+from .workers import signals_blocked, worker_init
 
 FORMAT = "unbroken.DataLoader"
 VERSION = 1

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from ._background import BackgroundSave
-from ._disk import FULL, disk_full, fsync_dir, make_directories, remove, write_file
-from ._manifest import FORMAT, MANIFEST, VERSION, Corrupt, file_name, read, seal
-from ._restore import Restored, restore
-from ._state import has_state
-from ._weights_only import snapshot
+from .background import BackgroundSave
+from .disk import FULL, disk_full, fsync_dir, make_directories, remove, write_file
+from .manifest import FORMAT, MANIFEST, VERSION, Corrupt, file_name, read, seal
+from .restore import Restored, restore
+from .._state import has_state
+from .weights_only import snapshot
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "Restored"]
 

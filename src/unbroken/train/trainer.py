@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._determinism import determinism
-from ._lock import DirectoryLock
-from ._state import has_state
-from .checkpoint import Checkpointer
+from .determinism import determinism
+from .lock import DirectoryLock
+from .._state import has_state
+from ..checkpoint.manager import Checkpointer
 from .csvlog import CSVLog, open_tensorboard
 from .globalrng import GlobalRNG
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption

@@ -16,12 +16,10 @@ import errno
 import os
 from pathlib import Path
 
+from ..errors import DirectoryInUse
+
 NAME = ".lock"
 _held: dict[str, int] = {}  # real path -> fd: record locks never conflict within one process
-
-
-class DirectoryInUse(RuntimeError):
-    """Another live process holds the run directory."""
 
 
 class DirectoryLock:

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 
-from ._rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
-from ._shuffle import derive_key
-from ._state import (COUNT_LIMIT, Unsaveable, check_int, check_user_state, encode_or_defer,
+from .rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
+from .shuffle import derive_key
+from .._state import (COUNT_LIMIT, Unsaveable, check_int, check_user_state, encode_or_defer,
                      from_jsonable, has_state)
 
 SKIP = object()  # what receive() returns for a placeholder (main process only: never pickled)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from ._shuffle import mix64
+from .shuffle import mix64
 
 GLOBAL_RNGS = ("torch", "numpy", "random")
 _U64 = (1 << 64) - 1

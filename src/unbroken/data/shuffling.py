@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from ._shuffle import derive_key
-from ._state import (COUNT_LIMIT, StateReader, check_user_state, from_jsonable, has_state,
+from .shuffle import derive_key
+from .._state import (COUNT_LIMIT, StateReader, check_user_state, from_jsonable, has_state,
                      mismatch, raise_if_unsaveable, same)
-from ._resumable import Resumable, snapshot
+from .iterable import Resumable, take_state
 
 FORMAT = "unbroken.shuffle_buffer"
 VERSION = 1
@@ -134,9 +134,9 @@ class ShuffleBuffer:
             # The upstream's epoch was left mid-way and may end only at its next iter(): iterate
             # it now (the next loop uses this iterator), so the state describes its next epoch.
             self._stash = iter(self.upstream)
-            pos.upstream = snapshot(self.upstream, _WHAT)
+            pos.upstream = take_state(self.upstream, _WHAT)
         elif pos.upstream is _LIVE:
-            pos.upstream = snapshot(self.upstream, _WHAT)
+            pos.upstream = take_state(self.upstream, _WHAT)
         return pos.upstream
 
     def _run(self) -> Iterator:
@@ -164,7 +164,7 @@ class ShuffleBuffer:
         window, skip = pos.window, pos.emitted
         while True:
             items = list(itertools.islice(upstream_items, size))
-            after = snapshot(self.upstream, _WHAT)
+            after = take_state(self.upstream, _WHAT)
             if skip and len(items) <= skip:
                 raise ValueError(
                     f"{_WHAT}: the state says {skip} items of window {window} of epoch "
@@ -198,7 +198,7 @@ class ShuffleBuffer:
         if callable(close):
             close()  # unbroken's loaders end their epoch when their iterator is dropped
         ended = before is not None and getattr(self.upstream, "epoch", None) != before
-        return snapshot(self.upstream, _WHAT) if ended else _NEXT
+        return take_state(self.upstream, _WHAT) if ended else _NEXT
 
     def _permutation(self, epoch: int, window: int, n: int) -> list[int]:
         key = derive_key(self.seed, _DOMAIN, epoch, window)

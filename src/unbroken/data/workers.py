@@ -28,7 +28,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 
-from .preemption import active_signals
+from ..train.preemption import active_signals
 
 _POSIX = hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwaitinfo")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ._disk import sha256
+from .disk import sha256
 
 FORMAT = "unbroken.Checkpoint"
 VERSION = 1

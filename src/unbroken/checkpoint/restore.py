@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._state import has_state
+from .._state import has_state
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ._state import (StateReader, Unsaveable, check_user_state, encode_or_defer, from_jsonable,
+from .._state import (StateReader, Unsaveable, check_user_state, encode_or_defer, from_jsonable,
                      has_state, mismatch, raise_if_unsaveable, same)
 
 FORMAT = "unbroken.resumable"
@@ -54,7 +54,7 @@ def resumable(
     return Resumable(make_iterable, name=name, progress=progress)
 
 
-def snapshot(obj: Any, what: str) -> Any:
+def take_state(obj: Any, what: str) -> Any:
     """``obj.state_dict()`` as JSON data (a copy), or an ``Unsaveable`` saying why it is not."""
     path = f"{type(obj).__qualname__}.state_dict()"
     try:
@@ -144,7 +144,7 @@ class Resumable:
         ahead = [next(items, _END)]  # no local name holds an item once it is yielded
         try:
             while ahead[0] is not _END:
-                obj_state = snapshot(obj, self._what) if stateful else None
+                obj_state = take_state(obj, self._what) if stateful else None
                 ahead.append(next(items, _END))  # read ahead: is this item the epoch's last?
                 pos.items, pos.end, pos.inner = pos.items + 1, ahead[1] is _END, obj_state
                 self._open = True

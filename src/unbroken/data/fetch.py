@@ -13,8 +13,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from ._order import Keys
-from ._rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
+from .orders import Keys
+from .rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
 
 
 class SeededDataset(Dataset):

@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._state import StateReader, check_int, mismatch, same
+from .._state import StateReader, check_int, mismatch, same
 
 FORMAT = "unbroken.CombinedLoader"
 VERSION = 1

@@ -1,0 +1,19 @@
+"""Resumable data: loaders whose position is a few integers, and the pieces they are built from.
+
+- ``loader``: ``DataLoader``, torch's loader around a *source* of batches (``sources``: the
+  map-style orders, ``streams``: iterable datasets), resumed in O(1).
+- ``epochs``: the epoch protocol every resumable iterable here shares (``iter()`` continues a
+  loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
+- ``combined``, ``iterable`` (``resumable``), ``shuffling`` (``shuffle_buffer``): iterables built on that protocol.
+- ``rng`` and ``shuffle``: per-sample randomness and the per-index shuffle, pure functions of
+  (seed, epoch, position); ``workers``: what DataLoader workers do with preemption signals.
+"""
+
+from .combined import CombinedLoader
+from .loader import DataLoader
+from .iterable import Resumable, resumable
+from .rng import sample_rng, sample_seed
+from .shuffling import ShuffleBuffer, shuffle_buffer
+
+__all__ = ["CombinedLoader", "DataLoader", "Resumable", "ShuffleBuffer", "resumable",
+           "sample_rng", "sample_seed", "shuffle_buffer"]

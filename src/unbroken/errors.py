@@ -1,0 +1,52 @@
+"""What unbroken raises when a state or a checkpoint cannot be used, as types a caller can catch.
+
+All three subclass ``ValueError`` (what unbroken raised before they existed), so an existing
+``except ValueError`` still catches them:
+
+- ``StateMismatch``: a state saved under another configuration than the object loading it
+  (seed, batch size, dataset length, mode, ...), by another kind of object (``format``) or by
+  another version of unbroken (``version``). ``field``, ``saved`` and ``current`` name the
+  difference; resume with the saved setting or start a new run.
+- ``CorruptState``: a state that no run of this object could have produced: a field missing,
+  of the wrong type or out of range, counters that contradict each other. ``field`` names it
+  when one field is to blame.
+- ``CorruptCheckpoint``: a checkpoint directory whose manifest or files fail verification.
+  ``Checkpointer.load_latest`` skips such a checkpoint with a warning; loading a named one
+  raises this.
+
+``DirectoryInUse`` (a ``RuntimeError``) says another process trains in the run directory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CorruptCheckpoint", "CorruptState", "DirectoryInUse", "StateMismatch"]
+
+
+class StateMismatch(ValueError):
+    """A saved state was taken with another configuration than the object loading it has."""
+
+    def __init__(self, what: str, field: str, saved: Any, current: Any, hint: str = "",
+                 holder: str = "loader") -> None:
+        self.what, self.field, self.saved, self.current = what, field, saved, current
+        super().__init__(
+            f"{what}: the state was saved with {field}={saved!r} but this {holder} has "
+            f"{field}={current!r}. {hint or 'Resume with the same setting, or start a new run.'}"
+        )
+
+
+class CorruptState(ValueError):
+    """A state that is malformed or inconsistent: no run of this object saved it as it is."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose manifest or files fail verification."""
+
+
+class DirectoryInUse(RuntimeError):
+    """Another live process holds the run directory; two writers would corrupt each other."""

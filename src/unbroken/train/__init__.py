@@ -1,0 +1,15 @@
+"""The training loop and what it needs to be killed at any instant.
+
+- ``trainer``: ``Trainer``, the loop, top to bottom.
+- ``preemption``: ``Preemption``, scheduler signals as a flag; ``EXIT_CODE``.
+- ``globalrng``: ``GlobalRNG``, the process's RNGs as a checkpoint entry.
+- ``progress``: the loop's counters and bar; ``csvlog``: the metrics log that rewinds with a
+  resume; ``lock``: one process per run directory; ``determinism``: deterministic kernels.
+"""
+
+from ..errors import DirectoryInUse
+from .globalrng import GlobalRNG
+from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
+from .trainer import Trainer
+
+__all__ = ["DEFAULT_SIGNALS", "EXIT_CODE", "DirectoryInUse", "GlobalRNG", "Preemption", "Trainer"]
