@@ -28,12 +28,12 @@ class StateMismatch(ValueError):
     """A saved state was taken with another configuration than the object loading it has."""
 
     def __init__(self, what: str, field: str, saved: Any, current: Any, hint: str = "",
-                 holder: str = "loader") -> None:
+                 holder: str = "loader", message: str | None = None) -> None:
         self.what, self.field, self.saved, self.current = what, field, saved, current
-        super().__init__(
+        super().__init__(message or (
             f"{what}: the state was saved with {field}={saved!r} but this {holder} has "
             f"{field}={current!r}. {hint or 'Resume with the same setting, or start a new run.'}"
-        )
+        ))
 
 
 class CorruptState(ValueError):
