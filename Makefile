@@ -15,7 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,demo]"
 	touch $(STAMP)
 
+# The type checker and the linter first (seconds), then the suite.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

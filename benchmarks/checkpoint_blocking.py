@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, environment, load_line, table  # noqa: E402
-from unbroken.checkpoint import Checkpointer  # noqa: E402
+from _common import REPO, environment, load_line, table
+
+from unbroken.checkpoint import Checkpointer
 
 WIDTH, BATCH = 2048, 64
 

@@ -56,8 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import unbroken  # noqa: E402
-from _common import ForeignLoad, RowDataset, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, RowDataset, environment, load_line, table
+
+import unbroken
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:
@@ -181,7 +182,10 @@ def run_epochs(loader, model, opt, step, epochs: int) -> tuple[float, int]:
 
 def seeding_costs(repeat: int = 5) -> dict[str, float]:
     """Microseconds per call of each global seeding, and of unbroken's whole per-sample seeding."""
-    from unbroken.data.rng import make_seeder, sample_seed_at  # private: only to explain the numbers
+    from unbroken.data.rng import (  # private: only to explain the numbers
+        make_seeder,
+        sample_seed_at,
+    )
 
     value = 0x9E3779B97F4A7C15  # a full 64-bit seed, as unbroken passes
     generator = torch.default_generator

@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import unbroken  # noqa: E402
-from _common import ForeignLoad, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, environment, load_line, table
+
+import unbroken
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import unbroken  # noqa: E402
-from _common import ForeignLoad, command_line, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, command_line, environment, load_line, table
+
+import unbroken
 
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 try:

@@ -61,9 +61,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import unbroken  # noqa: E402
-from _common import ForeignLoad, RowDataset, command_line, environment, load_line, table  # noqa: E402
+from _common import ForeignLoad, RowDataset, command_line, environment, load_line, table
 
+import unbroken
 
 # --------------------------------------------------------------------------- workloads
 

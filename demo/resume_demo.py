@@ -106,7 +106,7 @@ def main() -> int:
         subprocess.run(run + ["resumed", tmp], check=True)
         subprocess.run(run + ["uninterrupted", tmp], check=True)
 
-        lines = lambda name: (workdir / f"{name}.log").read_text().split()  # noqa: E731
+        lines = lambda name: (workdir / f"{name}.log").read_text().split()
         interrupted = lines("interrupted")[: saved["received"]]
         stitched, reference = interrupted + lines("resumed"), lines("uninterrupted")
         if stitched == reference:

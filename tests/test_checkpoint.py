@@ -23,11 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipelines import Counting
 from torch import nn
 
 import unbroken
-from pipelines import Counting
 from unbroken.checkpoint import MANIFEST, Checkpointer, Restored
 
 
@@ -293,7 +294,7 @@ def _torch_loads(value):
     buffer.seek(0)
     try:
         loaded = torch.load(buffer, weights_only=True)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
     return type(loaded) is type(value) and loaded == value
 

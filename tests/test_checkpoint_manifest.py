@@ -13,7 +13,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from unbroken.checkpoint import MANIFEST, Checkpointer

@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import unbroken
 from unbroken.data.combined import MODES, CombinedLoader
@@ -96,7 +97,7 @@ def test_cycled_children_begin_their_next_epoch_when_the_longest_ends():
     for combined in range(3):
         a_batches = [(3 * combined + k // 2, k % 2) for k in range(5)]
         expected += [{"a": a[e][i], "b": b[combined][k]} for k, (e, i) in enumerate(a_batches)]
-    make = lambda: CombinedLoader({"a": _child(2), "b": _child(5)})  # noqa: E731
+    make = lambda: CombinedLoader({"a": _child(2), "b": _child(5)})
     loader = make()
     got = [batch for _ in range(3) for batch in loader]
     assert_same(got, expected)
@@ -106,7 +107,7 @@ def test_cycled_children_begin_their_next_epoch_when_the_longest_ends():
 def test_children_cut_short_begin_their_next_epoch_in_min_size():
     a, b = _epochs(2, 3), _epochs(3, 3)
     expected = [{"a": a[e][i], "b": b[e][i]} for e in range(3) for i in range(2)]
-    make = lambda: CombinedLoader({"a": _child(2), "b": _child(3)}, mode="min_size")  # noqa: E731
+    make = lambda: CombinedLoader({"a": _child(2), "b": _child(3)}, mode="min_size")
     loader = make()
     assert_same([batch for _ in range(3) for batch in loader], expected)
     assert (loader.epoch, loader.loaders["a"].epoch, loader.loaders["b"].epoch) == (3, 3, 3)
@@ -184,17 +185,35 @@ def test_iter_that_yields_nothing_starts_nothing_and_break_ends_the_epoch():
     iter(loader)
     iter(loader)
     assert_same(list(loader), epochs[0])
-    next(iter(loader))  # a break after one batch: combined epoch 1 is over
-    assert loader.epoch == 1
+    next(iter(loader))  # a break after one batch: combined epoch 1 is over at once
+    assert loader.epoch == 2
     assert_same(list(loader), epochs[2])
     assert loader.epoch == 3
 
     saved = make()
-    next(iter(saved))
+    held = iter(saved)
+    next(held)
     resumed = make()
     resumed.load_state_dict(saved.state_dict())
     iter(resumed)  # a loaded state waits for the iter() that yields
     assert_same(list(resumed), epochs[0][1:])
+
+
+def test_a_state_taken_after_a_break_resumes_at_the_next_epoch_like_the_uninterrupted_run():
+    # The uninterrupted run breaks, saves, and goes on with its next iter(): the next epoch. A
+    # run resumed from that state must do the same (not finish the broken epoch).
+    make = _factory("min_size", SPECS)
+    reference = make()
+    epochs = [list(reference) for _ in range(3)]
+    loader = make()
+    for _ in loader:
+        break
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["batches"] == 0
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_same(list(resumed), epochs[1])
+    assert_same(list(loader), epochs[1])
 
 
 def test_children_without_set_epoch_work_in_max_size_and_sequential():
@@ -217,7 +236,7 @@ def test_children_without_set_epoch_work_in_max_size_and_sequential():
             self.inner.load_state_dict(state)
 
     for mode in ("max_size", "sequential"):
-        make = lambda: CombinedLoader({"a": Plain(2), "b": Plain(3)}, mode=mode)  # noqa: E731
+        make = lambda mode=mode: CombinedLoader({"a": Plain(2), "b": Plain(3)}, mode=mode)
         assert assert_resumes_exactly(make, epochs=2)
         loader, reference = make(), make()
         expected = [list(reference) for _ in range(2)]

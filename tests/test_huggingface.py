@@ -7,12 +7,12 @@ import pytest
 pytest.importorskip("datasets")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import datasets  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-import unbroken  # noqa: E402
-from unbroken.testing import assert_resumes_exactly  # noqa: E402
+import unbroken
+from unbroken.testing import assert_resumes_exactly
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def _stream(files):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_streaming_dataset_resumes_exactly(parquet_files, workers):
-    make = lambda: unbroken.DataLoader(  # noqa: E731
+    make = lambda: unbroken.DataLoader(
         _stream(parquet_files).with_format("torch"), batch_size=16, num_workers=workers, seed=0)
     batches = sum(1 for _ in make())
     assert batches == (25 if workers == 0 else 26)  # with 2 workers each ends on a partial batch
@@ -43,7 +43,7 @@ def test_a_streaming_dataset_resumes_exactly(parquet_files, workers):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_exact_shuffle_of_the_stream_resumes_exactly(parquet_files, workers):
-    make = lambda: unbroken.DataLoader(  # noqa: E731
+    make = lambda: unbroken.DataLoader(
         unbroken.shuffle_buffer(_stream(parquet_files).with_format("torch"), 64, seed=5),
         batch_size=16, num_workers=workers, seed=0)
     first = [int(x) for batch in make() for x in batch["x"]]

@@ -7,10 +7,11 @@ import tracemalloc
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipelines import Augmented, Counting
 
 import unbroken
-from pipelines import Augmented, Counting
 from unbroken.testing import assert_resumes_exactly, assert_same
 
 
@@ -269,7 +270,7 @@ def test_set_epoch_starts_that_epoch_from_its_first_batch():
 
 
 def test_a_state_taken_after_a_break_resumes_like_the_next_loop():
-    make = lambda: unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)  # noqa: E731
+    make = lambda: unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
     loader = make()
     for _ in loader:
         break

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from pipelines import Positioned
 from torch.utils.data import IterableDataset, Sampler, get_worker_info
 
 import unbroken
-from pipelines import Positioned
 from unbroken.testing import assert_resumes_exactly
 
 REPLAY_WARNING = r"ignore:.*O\(k\):UserWarning"
@@ -101,7 +101,7 @@ class CountIterCallsIter(IterableDataset):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataset_that_sets_up_its_state_in_iter_resumes_mid_epoch_exactly(workers):
-    make = lambda: unbroken.DataLoader(CountIterCallsIter(12), batch_size=2,  # noqa: E731
+    make = lambda: unbroken.DataLoader(CountIterCallsIter(12), batch_size=2,
                                        num_workers=workers, seed=0)
     first = [batch.tolist() for batch in make()]
     assert sorted(sum(first, [])) == list(range(12))

@@ -25,16 +25,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipelines import Stateless
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import unbroken
+from unbroken.data.combined import MODES, CombinedLoader
 from unbroken.data.orders import _BLOCK
 from unbroken.data.rng import sample_seed_at
 from unbroken.data.shuffle import IndexShuffle, derive_key
-from unbroken.data.combined import MODES, CombinedLoader
-
-from pipelines import Stateless
 
 
 def _as_list(items):
@@ -146,7 +146,7 @@ def test_randomness_follows_the_position_not_the_index():
     _, ordered = _run(16, 4, False, False, 5, epochs=2)
     _, shuffled = _run(16, 3, True, False, 5, epochs=2)
     for a, b in zip(ordered, shuffled):
-        strip = lambda batches: [{k: v for k, v in s.items() if k != "index"}  # noqa: E731
+        strip = lambda batches: [{k: v for k, v in s.items() if k != "index"}
                                  for batch in batches for s in batch]
         assert strip(a) == strip(b)
     assert [s["index"] for s in shuffled[0][0]] != [0, 1, 2]

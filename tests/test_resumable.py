@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import unbroken.data.iterable as resumable_module
 from unbroken.data.iterable import Resumable, resumable
@@ -84,10 +85,10 @@ def cut_points(lengths):
 @pytest.mark.filterwarnings(SKIP_WARNING)
 def test_a_list_of_batches_resumes_at_every_cut(n, seed, epochs, reshuffle):
     if reshuffle:
-        make = lambda: resumable(lambda epoch: epoch_batches(n, seed, epoch))  # noqa: E731
+        make = lambda: resumable(lambda epoch: epoch_batches(n, seed, epoch))
     else:
         batches = epoch_batches(n, seed, 0)
-        make = lambda: resumable(batches)  # noqa: E731
+        make = lambda: resumable(batches)
     assert assert_resumes_exactly(make, epochs=epochs) == cut_points([n] * epochs)
 
 
@@ -95,7 +96,7 @@ def test_a_list_of_batches_resumes_at_every_cut(n, seed, epochs, reshuffle):
 @settings(max_examples=100)
 @pytest.mark.filterwarnings(SKIP_WARNING)
 def test_a_generator_function_resumes_at_every_cut(n, seed, epochs):
-    make = lambda: resumable(lambda epoch: generator_batches(n, seed, epoch))  # noqa: E731
+    make = lambda: resumable(lambda epoch: generator_batches(n, seed, epoch))
     assert assert_resumes_exactly(make, epochs=epochs) == cut_points([n] * epochs)
 
 
@@ -183,7 +184,7 @@ def test_another_checkpoint_api_needs_only_a_tiny_adapter():
 
 def test_a_non_deterministic_generator_is_caught():
     def noisy(epoch):
-        for i in range(4):
+        for _ in range(4):
             yield random.random()
 
     with pytest.raises(AssertionError, match="saved before the first batch.*batch 0: 0\\."):
@@ -253,7 +254,7 @@ def test_epoch_boundary_inside_versus_after_the_loop():
 
 
 def test_break_ends_the_epoch_at_once_and_an_unused_iter_starts_nothing():
-    make = lambda: resumable(lambda epoch: [(epoch, i) for i in range(3)])  # noqa: E731
+    make = lambda: resumable(lambda epoch: [(epoch, i) for i in range(3)])
     stream = make()
     for _ in stream:
         break

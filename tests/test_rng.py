@@ -1,8 +1,8 @@
 import pytest
 import torch
+from pipelines import Augmented
 
 import unbroken
-from pipelines import Augmented
 from unbroken.data.rng import check_global_rngs
 from unbroken.testing import assert_same
 

@@ -4,10 +4,11 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipelines import Augmented, Stateless
 
 import unbroken
-from pipelines import Augmented, Stateless
 from unbroken.testing import assert_resumes_exactly
 
 
@@ -101,7 +102,7 @@ def test_a_stateful_sampler_state_travels_as_json():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stateless_sampler_is_skipped_with_one_warning(workers):
-    make = lambda: unbroken.DataLoader(  # noqa: E731
+    make = lambda: unbroken.DataLoader(
         Augmented(11), batch_size=3, sampler=Stateless(11), num_workers=workers, seed=2
     )
     with pytest.warns(UserWarning, match=r"Stateless has no state_dict.*O\(k\)") as record:
@@ -111,7 +112,7 @@ def test_a_stateless_sampler_is_skipped_with_one_warning(workers):
 
 @pytest.mark.parametrize("stateful", [True, False])
 def test_a_user_batch_sampler_resumes_exactly(stateful):
-    make = lambda: unbroken.DataLoader(  # noqa: E731
+    make = lambda: unbroken.DataLoader(
         Augmented(13), batch_sampler=Batches(13, stateful), seed=4
     )
     with warnings.catch_warnings():

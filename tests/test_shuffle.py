@@ -1,7 +1,8 @@
 import tracemalloc
 
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from unbroken.data.shuffle import IndexShuffle, derive_key
 

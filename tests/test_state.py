@@ -5,10 +5,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pipelines import Counting
 
 import unbroken
-from pipelines import Counting
 from unbroken._state import from_jsonable, to_jsonable
 
 

@@ -6,7 +6,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import IterableDataset, get_worker_info
 
 import unbroken
@@ -147,7 +148,8 @@ def test_per_item_randomness_is_derived_from_seed_epoch_worker_and_item_count():
             index = int(item["index"])
             worker = index % 2  # _shard: worker w holds w, w + 2, ...
             count = index // 2 if epoch % 2 == 0 else 3 - index // 2  # reversed on odd epochs
-            expected = sample_seed_at(derive_key(3, epoch, worker), count)
+            # Worker w's key tuple is (seed, epoch, 3, w) since state version 2 (data/keys.py).
+            expected = sample_seed_at(derive_key(3, epoch, 3, worker), count)
             high, low = item["seed"].tolist()
             assert (high << 32) | low == expected, f"epoch {epoch} item {index}"
             generator = torch.Generator().manual_seed(expected)

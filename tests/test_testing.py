@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from pipelines import Counting
 
 import unbroken
-from pipelines import Counting
 from unbroken.testing import assert_resumes_exactly, assert_same
 
 
@@ -47,7 +47,7 @@ def test_a_loader_that_skips_an_epoch_is_caught():
 
 
 def test_cut_points_are_counted_and_checked():
-    make = lambda: unbroken.DataLoader(Counting(5), batch_size=2, seed=0)  # noqa: E731
+    make = lambda: unbroken.DataLoader(Counting(5), batch_size=2, seed=0)
     assert assert_resumes_exactly(make, epochs=3) == 1 + 3 * 4
     assert assert_resumes_exactly(make, epochs=3, cuts=[0, 4, 12]) == 3
     with pytest.raises(ValueError, match="out of range"):

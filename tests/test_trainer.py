@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 
 import unbroken
-from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 from unbroken.checkpoint import Checkpointer
+from unbroken.testing import assert_same
 from unbroken.train.csvlog import HEADER
 from unbroken.train.preemption import EXIT_CODE
-from unbroken.testing import assert_same
 
 JOB = Path(__file__).with_name("trainer_job.py")
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 
 import unbroken
-import unbroken.train.trainer
-from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
+import unbroken.train.checkpointing
 from unbroken import DirectoryInUse
 from unbroken.train.preemption import EXIT_CODE
 
@@ -167,7 +167,7 @@ def test_by_default_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monk
     reference = tmp_path / "reference"
     torch.save(run(reference, checkpoint_every_steps=None).state_dict(), reference / "final.pt")
     clock = _FakeClock(seconds_per_call=70)  # a batch takes 70 s: a save every ~9 batches
-    monkeypatch.setattr(unbroken.train.trainer, "_clock", clock)
+    monkeypatch.setattr(unbroken.train.checkpointing, "_clock", clock)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
         run(crashed, checkpoint_every_steps=None, callbacks=[CrashAt(20)])

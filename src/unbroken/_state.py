@@ -9,9 +9,10 @@ else is refused when the state is *taken*, naming its key path, so that a state 
 state that loads. ``encode_or_defer`` takes an object's state that way but defers a refusal
 (``Unsaveable``) to the moment the user asks for the state, so iterating never fails for it.
 
-Loading checks every field before anything changes, and a mismatch is a ``ValueError`` that
-names the field, the saved value and the current one: never a bare ``KeyError``, and never a
-silent restart from zero.
+Loading checks every field before anything changes (``StateReader``, against the state's
+``Format`` and ``TypedDict`` schema): a state saved under other settings is a ``StateMismatch``
+naming the field, the saved value and the current one; a malformed or inconsistent one is a
+``CorruptState``; never a bare ``KeyError``, and never a silent restart from zero.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from __future__ import annotations
 import base64
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import CorruptState, StateMismatch
 
 _TENSOR_TAG = "__tensor__"
 _NDARRAY_TAG = "__ndarray__"
@@ -173,45 +177,69 @@ def check_user_state(value: Any, where: str) -> None:
     ``from_jsonable`` could not read back, at load time rather than when the object is restored,
     mid-iteration."""
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: expected the object's state_dict() (a dict), got "
-                         f"{value!r:.200}")
+        raise CorruptState(f"{where}: expected the object's state_dict() (a dict), got "
+                           f"{value!r:.200}")
     try:
         from_jsonable(value)
     except Exception as error:  # whatever a mangled tag makes numpy or base64 raise
-        raise ValueError(
+        raise CorruptState(
             f"{where}: a tagged value (tensor, array or non-str keys) is malformed "
             f"({type(error).__name__}: {error}); the state is corrupt"
         ) from None
 
 
-class StateReader:
-    """Reads fields of a loaded state, raising ``ValueError`` that names what is wrong."""
+@dataclass(frozen=True)
+class Format:
+    """What a saved state of one kind of object looks like: its ``format`` tag, the version
+    ``state_dict()`` writes, the versions ``load_state_dict`` reads, and its fields (the keys
+    of its ``TypedDict`` schema)."""
 
-    def __init__(self, state: Any, what: str, fields: set[str], fmt: str, version: int) -> None:
+    name: str
+    version: int
+    schema: Any  # a TypedDict class
+    readable: tuple[int, ...] = ()
+
+    @property
+    def fields(self) -> frozenset[str]:
+        return frozenset(self.schema.__annotations__)
+
+    def header(self) -> dict:
+        return {"format": self.name, "version": self.version}
+
+
+class StateReader:
+    """The one validation path of a loaded state: its shape first (a dict of plain JSON with
+    exactly the schema's fields, the right format and a readable version), then each field
+    read through a typed getter that names the field when it is wrong. Readers only read:
+    the caller swaps its position in once everything was read."""
+
+    def __init__(self, state: Any, what: str, fmt: Format) -> None:
         if not isinstance(state, dict):
-            raise ValueError(
+            raise CorruptState(
                 f"{what}.load_state_dict expected the dict returned by state_dict(), "
                 f"got a {type(state).__name__}"
             )
-        if state.get("format") != fmt:
-            raise mismatch(what, "format", state.get("format"), fmt,
+        if state.get("format") != fmt.name:
+            raise mismatch(what, "format", state.get("format"), fmt.name,
                            f"This state does not come from {what}.state_dict().")
-        if not same(state.get("version"), version):
-            raise mismatch(what, "version", state.get("version"), version,
+        version = state.get("version")
+        if not any(same(version, v) for v in (fmt.version, *fmt.readable)):
+            raise mismatch(what, "version", version, fmt.version,
                            "This state comes from another version of unbroken; resume with "
                            "the version that saved it.")
         try:
             json.dumps(state, allow_nan=False)
         except (TypeError, ValueError) as error:
-            raise ValueError(f"{what} state is not plain JSON data ({error})") from None
+            raise CorruptState(f"{what} state is not plain JSON data ({error})") from None
+        fields = fmt.fields
         unexpected = sorted(set(state) - fields)
         missing = sorted(fields - set(state))
         if missing or unexpected:
-            raise ValueError(
+            raise CorruptState(
                 f"{what} state is malformed: missing fields {missing}, unexpected fields "
                 f"{unexpected}; pass the dict that {what}.state_dict() returned"
             )
-        self.state, self.what = state, what
+        self.state, self.what, self.version = state, what, version
 
     def int(self, field: str, minimum: int = 0, maximum: int = COUNT_LIMIT) -> int:
         value = self.state[field]
@@ -220,14 +248,15 @@ class StateReader:
     def bool(self, field: str) -> bool:
         value = self.state[field]
         if not isinstance(value, bool):
-            raise ValueError(f"{self.what} state field '{field}': expected a bool, got {value!r}")
+            raise CorruptState(f"{self.what} state field '{field}': expected a bool, got {value!r}",
+                               field)
         return value
 
     def dict(self, field: str) -> dict:
         value = self.state[field]
         if not isinstance(value, dict):
-            raise ValueError(
-                f"{self.what} state field '{field}': expected a dict, got {value!r}"
+            raise CorruptState(
+                f"{self.what} state field '{field}': expected a dict, got {value!r}", field
             )
         return value
 
@@ -238,12 +267,9 @@ def check_int(value: Any, where: str, minimum: int = 0, maximum: int = COUNT_LIM
         upper, note = f" and <= {maximum}", ""
         if maximum == COUNT_LIMIT:
             upper, note = "", " (counters stay below 2**63)"
-        raise ValueError(f"{where}: expected an int >= {minimum}{upper}, got {value!r:.100}{note}")
+        raise CorruptState(f"{where}: expected an int >= {minimum}{upper}, got {value!r:.100}{note}")
     return value
 
 
-def mismatch(what: str, field: str, saved: Any, current: Any, hint: str = "") -> ValueError:
-    return ValueError(
-        f"{what}: the state was saved with {field}={saved!r} but this loader has "
-        f"{field}={current!r}. {hint or 'Resume with the same setting, or start a new run.'}"
-    )
+def mismatch(what: str, field: str, saved: Any, current: Any, hint: str = "") -> StateMismatch:
+    return StateMismatch(what, field, saved, current, hint)

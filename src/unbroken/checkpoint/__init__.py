@@ -2,7 +2,9 @@
 
 - ``manager``: ``Checkpointer`` (save, retention, ``load_latest``).
 - ``manifest``: the sealed manifest that makes a checkpoint directory verifiable.
-- ``disk``: the storage operations a checkpoint needs (atomic write, fsync, rename, free space).
+- ``storage``: the filesystem operations a checkpoint needs, as the protocol ``Storage``
+  (hashed, fsynced writes, renames, listing, free space), and ``LocalStorage``; ``space``: how
+  much a checkpoint needs, and the error that says the disk is full.
 - ``background``: asynchronous saves; ``weights_only``: copies that ``torch.load(weights_only=
   True)`` can read back; ``restore``: loading entries into live objects (``Restored``).
 """

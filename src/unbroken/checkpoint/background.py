@@ -21,8 +21,8 @@ import atexit
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 _unseen: set[BackgroundSave] = set()  # saves whose outcome no caller has been handed yet
 _lock = threading.Lock()
@@ -34,7 +34,8 @@ class BackgroundSave:
 
     def __init__(self, final: Path, write: Callable[[], None]) -> None:
         global _hooked
-        self.final, self._write = final, write
+        self.final = final
+        self._write: Callable[[], None] | None = write
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{final.name}")
         with _lock:
@@ -46,6 +47,7 @@ class BackgroundSave:
 
     def _run(self) -> None:
         write, self._write = self._write, None
+        assert write is not None  # each thread runs once
         try:
             write()
         except BaseException as error:  # handed to the caller's thread by result()

@@ -17,9 +17,12 @@ there is none). Files are read with ``torch.load(weights_only=True)``, which run
 the file, so ``save`` refuses, naming its key path, any value that such a load could not
 rebuild: what saves, loads.
 
-The parts: ``_weights_only`` (what save refuses), ``_disk`` (hashed, fsynced writes; disk-full
-errors), ``_manifest`` (the seal and its schema; reading a checkpoint), ``_background`` (saves
-with ``blocking=False`` and their report at exit), ``_restore`` (in place, and ``Restored``).
+The parts: ``weights_only`` (what save refuses), ``storage`` (the filesystem operations, as the
+protocol ``Storage``: hashed, fsynced writes, renames, listing), ``space`` (disk-full errors),
+``manifest`` (the seal and its schema; reading a checkpoint), ``background`` (saves with
+``blocking=False`` and their report at exit), ``restore`` (in place, and ``Restored``). The
+Checkpointer touches files only through its ``Storage`` (a ``LocalStorage``), so another
+filesystem is one new ``Storage`` class, not a change here.
 
 Costs: a blocking save writes each byte once, hashing it on the way (sha256 runs at about
 1 GB/s on one core), plus one fsync per file and two per directory. ``blocking=False`` blocks
@@ -34,20 +37,21 @@ import errno
 import os
 import re
 import secrets
-import shutil
-import stat
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .background import BackgroundSave
-from .disk import FULL, disk_full, fsync_dir, make_directories, remove, write_file
-from .manifest import FORMAT, MANIFEST, VERSION, Corrupt, file_name, read, seal
-from .restore import Restored, restore
 from .._state import has_state
-from .weights_only import snapshot
+from ..errors import CorruptCheckpoint
+from .background import BackgroundSave
+from .manifest import FORMAT, MANIFEST, VERSION, ParamShapes, file_name, read, seal
+from .restore import Restored, restore
+from .space import FULL, disk_full
+from .storage import Digest, LocalStorage, Storage, join
+from .weights_only import checked_copy
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "Restored"]
 
@@ -79,6 +83,8 @@ class Checkpointer:
             )
         self.directory = Path(directory)
         self.keep = keep
+        self._storage: Storage = LocalStorage()
+        self._root = str(self.directory)  # what the storage is given: paths as strings
         self._pending: BackgroundSave | None = None
         self._check_directory()
 
@@ -102,15 +108,16 @@ class Checkpointer:
         _check_names(state, "save")
         self.wait()
         self._check_directory()
-        entries, meta = {}, {}
+        entries: dict[str, Any] = {}
+        shapes: dict[str, ParamShapes] = {}
         for name, obj in state.items():
             value = obj.state_dict() if has_state(obj) else obj
             # A background write needs its own copy: training goes on changing the tensors.
-            entries[name] = snapshot(value, f"state[{name!r}]", clone=not blocking)
+            entries[name] = checked_copy(value, f"state[{name!r}]", clone=not blocking)
             if isinstance(obj, torch.optim.Optimizer):  # lets load name a parameter that changed
-                meta[name] = {"param_shapes": [[list(p.shape) for p in group["params"]]
-                                               for group in obj.param_groups]}
-        newer = [path.name for number, path in self._committed() if number > step]
+                shapes[name] = [[list(p.shape) for p in group["params"]]
+                                for group in obj.param_groups]
+        newer = [Path(path).name for number, path in self._committed() if number > step]
         if newer:
             warnings.warn(
                 f"unbroken.Checkpointer: {newer} in {self.directory} have a larger step than "
@@ -118,10 +125,10 @@ class Checkpointer:
                 "resumes from this save", stacklevel=2)
         final = self.directory / f"step-{step:09d}"
         if blocking:
-            self._write(step, final, entries, meta)
+            self._write(step, final, entries, shapes)
         else:
             self._pending = BackgroundSave(
-                final, lambda: self._write(step, final, entries, meta))
+                final, lambda: self._write(step, final, entries, shapes))
         return final
 
     def wait(self) -> None:
@@ -136,7 +143,7 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def load_latest(self, state: dict[str, Any]) -> Restored | None:
@@ -148,18 +155,20 @@ class Checkpointer:
         did not name in its ``unrequested``, with the checkpoint's ``step`` and ``path``. A
         ``Restored`` is always true, so ``if restored:`` means "resumed". Each invalid
         checkpoint (truncated, a flipped byte, a malformed manifest, ...) is skipped with a
-        warning saying why. Raises ``ValueError`` if the newest valid checkpoint lacks a name of
-        ``state`` or an object rejects its entry (shapes of modules and optimizers are compared
-        before anything is restored), or if it has another format version;
-        ``NotADirectoryError`` if the directory is a file.
+        warning saying why (the ``CorruptCheckpoint`` it is). Raises ``StateMismatch`` if the
+        newest valid checkpoint lacks a name of ``state``, does not fit its modules or optimizers
+        (shapes are compared before anything is restored) or has another format version;
+        ``ValueError`` (of the kind the object raised, if unbroken defines it) if an object
+        rejects its entry; ``NotADirectoryError`` if the directory is a file.
         """
         _check_names(state, "load_latest")
         self.wait()
         self._check_directory()
-        for step, path in reversed(self._candidates()):
+        for step, where in reversed(self._candidates()):
+            path = Path(where)
             try:
-                manifest, saved = read(path, step)
-            except Corrupt as why:
+                manifest, saved = read(self._storage, where, step)
+            except CorruptCheckpoint as why:
                 warnings.warn(f"unbroken.Checkpointer: skipping checkpoint {path}: {why}",
                               stacklevel=2)
                 continue
@@ -173,15 +182,13 @@ class Checkpointer:
     def _check_directory(self) -> None:
         """Refuse a file where the directory should be: no checkpoint would ever be found in it,
         and a Trainer would start over from step 0 and rewrite its log."""
-        try:
-            is_directory = stat.S_ISDIR(os.stat(self.directory).st_mode)
-        except FileNotFoundError:
-            return  # the first save creates it
-        except NotADirectoryError:
-            is_directory = False
-        if not is_directory:
-            blocker = next((p for p in reversed(self.directory.parents)
-                            if p.exists() and not p.is_dir()), None)
+        storage = self._storage
+        if storage.is_directory(self._root):
+            return
+        # Nothing there (the first save creates it), unless a file blocks the way to it.
+        blocker = next((p for p in reversed(self.directory.parents)
+                        if storage.exists(str(p)) and not storage.is_directory(str(p))), None)
+        if blocker is not None or storage.exists(self._root):
             what = f"{blocker} is a file" if blocker else "it exists and is not a directory"
             raise NotADirectoryError(
                 errno.ENOTDIR,
@@ -191,77 +198,88 @@ class Checkpointer:
 
     # -------------------------------------------------------------------------------- writing
 
-    def _write(self, step: int, final: Path, entries: dict, meta: dict) -> None:
+    def _write(self, step: int, final: Path, entries: dict[str, Any],
+               shapes: dict[str, ParamShapes]) -> None:
         try:
-            self._commit(step, final, entries, meta)
+            self._commit(step, final, entries, shapes)
         except OSError as error:
             if error.errno not in FULL:
                 raise
-            raise disk_full(error, self.directory, step, entries, self.keep,
+            raise disk_full(error, self._storage, self._root, step, entries, self.keep,
                             [path for _, path in self._committed()]) from error
         committed = self._committed()
         doomed = [path for number, path in committed if number > step]
         doomed += [path for number, path in committed if number <= step][:-self.keep]
         for path in doomed:
-            remove(path, _DOOMED)
+            # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
+            aside = join(self._root, f"{_DOOMED}{Path(path).name}-{secrets.token_hex(4)}")
+            self._storage.rename(path, aside)
+            self._storage.remove_tree(aside)
 
-    def _commit(self, step: int, final: Path, entries: dict, meta: dict) -> None:
+    def _commit(self, step: int, final: Path, entries: dict[str, Any],
+                shapes: dict[str, ParamShapes]) -> None:
         """Write the checkpoint in a temporary directory and rename it to ``final``."""
-        make_directories(self.directory)
+        storage, root, target = self._storage, self._root, join(self._root, final.name)
+        storage.make_directories(root)
         self._clean()
-        tmp = self.directory / f"{_TMP}step-{step:09d}-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
+        tmp = join(root, f"{_TMP}step-{step:09d}-{os.getpid()}-{secrets.token_hex(4)}")
+        storage.make_directory(tmp)
         old = None
         try:
-            files, listed = {}, {}
+            files: dict[str, Digest] = {}
+            listed: dict[str, str] = {}  # name -> file
             for index, (name, value) in enumerate(entries.items()):
                 file = file_name(index, name)
                 try:
-                    files[file] = write_file(tmp / file, lambda out, v=value: torch.save(v, out))
+                    files[file] = storage.write(join(tmp, file), partial(torch.save, value))
                 except Exception as error:
                     if not isinstance(error, OSError) and hasattr(error, "add_note"):
                         error.add_note(f"raised by torch.save of state[{name!r}]")
                     raise
-                listed[name] = {"file": file, **meta.get(name, {})}
-            data = seal(step, listed, files)
-            write_file(tmp / MANIFEST, lambda out: out.write(data))  # last: it is the seal
-            fsync_dir(tmp)
-            if final.exists():  # a directory cannot be renamed over a non-empty one
-                old = self.directory / f".old-{final.name}-{secrets.token_hex(4)}"
-                os.rename(final, old)
-            os.rename(tmp, final)  # the commit
-            fsync_dir(self.directory)
+                listed[name] = file
+            data = seal(step, listed, files, shapes)
+            storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
+            storage.sync_directory(tmp)
+            if storage.exists(target):  # a directory cannot be renamed over a non-empty one
+                old = join(root, f".old-{final.name}-{secrets.token_hex(4)}")
+                storage.rename(target, old)
+            storage.rename(tmp, target)  # the commit
+            storage.sync_directory(root)
         except BaseException:
-            if old is not None and not final.exists():
-                os.rename(old, final)
-            shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and not storage.exists(target):
+                storage.rename(old, target)
+            storage.remove_tree(tmp)
             raise
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            storage.remove_tree(old)
 
     def _clean(self) -> None:
         """Remove what killed writers left: temporary and half-deleted directories."""
-        for entry in os.scandir(self.directory):
+        storage, root = self._storage, self._root
+        for entry in storage.list_directory(root):
             old = _OLD.fullmatch(entry.name)
-            if old and not (self.directory / f"step-{old.group(1)}").exists():
-                os.rename(entry.path, self.directory / f"step-{old.group(1)}")
+            final = join(root, f"step-{old.group(1)}") if old else ""
+            if old and not storage.exists(final):
+                storage.rename(join(root, entry.name), final)
             elif old or entry.name.startswith((_TMP, _DOOMED)):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                storage.remove_tree(join(root, entry.name))
 
-    def _committed(self) -> list[tuple[int, Path]]:
+    def _committed(self) -> list[tuple[int, str]]:
         """``(step, path)`` of every committed checkpoint directory, oldest step first."""
-        if not self.directory.is_dir():
+        if not self._storage.is_directory(self._root):
             return []
-        found = [(int(m.group(1)), Path(e.path)) for e in os.scandir(self.directory)
-                 if (m := _FINAL.fullmatch(e.name)) and e.is_dir()]
+        found = [(int(m.group(1)), join(self._root, entry.name))
+                 for entry in self._storage.list_directory(self._root)
+                 if (m := _FINAL.fullmatch(entry.name)) and entry.is_directory]
         return sorted(found)
 
-    def _candidates(self) -> list[tuple[int, Path]]:
+    def _candidates(self) -> list[tuple[int, str]]:
         found = dict(self._committed())
-        for entry in os.scandir(self.directory) if self.directory.is_dir() else ():
-            old = _OLD.fullmatch(entry.name)
-            if old:  # the writer died between moving it aside and renaming its replacement
-                found.setdefault(int(old.group(1)), Path(entry.path))
+        if self._storage.is_directory(self._root):
+            for entry in self._storage.list_directory(self._root):
+                old = _OLD.fullmatch(entry.name)
+                if old:  # the writer died between moving it aside and renaming its replacement
+                    found.setdefault(int(old.group(1)), join(self._root, entry.name))
         return sorted(found.items())
 
 

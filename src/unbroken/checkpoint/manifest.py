@@ -10,10 +10,12 @@
 
 The seal catches what changed by accident (a flipped digit, a truncated copy). A manifest edited
 by hand or by a tool and sealed again gets past it, so every field is also checked for its type
-and range before it is used: ``read`` raises ``Corrupt`` naming the field, and ``load_latest``
-skips that checkpoint with a warning, never a ``TypeError`` from deep inside. Unknown keys are
-ignored. Reading a checkpoint hashes each file (sha256, ~1 GB/s) before ``torch.load`` reads it
-again, from the page cache.
+and range before it is used, in one place (``validate``, against the schema ``Manifest``):
+``read`` raises ``unbroken.errors.CorruptCheckpoint`` naming the field, and ``load_latest``
+skips that checkpoint with a warning, never a ``TypeError`` from deep inside. A whole manifest
+of another format version is a ``StateMismatch``, never skipped. Unknown keys are ignored.
+Reading a checkpoint hashes each file (sha256, ~1 GB/s) before ``torch.load`` reads it again,
+from the page cache. Files are read through a ``Storage`` (see ``storage``).
 """
 
 from __future__ import annotations
@@ -21,91 +23,132 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
-from .disk import sha256
+from ..errors import CorruptCheckpoint, StateMismatch
+from .storage import Digest, Storage, join, sha256
 
 FORMAT = "unbroken.Checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
+SEAL = "sha256"  # the manifest's own hash: the one key on disk that ``Manifest`` does not list
 # What the writer names files: never "..", a "/" or a NUL, whatever a manifest says.
 _FILE = re.compile(r"\d{3,}-[A-Za-z0-9_.-]{0,60}\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
+ParamShapes = list[list[list[int]]]  # [parameter group][parameter] -> shape
 
-class Corrupt(Exception):
-    """A checkpoint that is not whole or not well formed: skipped by load_latest."""
+
+class FileSpec(TypedDict):
+    sha256: str
+    size: int
+
+
+class _EntryFile(TypedDict):
+    file: str
+
+
+class EntrySpec(_EntryFile, total=False):
+    param_shapes: ParamShapes
+    """An optimizer's: lets ``load_latest`` name a parameter whose shape changed."""
+
+
+class Manifest(TypedDict):
+    """``manifest.json`` as ``validate`` returns it (without its seal)."""
+
+    format: str
+    version: int
+    step: int
+    torch: str
+    entries: dict[str, EntrySpec]
+    files: dict[str, FileSpec]
 
 
 def file_name(index: int, name: str) -> str:
     return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}.pt"
 
 
-def seal(step: int, entries: dict, files: dict) -> bytes:
-    manifest = {"format": FORMAT, "version": VERSION, "step": step, "torch": torch.__version__,
-                "entries": entries, "files": files}
-    return json.dumps({**manifest, "sha256": _digest(manifest)}, indent=1).encode()
+def seal(step: int, entries: dict[str, str], files: dict[str, Digest],
+         param_shapes: dict[str, ParamShapes]) -> bytes:
+    """The manifest of checkpoint ``step``, whose ``entries`` (name -> file) were written as
+    ``files`` (file -> digest); ``param_shapes`` has an item for each optimizer."""
+    specs = {name: EntrySpec(file=file) for name, file in entries.items()}
+    for name, shapes in param_shapes.items():
+        specs[name]["param_shapes"] = shapes
+    manifest = Manifest(
+        format=FORMAT, version=VERSION, step=step, torch=torch.__version__, entries=specs,
+        files={file: FileSpec(sha256=digest.sha256, size=digest.size)
+               for file, digest in files.items()})
+    return json.dumps({**manifest, SEAL: _digest(manifest)}, indent=1).encode()
 
 
-def read(path: Path, step: int) -> tuple[dict, dict]:
-    """The manifest and the entries of checkpoint ``path``; ``Corrupt`` if it is not whole."""
+def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest and the entries of checkpoint ``path``; ``CorruptCheckpoint`` if it is not
+    whole, ``StateMismatch`` if another format version of unbroken wrote it."""
     try:
-        data = (path / MANIFEST).read_bytes()
+        with storage.open_read(join(path, MANIFEST)) as opened:
+            data = opened.read()
     except FileNotFoundError:
-        raise Corrupt(f"{MANIFEST} is missing") from None
+        raise CorruptCheckpoint(f"{MANIFEST} is missing") from None
     except OSError as error:
-        raise Corrupt(f"{MANIFEST} is unreadable: {error}") from None
-    manifest = _parse(data, step, path)
+        raise CorruptCheckpoint(f"{MANIFEST} is unreadable: {error}") from None
+    manifest = validate(data, step, path)
     for file, spec in manifest["files"].items():
         try:
-            actual = (path / file).stat().st_size
+            actual = storage.size(join(path, file))
             if actual != spec["size"]:
-                raise Corrupt(f"{file} has {actual} bytes, the manifest says {spec['size']}")
-            if sha256(path / file) != spec["sha256"]:
-                raise Corrupt(f"{file} does not match its sha256 in the manifest")
+                raise CorruptCheckpoint(
+                    f"{file} has {actual} bytes, the manifest says {spec['size']}")
+            if sha256(storage, join(path, file)) != spec["sha256"]:
+                raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
         except OSError as error:
-            raise Corrupt(f"{file} is unreadable: {error.strerror or error}") from None
+            raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
     saved = {}
     for name, entry in manifest["entries"].items():
         file = entry["file"]
         try:
-            saved[name] = torch.load(path / file, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001 - any failure means: not this checkpoint
+            with storage.open_read(join(path, file)) as opened:
+                saved[name] = torch.load(opened, map_location="cpu", weights_only=True)
+        except Exception as error:  # any failure means: not this checkpoint
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
             reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
             reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here
-            raise Corrupt(f"{file} does not load with torch.load(weights_only=True): "
-                          f"{type(error).__name__}: {reason}") from None
+            raise CorruptCheckpoint(f"{file} does not load with torch.load(weights_only=True): "
+                                    f"{type(error).__name__}: {reason}") from None
         if "param_shapes" in entry:
             _check_param_shapes(name, entry["param_shapes"], saved[name], file)
     return manifest, saved
 
 
-def _digest(manifest: dict) -> str:
+def _digest(manifest: Manifest | dict) -> str:
     # The manifest seals itself too: a flipped digit in a size or a shape would otherwise pass.
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _parse(data: bytes, step: int, path: Path) -> dict:
+def validate(data: bytes, step: int, path: str) -> Manifest:
+    """``data`` as a ``Manifest``, every field checked for its type and range: the one place a
+    manifest read from disk is checked. ``CorruptCheckpoint`` names the first bad field."""
     try:
         manifest = json.loads(data)
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise Corrupt(f"{MANIFEST} does not have format {FORMAT!r}")
-        if manifest.pop("sha256", None) != _digest(manifest):
-            raise Corrupt(f"{MANIFEST} does not match its own sha256 (it was modified)")
+        ours = isinstance(manifest, dict) and manifest.get("format") == FORMAT
+        intact = ours and manifest.pop(SEAL, None) == _digest(manifest)
     except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
-        raise Corrupt(f"{MANIFEST} is unreadable: {error}") from None
+        raise CorruptCheckpoint(f"{MANIFEST} is unreadable: {error}") from None
+    if not ours:
+        raise CorruptCheckpoint(f"{MANIFEST} does not have format {FORMAT!r}")
+    if not intact:
+        raise CorruptCheckpoint(f"{MANIFEST} does not match its own sha256 (it was modified)")
     version = _get(manifest, "version", int, "an int")
     if version != VERSION:  # whole, but not ours to read: never skip past it
-        raise ValueError(
-            f"checkpoint {path} has format version {version!r}; this unbroken reads version "
-            f"{VERSION}. Resume with the unbroken version that saved it.")
+        raise StateMismatch(
+            f"checkpoint {path}", "version", version, VERSION, message=(
+                f"checkpoint {path} has format version {version!r}; this unbroken reads version "
+                f"{VERSION}. Resume with the unbroken version that saved it."))
     if _count(manifest, "step") != step:
-        raise Corrupt(f"{MANIFEST} says step {manifest['step']!r}, its directory {step}")
+        raise CorruptCheckpoint(f"{MANIFEST} says step {manifest['step']!r}, its directory {step}")
     _get(manifest, "torch", str, "a str")
     files = _get(manifest, "files", dict, "a dict")
     for file in files:
@@ -137,7 +180,7 @@ def _parse(data: bytes, step: int, path: Path) -> dict:
     return manifest
 
 
-def _check_param_shapes(name: str, shapes: list, saved: Any, file: str) -> None:
+def _check_param_shapes(name: str, shapes: ParamShapes, saved: Any, file: str) -> None:
     """The shapes must match the optimizer state_dict they describe (restore indexes them)."""
     try:
         sizes = [len(group["params"]) for group in saved["param_groups"]]
@@ -152,12 +195,13 @@ def _check_param_shapes(name: str, shapes: list, saved: Any, file: str) -> None:
             f"{sizes}")
 
 
-def _malformed(problem: str) -> Corrupt:
-    return Corrupt(f"{MANIFEST} is malformed: {problem}")
+def _malformed(problem: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{MANIFEST} is malformed: {problem}")
 
 
 def _get(parent: dict | list, key: Any, kind: type, expected: str, where: str = "manifest") -> Any:
-    """``parent[key]`` if it is exactly a ``kind`` (a bool is not an int), else ``Corrupt``."""
+    """``parent[key]`` if it is exactly a ``kind`` (a bool is not an int), else
+    ``CorruptCheckpoint``."""
     if isinstance(parent, dict) and key not in parent:
         raise _malformed(f"{where} has no {key!r}")
     value = parent[key]

@@ -3,8 +3,11 @@
 Modules and optimizers are compared with the checkpoint *before* anything is restored, so a
 model whose shapes changed gives "parameter 'fc.weight' has shape (10, 64) in the checkpoint and
 (10, 32) now" rather than a stack trace from inside torch; any other ``load_state_dict`` that
-fails becomes a ``ValueError`` naming its entry (and the entries already restored). What was
-restored, from where, is described by a ``Restored``.
+fails becomes an error naming its entry (and the entries already restored). A checkpoint that
+does not fit the objects (a missing entry, other shapes, other parameter groups) is a
+``StateMismatch``; an entry that ``load_state_dict`` rejects keeps the kind of its refusal where
+unbroken defines one (``StateMismatch``, ``CorruptState``) and is a ``ValueError`` otherwise.
+What was restored, from where, is described by a ``Restored``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 import torch
 
 from .._state import has_state
+from ..errors import CorruptState, StateMismatch
+from .manifest import EntrySpec, ParamShapes
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -69,31 +74,45 @@ class _Short(reprlib.Repr):
 _SHORT = _Short()
 
 
-def restore(state: dict, saved: dict, entries: dict, path: Path) -> None:
+def restore(state: dict[str, Any], saved: dict[str, Any], entries: dict[str, EntrySpec],
+            path: Path) -> None:
     """Give each object of ``state`` with ``load_state_dict`` its entry of ``saved``."""
     missing = [name for name in state if name not in saved]
     if missing:
-        raise ValueError(
-            f"checkpoint {path} has no entry {', '.join(map(repr, missing))} (it holds "
-            f"{sorted(saved)}); ask for the names that were saved, or leave these out of the "
-            "state given to load_latest")
+        raise StateMismatch(
+            f"checkpoint {path}", "entries", sorted(saved), list(state), message=(
+                f"checkpoint {path} has no entry {', '.join(map(repr, missing))} (it holds "
+                f"{sorted(saved)}); ask for the names that were saved, or leave these out of the "
+                "state given to load_latest"))
     # Everything that can be checked is checked first: a mismatch changes nothing.
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             _check_module(name, obj, saved[name])
         elif isinstance(obj, torch.optim.Optimizer):
             _check_optimizer(name, obj, saved[name], entries[name].get("param_shapes"))
-    done = []
+    done: list[str] = []
     for name, obj in [(n, o) for n, o in state.items() if has_state(o)]:
         try:
             obj.load_state_dict(saved[name])
         except Exception as error:
             partly = (f" {done} were restored already, so the state is now partly restored: "
                       "do not train on with it." if done else "")
-            raise ValueError(
-                f"state[{name!r}]: {type(obj).__qualname__}.load_state_dict rejected the entry "
-                f"saved in {path}: {str(error).rstrip('.')}.{partly}") from error
+            raise _rejected(
+                error, f"state[{name!r}]", f"state[{name!r}]: {type(obj).__qualname__}."
+                f"load_state_dict rejected the entry saved in {path}: "
+                f"{str(error).rstrip('.')}.{partly}") from error
         done.append(name)
+
+
+def _rejected(error: Exception, what: str, message: str) -> ValueError:
+    """The error for an entry that ``load_state_dict`` refused: of the kind of ``error`` where
+    unbroken defines it (so ``except StateMismatch`` sees a loader's refusal through
+    ``load_latest``), else a plain ``ValueError``."""
+    if isinstance(error, StateMismatch):
+        return StateMismatch(what, error.field, error.saved, error.current, message=message)
+    if isinstance(error, CorruptState):
+        return CorruptState(message, field=error.field)
+    return ValueError(message)
 
 
 def _shape(tensor: torch.Tensor) -> str:
@@ -101,17 +120,20 @@ def _shape(tensor: torch.Tensor) -> str:
 
 
 def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
+    what = f"state[{name!r}]"
     if not isinstance(saved, dict):
-        raise ValueError(f"state[{name!r}]: the checkpoint holds a {type(saved).__name__}, "
-                         f"not the state_dict of a {type(module).__qualname__}")
+        raise StateMismatch(
+            what, "type", type(saved).__name__, type(module).__qualname__, message=(
+                f"{what}: the checkpoint holds a {type(saved).__name__}, not the state_dict "
+                f"of a {type(module).__qualname__}"))
     current = module.state_dict()
     params = {key for key, _ in module.named_parameters(remove_duplicate=False)}
+    differ = [key for key, now in current.items()
+              if key in saved and isinstance(now, torch.Tensor)
+              and isinstance(saved[key], torch.Tensor) and saved[key].shape != now.shape]
     problems = [
         f"{'parameter' if key in params else 'buffer'} {key!r} has shape {_shape(saved[key])} "
-        f"in the checkpoint and {_shape(now)} now"
-        for key, now in current.items()
-        if key in saved and isinstance(now, torch.Tensor) and isinstance(saved[key], torch.Tensor)
-        and saved[key].shape != now.shape]
+        f"in the checkpoint and {_shape(current[key])} now" for key in differ]
     if len(problems) > 5:  # a changed width touches every layer: the first few say enough
         problems[5:] = [f"{len(problems) - 5} more tensors differ in shape"]
     absent = [key for key in current if key not in saved]
@@ -121,26 +143,40 @@ def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
     if extra:
         problems.append(f"keys in the checkpoint that the module lacks: {extra}")
     if problems:
-        raise ValueError(f"state[{name!r}]: the checkpoint does not fit this "
-                         f"{type(module).__qualname__}: " + "; ".join(problems) +
-                         ". Build the model as the run that saved it did.")
+        # saved and current: the shape of each key that differs (None where it is absent).
+        keys = [*differ, *absent, *extra]
+        raise StateMismatch(
+            what, "state_dict", {key: _shape_of(saved, key) for key in keys},
+            {key: _shape_of(current, key) for key in keys}, message=(
+                f"{what}: the checkpoint does not fit this {type(module).__qualname__}: "
+                + "; ".join(problems) + ". Build the model as the run that saved it did."))
 
 
-def _check_optimizer(name: str, optimizer, saved: Any, shapes: list | None) -> None:
+def _shape_of(state_dict: dict, key: str) -> tuple[int, ...] | None:
+    value = state_dict.get(key)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, saved: Any,
+                     shapes: ParamShapes | None) -> None:
+    what = f"state[{name!r}]"
+    now = [len(group["params"]) for group in optimizer.param_groups]
     try:
         sizes = [len(group["params"]) for group in saved["param_groups"]]
     except (KeyError, TypeError):
-        raise ValueError(f"state[{name!r}]: the checkpoint does not hold an optimizer's "
-                         "state_dict (no 'param_groups' with 'params')") from None
-    now = [len(group["params"]) for group in optimizer.param_groups]
+        raise StateMismatch(what, "param_groups", None, now, message=(
+            f"{what}: the checkpoint does not hold an optimizer's state_dict (no "
+            "'param_groups' with 'params')")) from None
     if sizes != now:
-        raise ValueError(
-            f"state[{name!r}]: the checkpoint has {len(sizes)} parameter groups of sizes {sizes}, "
-            f"this optimizer has {len(now)} of sizes {now}; build it over the same parameters")
+        raise StateMismatch(what, "param_groups", sizes, now, message=(
+            f"{what}: the checkpoint has {len(sizes)} parameter groups of sizes {sizes}, this "
+            f"optimizer has {len(now)} of sizes {now}; build it over the same parameters"))
     for g, group in enumerate(optimizer.param_groups if shapes else ()):
         for i, param in enumerate(group["params"]):
-            if list(param.shape) != shapes[g][i]:
-                raise ValueError(
-                    f"state[{name!r}]: parameter {i} of group {g} has shape {tuple(shapes[g][i])} "
-                    f"in the checkpoint and {_shape(param)} now; build the model as the run that "
-                    "saved it did")
+            if shapes is not None and list(param.shape) != shapes[g][i]:
+                raise StateMismatch(
+                    what, f"param_groups[{g}]['params'][{i}].shape", tuple(shapes[g][i]),
+                    tuple(param.shape), message=(
+                        f"{what}: parameter {i} of group {g} has shape {tuple(shapes[g][i])} in "
+                        f"the checkpoint and {_shape(param)} now; build the model as the run "
+                        "that saved it did"))

@@ -1,7 +1,7 @@
 """What ``torch.load(weights_only=True)`` can rebuild, checked when a checkpoint is *taken*.
 
 Checkpoints are loaded with ``weights_only=True``, which runs no code from the file and so
-rebuilds only plain data and tensors. ``snapshot`` walks a state before it is written, copies
+rebuilds only plain data and tensors. ``checked_copy`` walks a state before it is written, copies
 its containers (and, for a background write, its tensors to CPU memory) and refuses anything
 such a load would not give back, naming its key path: what saves, loads. Its unpickler reads
 ints of at most 255 bytes (pickle's LONG1, not LONG4), tensors only with their data (not on the
@@ -46,7 +46,7 @@ _PROBED = {
 }
 
 
-def snapshot(value: Any, path: str, clone: bool, active: frozenset = frozenset()) -> Any:
+def checked_copy(value: Any, path: str, clone: bool, active: frozenset = frozenset()) -> Any:
     """A copy of the containers of ``value`` (and of its tensors, on CPU, if ``clone``).
 
     Raises ``ValueError`` naming ``path`` for anything ``torch.load(weights_only=True)``
@@ -78,13 +78,13 @@ def snapshot(value: Any, path: str, clone: bool, active: frozenset = frozenset()
                              "checkpointed (pickling recurses once per level); flatten it")
         active = active | {id(value)}
         if kind in _SEQUENCES:
-            return kind(snapshot(v, f"{path}[{i}]", clone, active) for i, v in enumerate(value))
+            return kind(checked_copy(v, f"{path}[{i}]", clone, active) for i, v in enumerate(value))
         out = kind()
         for key, item in value.items():
-            key = snapshot(key, f"{path} (the key {key!r})", False, active)
-            out[key] = snapshot(item, f"{path}[{key!r}]", clone, active)
+            key = checked_copy(key, f"{path} (the key {key!r})", False, active)
+            out[key] = checked_copy(item, f"{path}[{key!r}]", clone, active)
         for attr, item in getattr(value, "__dict__", {}).items():  # a state_dict's _metadata
-            setattr(out, attr, snapshot(item, f"{path}.{attr}", clone, active))
+            setattr(out, attr, checked_copy(item, f"{path}.{attr}", clone, active))
         return out
     if isinstance(value, (np.ndarray, np.generic)):
         raise ValueError(
@@ -117,7 +117,7 @@ def _tensor(value: torch.Tensor, path: str, clone: bool) -> torch.Tensor:
         return value
     try:
         copy = value.detach().to("cpu", copy=True)
-    except Exception as error:  # noqa: BLE001 - whatever torch refuses, say which tensor
+    except Exception as error:  # whatever torch refuses, say which tensor
         raise ValueError(f"{path}: this tensor could not be copied to CPU memory for the "
                          f"background save: {type(error).__name__}: {error}") from error
     if type(value) is torch.nn.Parameter:
@@ -149,7 +149,7 @@ def _round_trips(sample: Any, tensor: bool = False) -> bool:
     try:
         if tensor:
             sample = torch.zeros(1, dtype=sample)
-    except Exception:  # noqa: BLE001 - no plain tensor of it can be made: nothing to refuse
+    except Exception:  # no plain tensor of it can be made: nothing to refuse
         return True
     try:
         buffer = io.BytesIO()
@@ -158,7 +158,7 @@ def _round_trips(sample: Any, tensor: bool = False) -> bool:
         loaded = torch.load(buffer, weights_only=True)
         return type(loaded) is type(sample) and (
             loaded.dtype == sample.dtype if tensor else loaded == sample)
-    except Exception:  # noqa: BLE001 - refused, in whichever way this torch refuses
+    except Exception:  # refused, in whichever way this torch refuses
         return False
 
 
@@ -177,6 +177,6 @@ def _loadable() -> frozenset:
                     break
             else:
                 loadable.add(kind)
-        except Exception:  # noqa: BLE001 - refused, in whichever way this torch refuses
+        except Exception:  # refused, in whichever way this torch refuses
             pass
     return frozenset(loadable)

@@ -4,14 +4,15 @@
   map-style orders, ``streams``: iterable datasets), resumed in O(1).
 - ``epochs``: the epoch protocol every resumable iterable here shares (``iter()`` continues a
   loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
-- ``combined``, ``iterable`` (``resumable``), ``shuffling`` (``shuffle_buffer``): iterables built on that protocol.
+- ``combined``, ``iterable`` (``resumable``), ``shuffling`` (``shuffle_buffer``): iterables
+  built on that protocol.
 - ``rng`` and ``shuffle``: per-sample randomness and the per-index shuffle, pure functions of
   (seed, epoch, position); ``workers``: what DataLoader workers do with preemption signals.
 """
 
 from .combined import CombinedLoader
-from .loader import DataLoader
 from .iterable import Resumable, resumable
+from .loader import DataLoader
 from .rng import sample_rng, sample_seed
 from .shuffling import ShuffleBuffer, shuffle_buffer
 

@@ -26,21 +26,33 @@ one ``next()`` per child and a few flags; nothing is replayed on resume.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
-from .._state import StateReader, check_int, mismatch, same
+from .._state import StateReader, mismatch, same
+from ..errors import CorruptState, prefixed
+from .combined_checks import check_entry, check_progress
+from .epochs import EpochIterable, check_epoch
+from .states import COMBINED, CombinedState
 
-FORMAT = "unbroken.CombinedLoader"
-VERSION = 1
 MODES = ("max_size_cycle", "min_size", "max_size", "sequential")
-_FIELDS = {"format", "version", "mode", "keys", "epoch", "batches", "current", "loaders"}
-_CHILD_FIELDS = {"state", "batches", "exhausted", "open"}
 _WHAT = "unbroken.CombinedLoader"
 _END = object()  # what a step returns when the combined epoch is over
 
 
-class CombinedLoader:
+class _Progress:
+    """Where a combined epoch is: its batches, the child being iterated (sequential), and per
+    child its batches, whether it ran out and whether its own epoch is open, and its iterator."""
+
+    def __init__(self, n: int, batches: int = 0, current: int = 0) -> None:
+        self.batches, self.current = batches, current
+        self.child_batches = [0] * n
+        self.exhausted = [False] * n  # ran out at least once in this combined epoch
+        self.child_open = [False] * n  # the child's own epoch is started and not ended
+        self.iters: list[Iterator | None] = [None] * n
+
+
+class CombinedLoader(EpochIterable[_Progress]):
     """Iterate a dict or list of resumable loaders together; ``state_dict()`` resumes it exactly.
 
     - ``loaders``: a dict (``str`` keys) or a list/tuple of iterables with ``state_dict()`` and
@@ -62,9 +74,10 @@ class CombinedLoader:
             if bad:
                 raise TypeError(f"CombinedLoader dict keys must be str (they name the loaders in "
                                 f"the saved state), got {bad[0]!r}")
-            self._keys, children = list(loaders), list(loaders.values())
+            self._keys: list[Any] = list(loaders)
+            children = list(loaders.values())
         elif isinstance(loaders, (list, tuple)):
-            self._keys, children = list(range(len(loaders))), list(loaders)
+            self._keys, children = list(range(len(loaders))), list(loaders)  # keys: indices
         else:
             raise TypeError(f"CombinedLoader takes a dict or a list of loaders, got a "
                             f"{type(loaders).__name__}")
@@ -78,18 +91,7 @@ class CombinedLoader:
                     raise ValueError(f"CombinedLoader: the same loader is passed as "
                                      f"{self._keys[j]!r} and {self._keys[i]!r}; pass two loaders")
         self.loaders, self.mode, self._children = loaders, mode, children
-        self._epoch = 0
-        self._reset_progress()
-        self._open = False  # a combined iteration yielded a batch and has not finished
-        self._token = object()  # the iteration allowed to move the progress
-
-    def _reset_progress(self) -> None:
-        n = len(self._children)
-        self._batches, self._current = 0, 0
-        self._child_batches = [0] * n
-        self._exhausted = [False] * n  # ran out at least once in this combined epoch
-        self._child_open = [False] * n  # the child's own epoch is started and not ended
-        self._iters: list[Iterator | None] = [None] * n
+        self._init_epochs()
 
     def __len__(self) -> int:
         """Batches in a whole combined epoch, from the children's lengths."""
@@ -103,55 +105,53 @@ class CombinedLoader:
             return min(lengths)
         return sum(lengths) if self.mode == "sequential" else max(lengths)
 
-    @property
-    def epoch(self) -> int:
-        """The combined epoch the loader is in, or will start at the next ``iter()``."""
-        return self._epoch
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` start combined epoch ``epoch`` from its first batch;
+        children left mid-epoch begin their next epoch, as at the end of a combined epoch."""
+        check_epoch(epoch)
+        self._close_epoch(self._pos)
+        self._move(epoch, self._start_position(None))
 
-    def __iter__(self) -> Iterator:
-        if self._open:  # a `break` after some batches: that combined epoch is over
-            self._end_epoch()
-        self._token = token = object()
-        return self._run(token)
+    def _start_position(self, ended: _Progress | None) -> _Progress:
+        return _Progress(len(self._children))
 
-    def _run(self, token: object) -> Iterator:
+    def _run(self, pos: _Progress, epoch: int) -> Generator[Any, None, Any]:
         step = getattr(self, "_step_" + self.mode)
-        while self._token is token:  # an iter() or load_state_dict since makes this one stale
-            item = step()
+        while pos is self._pos:  # a set_epoch, iter() or load_state_dict since: this one is stale
+            item = step(pos)
             if item is _END:
-                self._end_epoch()
                 return
-            self._batches += 1
-            self._open = True
+            pos.batches += 1
             yield item
 
-    def _next(self, i: int) -> Any:
+    def _next(self, pos: _Progress, i: int) -> Any:
         """The child's next batch, or ``_END`` (its epoch ended: marked exhausted)."""
-        if self._iters[i] is None:
-            self._iters[i] = iter(self._children[i])
+        iterator = pos.iters[i]
+        if iterator is None:
+            iterator = pos.iters[i] = iter(self._children[i])
         try:
-            batch = next(self._iters[i])
+            batch = next(iterator)
         except StopIteration:
-            self._iters[i] = None
-            self._exhausted[i], self._child_open[i] = True, False
+            pos.iters[i] = None
+            pos.exhausted[i], pos.child_open[i] = True, False
             return _END
-        self._child_batches[i] += 1
-        self._child_open[i] = True
+        pos.child_batches[i] += 1
+        pos.child_open[i] = True
         return batch
 
-    def _step_max_size_cycle(self) -> Any:
+    def _step_max_size_cycle(self, pos: _Progress) -> Any:
         n = len(self._children)
         # Children that have not run out yet go first: if they all run out now, the epoch ends
         # before a cycled child draws a batch nobody receives.
-        probed = [not exhausted for exhausted in self._exhausted]
-        out = [self._next(i) if probed[i] else _END for i in range(n)]
-        if all(self._exhausted):
+        probed = [not exhausted for exhausted in pos.exhausted]
+        out = [self._next(pos, i) if probed[i] else _END for i in range(n)]
+        if all(pos.exhausted):
             return _END
         for i in range(n):
             if not probed[i]:
-                out[i] = self._next(i)  # a child that is being cycled
+                out[i] = self._next(pos, i)  # a child that is being cycled
             if out[i] is _END:  # it ran out: restart it, which begins its next epoch
-                out[i] = self._next(i)
+                out[i] = self._next(pos, i)
                 if out[i] is _END:
                     raise ValueError(
                         f"CombinedLoader(mode='max_size_cycle'): loader {self._keys[i]!r} yielded "
@@ -160,30 +160,30 @@ class CombinedLoader:
                     )
         return self._pack(out)
 
-    def _step_min_size(self) -> Any:
+    def _step_min_size(self, pos: _Progress) -> Any:
         out = []
         for i in range(len(self._children)):
-            batch = self._next(i)
+            batch = self._next(pos, i)
             if batch is _END:
                 return _END
             out.append(batch)
         return self._pack(out)
 
-    def _step_max_size(self) -> Any:
+    def _step_max_size(self, pos: _Progress) -> Any:
         out: list = [None] * len(self._children)
         for i in range(len(self._children)):
-            if not self._exhausted[i]:
-                batch = self._next(i)
+            if not pos.exhausted[i]:
+                batch = self._next(pos, i)
                 out[i] = None if batch is _END else batch
-        return _END if all(self._exhausted) else self._pack(out)
+        return _END if all(pos.exhausted) else self._pack(out)
 
-    def _step_sequential(self) -> Any:
-        while self._current < len(self._children):
-            i = self._current
-            batch = self._next(i)
+    def _step_sequential(self, pos: _Progress) -> Any:
+        while pos.current < len(self._children):
+            i = pos.current
+            batch = self._next(pos, i)
             if batch is not _END:
-                return batch, self._child_batches[i] - 1, self._keys[i]
-            self._current += 1
+                return batch, pos.child_batches[i] - 1, self._keys[i]
+            pos.current += 1
         return _END
 
     def _pack(self, out: list) -> Any:
@@ -191,36 +191,34 @@ class CombinedLoader:
             return dict(zip(self._keys, out))
         return tuple(out) if isinstance(self.loaders, tuple) else out
 
-    def _end_epoch(self) -> None:
+    def _close_epoch(self, ended: _Progress) -> None:
         # A child left mid-epoch begins its next epoch, whether this process iterated it or only
         # loaded its state: for both, child.epoch is still the epoch that was cut short.
         for i, child in enumerate(self._children):
-            if self._child_open[i]:
+            if ended.child_open[i]:
                 cut_short = getattr(child, "epoch", None)  # before close(), which may end it
-                if inspect.isgenerator(self._iters[i]):
-                    self._iters[i].close()
-                if _sets_epochs(child):
+                iterator = ended.iters[i]
+                if inspect.isgenerator(iterator):
+                    iterator.close()
+                if cut_short is not None and _sets_epochs(child):
                     child.set_epoch(cut_short + 1)
                 # else (max_size, sequential): the child was iterated in this process, and its
                 # next iter() starts its next epoch by itself, as torch's DataLoader does.
-        self._epoch += 1
-        self._reset_progress()
-        self._open = False
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> CombinedState:
         """The combined batches the user received: JSON if the children's states are."""
-        n = len(self._children)
+        pos, n = self._pos, len(self._children)
         return {
-            "format": FORMAT,
-            "version": VERSION,
+            "format": COMBINED.name,
+            "version": COMBINED.version,
             "mode": self.mode,
             "keys": self._saved_keys(),
             "epoch": self._epoch,
-            "batches": self._batches,
-            "current": self._current if self.mode == "sequential" else None,
+            "batches": pos.batches,
+            "current": pos.current if self.mode == "sequential" else None,
             "loaders": [
-                {"state": self._children[i].state_dict(), "batches": self._child_batches[i],
-                 "exhausted": self._exhausted[i], "open": self._child_open[i]}
+                {"state": self._children[i].state_dict(), "batches": pos.child_batches[i],
+                 "exhausted": pos.exhausted[i], "open": pos.child_open[i]}
                 for i in range(n)
             ],
         }
@@ -232,12 +230,12 @@ class CombinedLoader:
         """Make the next ``iter()`` continue right after the last combined batch the saved loader
         yielded.
 
-        Raises ``ValueError`` naming the field if the state is malformed, from another version,
-        or was saved with another mode or other loaders; a child's own ``ValueError`` is passed
-        on with its key in front. The combined position changes only if the whole state loads;
+        Raises ``CorruptState`` naming the field if the state is malformed, ``StateMismatch`` if
+        it is from another version or was saved with another mode or other loaders; a child's
+        own refusal is passed on, of the same type, with its key in front. The combined position changes only if the whole state loads;
         children loaded before a failing one get their previous states back.
         """
-        reader = StateReader(state, _WHAT, _FIELDS, FORMAT, VERSION)
+        reader = StateReader(state, _WHAT, COMBINED)
         if not same(state["mode"], self.mode):
             raise mismatch(_WHAT, "mode", state["mode"], self.mode)
         if not same(state["keys"], self._saved_keys()):  # strictly: a count of True is not 1
@@ -247,12 +245,12 @@ class CombinedLoader:
         entries = state["loaders"]
         n = len(self._children)
         if not isinstance(entries, list) or len(entries) != n:
-            raise ValueError(f"{_WHAT} state field 'loaders': expected a list of {n} entries, "
-                             f"got {entries!r:.200}")
+            raise CorruptState(f"{_WHAT} state field 'loaders': expected a list of {n} entries, "
+                               f"got {entries!r:.200}", "loaders")
         for key, entry in zip(self._keys, entries):
-            _check_entry(key, entry)
+            check_entry(key, entry)
         current = state["current"]
-        _check_progress(self.mode, batches, current, entries)
+        check_progress(self.mode, batches, current, entries)
 
         before = []
         try:
@@ -261,25 +259,21 @@ class CombinedLoader:
                 try:
                     child.load_state_dict(entry["state"])
                 except ValueError as error:
-                    raise ValueError(f"{_WHAT} loader {key!r}: {error}") from error
+                    raise prefixed(error, f"{_WHAT} loader {key!r}: ") from error
                 before.append((child, previous))
         except BaseException:
             for child, previous in before:
                 child.load_state_dict(previous)
             raise
 
-        for i in range(n):
-            if inspect.isgenerator(self._iters[i]):
-                self._iters[i].close()
-        self._epoch = epoch
-        self._reset_progress()
-        self._batches = batches
-        self._current = 0 if current is None else current
-        self._child_batches = [entry["batches"] for entry in entries]
-        self._exhausted = [entry["exhausted"] for entry in entries]
-        self._child_open = [entry["open"] for entry in entries]
-        self._open = False
-        self._token = object()
+        for iterator in self._pos.iters:
+            if inspect.isgenerator(iterator):
+                iterator.close()
+        pos = _Progress(n, batches, 0 if current is None else current)
+        pos.child_batches = [entry["batches"] for entry in entries]
+        pos.exhausted = [entry["exhausted"] for entry in entries]
+        pos.child_open = [entry["open"] for entry in entries]
+        self._move(epoch, pos)
 
 
 def _check_child(key: Any, child: Any, mode: str) -> None:
@@ -302,46 +296,3 @@ def _check_child(key: Any, child: Any, mode: str) -> None:
 
 def _sets_epochs(child: Any) -> bool:
     return callable(getattr(child, "set_epoch", None)) and hasattr(child, "epoch")
-
-
-def _check_entry(key: Any, entry: Any) -> None:
-    where = f"{_WHAT} state field 'loaders' entry {key!r}"
-    if not isinstance(entry, dict) or set(entry) != _CHILD_FIELDS:
-        raise ValueError(f"{where}: expected a dict with fields {sorted(_CHILD_FIELDS)}, "
-                         f"got {entry!r:.200}")
-    check_int(entry["batches"], f"{where}: 'batches'")
-    for flag in ("exhausted", "open"):
-        if not isinstance(entry[flag], bool):
-            raise ValueError(f"{where}: '{flag}' must be a bool, got {entry[flag]!r}")
-
-
-def _check_progress(mode: str, batches: int, current: Any, entries: list) -> None:
-    """The invariants every state that ``state_dict`` takes satisfies, per mode."""
-    counts = [entry["batches"] for entry in entries]
-    exhausted = [entry["exhausted"] for entry in entries]
-    opened = [entry["open"] for entry in entries]
-    n = len(entries)
-    if mode == "sequential":
-        first = next((i for i in range(n) if not exhausted[i]), n)
-        ok = (isinstance(current, int) and not isinstance(current, bool) and current == first < n
-              and sum(counts) == batches and not any(opened[:current] + opened[current + 1:])
-              and not any(exhausted[current:]) and not any(counts[current + 1:]))
-    else:
-        ok = current is None and all(c <= batches for c in counts) and not all(exhausted)
-        if mode == "max_size":
-            ok = ok and not any(e and o for e, o in zip(exhausted, opened))
-            ok = ok and all(c == batches for c, e in zip(counts, exhausted) if not e)
-        else:  # every child gives a batch at every step
-            ok = ok and all(c == batches for c in counts)
-            ok = ok and (mode == "max_size_cycle" or not any(exhausted))
-    # A child that gave batches in this combined epoch and has not run out is mid-epoch.
-    ok = ok and all(o for c, e, o in zip(counts, exhausted, opened) if c and not e)
-    if batches == 0:  # the start of a combined epoch: nothing is in progress
-        ok = ok and not any(counts) and not any(opened) and not any(exhausted)
-        ok = ok and current in (None, 0)
-    if not ok:
-        raise ValueError(
-            f"{_WHAT} state is inconsistent: batches={batches}, current={current!r} and the "
-            f"loaders' counts {counts}, exhausted {exhausted}, open {opened} do not describe a "
-            f"position in mode {mode!r}; the state is corrupt"
-        )

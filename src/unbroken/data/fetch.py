@@ -13,8 +13,19 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from .orders import Keys
 from .rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
+
+
+class Keys(list):
+    """A batch of dataset indices; ``epoch_key`` and ``start`` let a worker seed each sample."""
+
+    def __init__(self, indices: Any, epoch_key: int, start: int) -> None:
+        super().__init__(indices)
+        self.epoch_key = epoch_key
+        self.start = start
+
+    def __reduce__(self) -> Any:  # workers receive batches pickled; keep it small and explicit
+        return (Keys, (list(self), self.epoch_key, self.start))
 
 
 class SeededDataset(Dataset):
@@ -29,7 +40,7 @@ class SeededDataset(Dataset):
         return {"dataset": self.dataset, "global_rngs": self.global_rngs}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["dataset"], state["global_rngs"])
+        SeededDataset.__init__(self, state["dataset"], state["global_rngs"])
 
     def __len__(self) -> int:
         return len(self.dataset)

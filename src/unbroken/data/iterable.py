@@ -33,15 +33,24 @@ import copy
 import inspect
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
-from .._state import (StateReader, Unsaveable, check_user_state, encode_or_defer, from_jsonable,
-                     has_state, mismatch, raise_if_unsaveable, same)
+from .._state import (
+    StateReader,
+    Unsaveable,
+    check_user_state,
+    encode_or_defer,
+    from_jsonable,
+    has_state,
+    mismatch,
+    raise_if_unsaveable,
+    same,
+)
+from ..errors import CorruptState, StateMismatch
+from .epochs import EpochIterable
+from .states import RESUMABLE, ResumableState
 
-FORMAT = "unbroken.resumable"
-VERSION = 1
-_FIELDS = {"format", "version", "name", "epoch", "items", "end", "inner"}
 _PROGRESS_AFTER = 1000  # skips longer than this show a tqdm bar (on a terminal)
 _END = object()
 
@@ -64,7 +73,7 @@ def take_state(obj: Any, what: str) -> Any:
     return encode_or_defer(state, path, what)
 
 
-class _Position:
+class _ItemPosition:
     """Where the loop is in an epoch: items received, whether the last was the epoch's last,
     and the object's own state right after it (None on the skip path)."""
 
@@ -74,7 +83,7 @@ class _Position:
         self.items, self.end, self.inner = items, end, inner
 
 
-class Resumable:
+class Resumable(EpochIterable[_ItemPosition]):
     """An iterable whose position survives a restart.
 
     - ``make_iterable``: called as ``make_iterable(epoch)`` (or ``make_iterable()`` if it takes
@@ -101,16 +110,9 @@ class Resumable:
         self.name = name
         self.progress = progress
         self._what = "unbroken.resumable" + (f"({name!r})" if name else "")
-        self._epoch = 0
-        self._pos = _Position()
-        self._open = False  # an iteration of this epoch has yielded an item
         self._made: tuple[int, Any] | None = None  # made by __len__, kept for the next iter()
         self._warned = False
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the stream is in, or will start at the next ``iter()``."""
-        return self._epoch
+        self._init_epochs()
 
     def __len__(self) -> int:
         """Items in a whole epoch, if the epoch's iterable has ``len()``; else ``TypeError``."""
@@ -120,53 +122,31 @@ class Resumable:
         except TypeError:
             raise TypeError(f"{self._what}: a {type(obj).__qualname__} has no len()") from None
 
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` start ``epoch`` from its first item."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._epoch, self._pos, self._open, self._made = epoch, _Position(), False, None
+    def _start_position(self, ended: _ItemPosition | None) -> _ItemPosition:
+        return _ItemPosition()
 
-    def __iter__(self) -> Iterator:
-        # An iteration that yielded items ends its epoch when it is dropped (a `break`) or, if
-        # its iterator is still held, here. One that yielded nothing starts nothing.
-        if self._open:
-            self._end_epoch()
-        return self._run()
+    def _move(self, epoch: int, position: _ItemPosition) -> None:
+        super()._move(epoch, position)
+        self._made = None
 
-    def _end_epoch(self) -> None:
-        self._epoch += 1
-        self._pos, self._open = _Position(), False
-
-    def _run(self) -> Iterator:
-        pos, epoch = self._pos, self._epoch
+    def _run(self, pos: _ItemPosition, epoch: int) -> Generator[Any, None, Any]:
         obj, items = (None, iter(())) if pos.end else self._start(epoch, pos)
         stateful = has_state(obj)
         ahead = [next(items, _END)]  # no local name holds an item once it is yielded
-        try:
-            while ahead[0] is not _END:
-                obj_state = take_state(obj, self._what) if stateful else None
-                ahead.append(next(items, _END))  # read ahead: is this item the epoch's last?
-                pos.items, pos.end, pos.inner = pos.items + 1, ahead[1] is _END, obj_state
-                self._open = True
-                yield ahead.pop(0)
-        except GeneratorExit:  # dropped mid-epoch: a state taken after the loop starts the next
-            if pos is self._pos and self._open:
-                self._end_epoch()
-            raise
-        # Reached only when the loop asks past the last item: a state taken now starts the
-        # next epoch, while one taken inside the loop, after the last item, does not.
-        if pos is self._pos:
-            self._end_epoch()
+        while ahead[0] is not _END:
+            obj_state = take_state(obj, self._what) if stateful else None
+            ahead.append(next(items, _END))  # read ahead: is this item the epoch's last?
+            pos.items, pos.end, pos.inner = pos.items + 1, ahead[1] is _END, obj_state
+            yield ahead.pop(0)
 
-    def _start(self, epoch: int, pos: _Position) -> tuple[Any, Iterator]:
+    def _start(self, epoch: int, pos: _ItemPosition) -> tuple[Any, Iterator]:
         obj = self._object(epoch)
         if pos.inner is not None:
             if not has_state(obj):
-                raise ValueError(
+                raise StateMismatch(self._what, "inner", "a state", None, message=(
                     f"{self._what}: the state holds the state of the epoch's iterable, but the "
                     f"{type(obj).__qualname__} made now has no load_state_dict(); make the "
-                    "same kind of iterable that saved it"
-                )
+                    "same kind of iterable that saved it"))
             obj.load_state_dict(from_jsonable(pos.inner))
             return obj, iter(obj)
         items = iter(obj)
@@ -202,13 +182,12 @@ class Resumable:
                 skipped += 1
                 bar.update()
         if skipped < count:
-            raise ValueError(
+            raise StateMismatch(self._what, "items", count, skipped, message=(
                 f"{self._what}: the state says {count} items of epoch {self._epoch} were "
                 f"received, but the re-made {kind} yields only {skipped}; the iterable is not "
-                "deterministic, or shorter than the one that saved the state"
-            )
+                "deterministic, or shorter than the one that saved the state"))
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> ResumableState:
         """What the loop has received so far: JSON-serializable (``json.dumps`` works).
 
         Raises ``ValueError`` naming the key if the iterable's own state cannot be saved as
@@ -217,20 +196,20 @@ class Resumable:
         pos = self._pos
         raise_if_unsaveable(pos.inner)
         return {
-            "format": FORMAT, "version": VERSION, "name": self.name, "epoch": self._epoch,
+            "format": RESUMABLE.name, "version": RESUMABLE.version, "name": self.name, "epoch": self._epoch,
             "items": pos.items, "end": pos.end, "inner": pos.inner,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter()`` continue right after the last item the saved stream yielded.
 
-        Raises ``ValueError`` naming the field if the state is malformed (a field of the wrong
-        type or out of range, counters that contradict each other), from another format or
-        version, or was saved under another ``name``. Nothing changes unless it is valid.
+        Raises ``CorruptState`` naming the field if the state is malformed (a field of the wrong
+        type or out of range, counters that contradict each other), ``StateMismatch`` if it is
+        from another format or version, or was saved under another ``name``. Nothing changes unless it is valid.
         Whether the epoch's iterable can load ``inner`` is known only once it is made, at
         ``iter()``.
         """
-        reader = StateReader(state, self._what, _FIELDS, FORMAT, VERSION)
+        reader = StateReader(state, self._what, RESUMABLE)
         if not same(state["name"], self.name):
             raise mismatch(self._what, "name", state["name"], self.name,
                            "Load the state saved by the stream of this name.")
@@ -239,12 +218,11 @@ class Resumable:
         if inner is not None:
             check_user_state(inner, f"{self._what} state field 'inner'")
         if items == 0 and (end or inner is not None):
-            raise ValueError(
+            raise CorruptState(
                 f"{self._what} state is inconsistent: items=0 with end={end!r} and "
                 f"inner={'set' if inner is not None else None}; the state is corrupt"
             )
-        self._epoch, self._pos = epoch, _Position(items, end, copy.deepcopy(inner))
-        self._open, self._made = False, None
+        self._move(epoch, _ItemPosition(items, end, copy.deepcopy(inner)))
 
 
 def _epoch_factory(source: Any) -> Callable[[int], Iterable]:

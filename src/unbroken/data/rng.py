@@ -19,7 +19,7 @@ also walks every accelerator and costs ~100 us), numpy's legacy global generator
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ def check_global_rngs(global_rngs: Iterable[str]) -> tuple[str, ...]:
     return tuple(name for name in GLOBAL_RNGS if name in chosen)
 
 
-def make_seeder(global_rngs: tuple[str, ...]):
+def make_seeder(global_rngs: tuple[str, ...]) -> Callable[[int], None]:
     """Return ``seed(sample_seed)`` that seeds the chosen global generators, fast.
 
     Bound methods are looked up once here: the call runs once per sample.

@@ -31,20 +31,27 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
-from .shuffle import derive_key
-from .._state import (COUNT_LIMIT, StateReader, check_user_state, from_jsonable, has_state,
-                     mismatch, raise_if_unsaveable, same)
+from .._state import (
+    COUNT_LIMIT,
+    StateReader,
+    check_user_state,
+    from_jsonable,
+    has_state,
+    mismatch,
+    raise_if_unsaveable,
+    same,
+)
+from ..errors import CorruptState, StateMismatch, prefixed
+from . import keys
+from .epochs import EpochIterable
 from .iterable import Resumable, take_state
+from .states import SHUFFLE_BUFFER, ShuffleBufferState
 
-FORMAT = "unbroken.shuffle_buffer"
-VERSION = 1
-_FIELDS = {"format", "version", "size", "seed", "epoch", "window", "emitted", "end", "upstream"}
-_DOMAIN = 0x5348554646  # keeps these permutations apart from other uses of the same seed
 _LIVE = object()  # the upstream has not been read since it was made: ask it for its state
 _NEXT = object()  # the upstream was left mid-epoch: its next iter() starts the next epoch
 _WHAT = "unbroken.shuffle_buffer"
@@ -55,18 +62,20 @@ def shuffle_buffer(iterable: Any, size: int, *, seed: int) -> ShuffleBuffer:
     return ShuffleBuffer(iterable, size, seed=seed)
 
 
-class _Position:
+class _WindowPosition:
     """The current window, how many of its items were emitted, and the upstream's state at its
-    start (after the epoch's end when ``end``)."""
+    start (after the epoch's end when ``end``); ``after``: the upstream's state once the epoch
+    ended (its last window read, or its iterator closed by a ``break``), for the next epoch."""
 
-    __slots__ = ("window", "emitted", "end", "upstream")
+    __slots__ = ("after", "emitted", "end", "upstream", "window")
 
     def __init__(self, window: int = 0, emitted: int = 0, end: bool = False,
                  upstream: Any = _LIVE) -> None:
         self.window, self.emitted, self.end, self.upstream = window, emitted, end, upstream
+        self.after: Any = _NEXT
 
 
-class ShuffleBuffer:
+class ShuffleBuffer(EpochIterable[_WindowPosition]):
     """A windowed shuffle of ``iterable`` with unbroken's loader protocol.
 
     - ``iterable``: the upstream. An object with ``state_dict``/``load_state_dict`` and
@@ -92,15 +101,8 @@ class ShuffleBuffer:
         # load (a user's may have been iterated before, or count in batches of its own).
         self._own_upstream = not stateful
         self.size, self.seed = size, seed
-        self._epoch = 0
-        self._pos = _Position()
-        self._open = False  # an iteration of this epoch has yielded an item
         self._stash: Iterator | None = None  # the upstream's iterator for the next iter()
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the buffer is in, or will start at the next ``iter()``."""
-        return self._epoch
+        self._init_epochs()
 
     def __len__(self) -> int:
         """Items in a whole epoch: the upstream's ``len()`` (``TypeError`` if it has none)."""
@@ -113,19 +115,16 @@ class ShuffleBuffer:
             raise TypeError(f"{_WHAT}.set_epoch needs an upstream with set_epoch(); "
                             f"a {type(self.upstream).__qualname__} has none")
         self.upstream.set_epoch(epoch)
-        self._epoch, self._pos, self._open, self._stash = epoch, _Position(), False, None
+        super().set_epoch(epoch)
 
-    def __iter__(self) -> Iterator:
-        # As with unbroken.DataLoader: an iteration that yielded items ends its epoch when it is
-        # dropped (a `break`) or, if its iterator is still held, here; one that yielded nothing
-        # starts nothing.
-        if self._open:
-            self._end_epoch(_NEXT)
-        return self._run()
+    def _start_position(self, ended: _WindowPosition | None) -> _WindowPosition:
+        # After set_epoch (and at first) the upstream is at its epoch's start (_LIVE); after an
+        # epoch, wherever that epoch left it (its state, or _NEXT if it was left mid-way).
+        return _WindowPosition() if ended is None else _WindowPosition(upstream=ended.after)
 
-    def _end_epoch(self, upstream: Any) -> None:
-        self._epoch += 1
-        self._pos, self._open, self._stash = _Position(upstream=upstream), False, None
+    def _move(self, epoch: int, position: _WindowPosition) -> None:
+        super()._move(epoch, position)
+        self._stash = None
 
     def _upstream_state(self) -> Any:
         """The upstream's state at the start of the current window (or after the epoch)."""
@@ -139,38 +138,35 @@ class ShuffleBuffer:
             pos.upstream = take_state(self.upstream, _WHAT)
         return pos.upstream
 
-    def _run(self) -> Iterator:
-        pos, epoch, size = self._pos, self._epoch, self.size
-        after = pos.upstream  # the upstream's state once its epoch has ended
-        if not pos.end:
-            upstream_items, self._stash = self._stash, None
-            if upstream_items is None:
-                upstream_items = iter(self.upstream)
-            if pos.upstream is _NEXT:
-                pos.upstream = _LIVE  # iterated just now: its state is the new epoch's start
-            self._upstream_state()
-            try:
-                after = yield from self._windows(pos, epoch, size, upstream_items)
-            except GeneratorExit:  # dropped mid-epoch (a `break`): end the epoch now
-                if pos is self._pos and self._open:
-                    self._end_epoch(self._after_break(upstream_items))
-                raise
-        # Reached only when the loop asks past the last item (see unbroken.DataLoader).
-        if pos is self._pos:
-            self._end_epoch(after)
+    def _run(self, pos: _WindowPosition, epoch: int) -> Generator[Any, None, Any]:
+        if pos.end:  # saved right after the epoch's last item: nothing remains
+            pos.after = pos.upstream
+            return
+        upstream_items, self._stash = self._stash, None
+        if upstream_items is None:
+            upstream_items = iter(self.upstream)
+        if pos.upstream is _NEXT:
+            pos.upstream = _LIVE  # iterated just now: its state is the new epoch's start
+        self._upstream_state()
+        try:
+            pos.after = yield from self._windows(pos, epoch, self.size, upstream_items)
+        except GeneratorExit:  # dropped mid-epoch (a `break`): the next epoch starts from here
+            if pos is self._pos:
+                pos.after = self._after_break(upstream_items)
+            raise
 
-    def _windows(self, pos: _Position, epoch: int, size: int, upstream_items: Iterator):
+    def _windows(self, pos: _WindowPosition, epoch: int, size: int,
+                 upstream_items: Iterator) -> Generator[Any, None, Any]:
         """Emit the epoch's windows from ``pos``; return the upstream's state after its end."""
         window, skip = pos.window, pos.emitted
         while True:
             items = list(itertools.islice(upstream_items, size))
             after = take_state(self.upstream, _WHAT)
             if skip and len(items) <= skip:
-                raise ValueError(
+                raise StateMismatch(_WHAT, "emitted", skip, len(items), message=(
                     f"{_WHAT}: the state says {skip} items of window {window} of epoch "
                     f"{epoch} were emitted, but the upstream now yields {len(items)} for "
-                    "it; the upstream is not deterministic, or not the one that saved it"
-                )
+                    "it; the upstream is not deterministic, or not the one that saved it"))
             if not items:
                 return after
             count = len(items)
@@ -185,7 +181,6 @@ class ShuffleBuffer:
                     pos.emitted, pos.end, pos.upstream = j + 1, True, after
                 else:  # the window's last item: the next window starts where it ended
                     pos.window, pos.emitted, pos.upstream = window + 1, 0, after
-                self._open = True
                 yield rest.pop()
             if exhausted:
                 return after
@@ -201,7 +196,7 @@ class ShuffleBuffer:
         return take_state(self.upstream, _WHAT) if ended else _NEXT
 
     def _permutation(self, epoch: int, window: int, n: int) -> list[int]:
-        key = derive_key(self.seed, _DOMAIN, epoch, window)
+        key = keys.window(self.seed, epoch, window)
         return np.random.Generator(np.random.Philox(key=key)).permutation(n).tolist()
 
     def _check_window(self, epoch: int, window: int, end: bool, upstream: dict) -> None:
@@ -213,14 +208,14 @@ class ShuffleBuffer:
             return  # malformed: the upstream's own load_state_dict names the field
         expected = (0, epoch + 1) if end else (window * self.size, epoch)
         if (read, its_epoch) != expected:
-            raise ValueError(
+            raise CorruptState(
                 f"{_WHAT} state field 'window': window={window} of epoch={epoch} (end={end}) "
                 f"in windows of {self.size} expects the upstream at items={expected[0]} of its "
                 f"epoch {expected[1]}, but its state says items={read} of epoch {its_epoch}; the "
                 "state is corrupt"
             )
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> ShuffleBufferState:
         """The buffer's position: JSON-serializable, as small as the upstream's state.
 
         Raises ``ValueError`` naming the key if the upstream's state cannot be saved as JSON.
@@ -229,7 +224,7 @@ class ShuffleBuffer:
         upstream = self._upstream_state()
         raise_if_unsaveable(upstream)
         return {
-            "format": FORMAT, "version": VERSION, "size": self.size, "seed": self.seed,
+            "format": SHUFFLE_BUFFER.name, "version": SHUFFLE_BUFFER.version, "size": self.size, "seed": self.seed,
             "epoch": self._epoch, "window": pos.window, "emitted": pos.emitted, "end": pos.end,
             "upstream": upstream,
         }
@@ -237,13 +232,14 @@ class ShuffleBuffer:
     def load_state_dict(self, state: dict) -> None:
         """Restore the upstream to the current window's start and the position in it.
 
-        Raises ``ValueError`` naming the field if the state is malformed (a field of the wrong
+        Raises ``CorruptState`` naming the field if the state is malformed (a field of the wrong
         type or out of range; a window that is not where the upstream's state is, when the
-        buffer made the upstream itself), from another format or version, or was saved with
-        another ``size`` or ``seed``; the upstream checks its own part. Nothing changes unless
+        buffer made the upstream itself), ``StateMismatch`` if it is from another format or
+        version, or was saved with another ``size`` or ``seed``; the upstream checks its own
+        part (its refusal keeps its type). Nothing changes unless
         the whole state is valid.
         """
-        reader = StateReader(state, _WHAT, _FIELDS, FORMAT, VERSION)
+        reader = StateReader(state, _WHAT, SHUFFLE_BUFFER)
         for field in ("size", "seed"):
             if not same(state[field], getattr(self, field)):
                 raise mismatch(_WHAT, field, state[field], getattr(self, field),
@@ -254,8 +250,8 @@ class ShuffleBuffer:
         # A state after the epoch's last item (end) has emitted some of a last, partial window.
         try:
             emitted = reader.int("emitted", 1 if end else 0, self.size - 1)
-        except ValueError as error:
-            raise ValueError(f"{error}, with end={end}") from None
+        except CorruptState as error:
+            raise CorruptState(f"{error}, with end={end}", "emitted") from None
         upstream = state["upstream"]
         check_user_state(upstream, f"{_WHAT} state field 'upstream'")
         if self._own_upstream:
@@ -263,6 +259,5 @@ class ShuffleBuffer:
         try:
             self.upstream.load_state_dict(from_jsonable(state["upstream"]))
         except ValueError as error:
-            raise ValueError(f"{_WHAT} state field 'upstream': {error}") from None
-        self._epoch, self._open, self._stash = epoch, False, None
-        self._pos = _Position(window, emitted, end, copy.deepcopy(state["upstream"]))
+            raise prefixed(error, f"{_WHAT} state field 'upstream': ") from None
+        self._move(epoch, _WindowPosition(window, emitted, end, copy.deepcopy(state["upstream"])))

@@ -3,8 +3,12 @@
 - ``trainer``: ``Trainer``, the loop, top to bottom.
 - ``preemption``: ``Preemption``, scheduler signals as a flag; ``EXIT_CODE``.
 - ``globalrng``: ``GlobalRNG``, the process's RNGs as a checkpoint entry.
-- ``progress``: the loop's counters and bar; ``csvlog``: the metrics log that rewinds with a
-  resume; ``lock``: one process per run directory; ``determinism``: deterministic kernels.
+- ``progress``: the loop's counters (their saved schema) and bar; ``csvlog``: the metrics log
+  that rewinds with a resume; ``lock``: one process per run directory; ``determinism``:
+  deterministic kernels.
+- ``options``: the Trainer's arguments, checked; ``steps``: the user's step functions and the
+  optimizer step; ``checkpointing``: what a Trainer checkpoint holds, when a periodic one is
+  due, and what a resume checks.
 """
 
 from ..errors import DirectoryInUse

@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..errors import CorruptState
+
 HEADER = "step,epoch,phase,name,value\n"
 
 
@@ -56,11 +58,13 @@ class CSVLog:
     def load_state_dict(self, state: dict) -> None:
         size = state.get("bytes") if isinstance(state, dict) else None
         if not isinstance(size, int) or size < len(HEADER):
-            raise ValueError(f"CSVLog state: expected {{'bytes': int >= {len(HEADER)}}}, got {state!r}")
+            raise CorruptState(
+                f"CSVLog state: expected {{'bytes': int >= {len(HEADER)}}}, got {state!r}",
+                field="bytes")
         self._file.flush()
         current = self.path.stat().st_size
         if current < size:
-            raise ValueError(
+            raise CorruptState(
                 f"{self.path} has {current} bytes but the checkpoint says {size} were logged: "
                 "the log was truncated or replaced since; restore it or start a new run directory"
             )

@@ -12,16 +12,20 @@ Cost: ~20 us to capture or restore on CPU (numpy's and random's 624-word states 
 from __future__ import annotations
 
 import random
+from typing import Any, cast
 
 import numpy as np
 import torch
+
+from ..errors import CorruptState, StateMismatch
 
 
 class GlobalRNG:
     """Checkpoint entry for the process-global RNGs: ``{"rng": unbroken.GlobalRNG()}``."""
 
     def state_dict(self) -> dict:
-        kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+        legacy = cast("tuple[str, Any, int, int, float]", np.random.get_state(legacy=True))
+        kind, keys, position, has_gauss, cached_gaussian = legacy
         version, words, gauss_next = random.getstate()
         state = {
             "torch": torch.get_rng_state(),
@@ -46,13 +50,13 @@ class GlobalRNG:
         expected = {"torch", "numpy", "random", "cuda"}
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"GlobalRNG state: expected the keys {sorted(expected)}, got {got}")
+            raise CorruptState(f"GlobalRNG state: expected the keys {sorted(expected)}, got {got}")
         numpy_state, random_state, cuda = state["numpy"], state["random"], state["cuda"]
         if cuda and len(cuda) != torch.cuda.device_count():
-            raise ValueError(
-                f"GlobalRNG state holds {len(cuda)} CUDA generator states but this process sees "
-                f"{torch.cuda.device_count()} CUDA devices; resume on the same devices"
-            )
+            raise StateMismatch(
+                "GlobalRNG", "CUDA devices", len(cuda), torch.cuda.device_count(), message=(
+                    f"GlobalRNG state holds {len(cuda)} CUDA generator states but this process "
+                    f"sees {torch.cuda.device_count()} CUDA devices; resume on the same devices"))
         torch.set_rng_state(state["torch"])
         np.random.set_state((
             numpy_state["kind"],
@@ -68,3 +72,10 @@ class GlobalRNG:
         ))
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed the process RNGs of a fresh run (a resume restores them from ``GlobalRNG``)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

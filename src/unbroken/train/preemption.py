@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
+from typing import Any
 
 EXIT_CODE = 75
 """Exit status after a preemption checkpoint: EX_TEMPFAIL, "try again later" (sysexits.h)."""
@@ -52,7 +53,7 @@ class Preemption:
     def seconds_since_signal(self) -> float:
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         # Only set the flag: anything more could run in the middle of a checkpoint write.
         if self.received is None:
             self.received = signal.Signals(signum)
@@ -88,5 +89,5 @@ class Preemption:
     def __enter__(self) -> Preemption:
         return self.install()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.uninstall()

@@ -1,0 +1,56 @@
+"""The checks of a loaded ``CombinedLoader`` state: each child's entry, and the invariants
+every state that ``state_dict`` takes satisfies in each mode (run before anything changes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._state import check_int
+from ..errors import CorruptState
+from .states import ChildPosition
+
+_CHILD_FIELDS = frozenset(ChildPosition.__annotations__)
+_WHAT = "unbroken.CombinedLoader"
+
+
+def check_entry(key: Any, entry: Any) -> None:
+    where = f"{_WHAT} state field 'loaders' entry {key!r}"
+    if not isinstance(entry, dict) or set(entry) != _CHILD_FIELDS:
+        raise CorruptState(f"{where}: expected a dict with fields {sorted(_CHILD_FIELDS)}, "
+                         f"got {entry!r:.200}")
+    check_int(entry["batches"], f"{where}: 'batches'")
+    for flag in ("exhausted", "open"):
+        if not isinstance(entry[flag], bool):
+            raise CorruptState(f"{where}: '{flag}' must be a bool, got {entry[flag]!r}", "loaders")
+
+
+def check_progress(mode: str, batches: int, current: Any, entries: list) -> None:
+    """The invariants every state that ``state_dict`` takes satisfies, per mode."""
+    counts = [entry["batches"] for entry in entries]
+    exhausted = [entry["exhausted"] for entry in entries]
+    opened = [entry["open"] for entry in entries]
+    n = len(entries)
+    if mode == "sequential":
+        first = next((i for i in range(n) if not exhausted[i]), n)
+        ok = (isinstance(current, int) and not isinstance(current, bool) and current == first < n
+              and sum(counts) == batches and not any(opened[:current] + opened[current + 1:])
+              and not any(exhausted[current:]) and not any(counts[current + 1:]))
+    else:
+        ok = current is None and all(c <= batches for c in counts) and not all(exhausted)
+        if mode == "max_size":
+            ok = ok and not any(e and o for e, o in zip(exhausted, opened))
+            ok = ok and all(c == batches for c, e in zip(counts, exhausted) if not e)
+        else:  # every child gives a batch at every step
+            ok = ok and all(c == batches for c in counts)
+            ok = ok and (mode == "max_size_cycle" or not any(exhausted))
+    # A child that gave batches in this combined epoch and has not run out is mid-epoch.
+    ok = ok and all(o for c, e, o in zip(counts, exhausted, opened) if c and not e)
+    if batches == 0:  # the start of a combined epoch: nothing is in progress
+        ok = ok and not any(counts) and not any(opened) and not any(exhausted)
+        ok = ok and current in (None, 0)
+    if not ok:
+        raise CorruptState(
+            f"{_WHAT} state is inconsistent: batches={batches}, current={current!r} and the "
+            f"loaders' counts {counts}, exhausted {exhausted}, open {opened} do not describe a "
+            f"position in mode {mode!r}; the state is corrupt"
+        )

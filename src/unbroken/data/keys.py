@@ -1,0 +1,53 @@
+"""Every random stream unbroken derives, named: one key per purpose, never two purposes per key.
+
+A key is ``derive_key(seed, epoch, *purpose)``, and no two purposes share a tuple, so no two
+streams can coincide by construction (the older layout keyed stream worker w as
+``(seed, epoch, w)``, which is the shuffle's tuple for w = 1 and the worker seeds' for w = 2).
+
+============================  ==================================  ==========================
+purpose                       tuple                               used by
+============================  ==================================  ==========================
+samples of the global order   ``(seed, epoch)``                   map-style, ``read_range``
+the per-index shuffle         ``(seed, epoch, 1)``                ``shuffle=True``
+torch's worker base seed      ``(seed, epoch, 2)``                the inner torch loader
+samples of stream worker w    ``(seed, epoch, 3, w)``             per-worker iterables
+window w of a shuffle buffer  ``(seed, epoch, 4, w)``             ``shuffle_buffer``
+============================  ==================================  ==========================
+
+The first three are unchanged since the first state format (version 1), so map-style and
+global-cursor states of version 1 still resume exactly; the last two changed with version 2
+(see ``unbroken.data.states``). A sample's seed is ``sample_seed_at(key, position)``; its
+``sample_rng()`` generator is seeded with ``mix64`` of that seed, a stream apart from the
+global generators that got the seed itself.
+"""
+
+from __future__ import annotations
+
+from .shuffle import derive_key
+
+_SHUFFLE, _TORCH_WORKERS, _STREAM_WORKER, _WINDOW = 1, 2, 3, 4
+
+
+def samples(seed: int, epoch: int) -> int:
+    """The key of the per-sample seeds along an epoch's global order."""
+    return derive_key(seed, epoch)
+
+
+def shuffle(seed: int, epoch: int) -> int:
+    """The key of the epoch's per-index shuffle (``IndexShuffle``)."""
+    return derive_key(seed, epoch, _SHUFFLE)
+
+
+def torch_workers(seed: int, epoch: int) -> int:
+    """The seed of the generator from which torch draws its workers' base seed."""
+    return derive_key(seed, epoch, _TORCH_WORKERS)
+
+
+def stream_worker(seed: int, epoch: int, worker: int) -> int:
+    """The key of the per-item seeds of one worker's replica of an iterable dataset."""
+    return derive_key(seed, epoch, _STREAM_WORKER, worker)
+
+
+def window(seed: int, epoch: int, index: int) -> int:
+    """The key of a shuffle buffer's permutation of one window."""
+    return derive_key(seed, epoch, _WINDOW, index)

@@ -1,0 +1,100 @@
+"""The saved states of unbroken's data objects, in one place: each a ``TypedDict`` and a
+``Format`` (its ``format`` tag, the version ``state_dict()`` writes and the versions
+``load_state_dict`` reads). Every state is plain JSON; user objects' own states ride inside
+(``source``, ``inner``, ``upstream``, a child's ``state``) encoded by ``unbroken._state``.
+
+Versions:
+
+- ``unbroken.DataLoader`` 2: stream worker w's per-item seeds moved to their own key
+  (``unbroken.data.keys``). Version 1 states still load, except those of a per-worker iterable
+  dataset (whose remaining items would draw other randomness than the run that saved them):
+  those are refused with a ``StateMismatch`` on ``version``.
+- ``unbroken.shuffle_buffer`` 2: windows are permuted with keys of their own; version 1 states
+  are refused the same way.
+- ``unbroken.resumable`` 1, ``unbroken.CombinedLoader`` 1: unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+from .._state import Format
+
+
+class LoaderState(TypedDict):
+    format: str
+    version: int
+    seed: int
+    epoch: int
+    samples: int  # samples received this epoch
+    batches: int  # batches received this epoch
+    source: Any  # the source's own part (None, SamplerPosition or WorkersPosition)
+    fingerprint: dict[str, Any]  # settings that must match on load
+
+
+class SamplerPosition(TypedDict):
+    """A user sampler's part, after an epoch's first batch."""
+
+    state: Any  # the sampler's state_dict() after the last batch drawn, or None
+    end: bool  # that batch was the epoch's last
+
+
+class WorkerPosition(TypedDict):
+    """One worker replica of an iterable dataset."""
+
+    state: Any  # the dataset's state after the worker's last received batch, or None
+    items: int  # items of the worker's received batches
+    exhausted: bool  # its epoch ended
+
+
+class WorkersPosition(TypedDict):
+    """A per-worker iterable dataset's part: torch's round-robin over the replicas."""
+
+    workers: list[WorkerPosition]
+    next: int  # the worker whose batch comes next
+
+
+class ResumableState(TypedDict):
+    format: str
+    version: int
+    name: str | None
+    epoch: int
+    items: int  # items received this epoch
+    end: bool  # the last one was the epoch's last
+    inner: Any  # the epoch's iterable's own state, or None (resumed by skipping)
+
+
+class ShuffleBufferState(TypedDict):
+    format: str
+    version: int
+    size: int
+    seed: int
+    epoch: int
+    window: int
+    emitted: int  # items of the window emitted
+    end: bool  # the epoch's last item was emitted
+    upstream: Any  # the upstream's state at the window's start (after its epoch, if end)
+
+
+class ChildPosition(TypedDict):
+    state: Any  # the child's state_dict()
+    batches: int  # its batches in this combined epoch
+    exhausted: bool  # it ran out in this combined epoch
+    open: bool  # its own epoch is started and not ended
+
+
+class CombinedState(TypedDict):
+    format: str
+    version: int
+    mode: str
+    keys: list[str] | int  # a dict's keys, or a list's length
+    epoch: int
+    batches: int
+    current: int | None  # sequential mode: the child being iterated
+    loaders: list[ChildPosition]
+
+
+LOADER = Format("unbroken.DataLoader", 2, LoaderState, readable=(1,))
+RESUMABLE = Format("unbroken.resumable", 1, ResumableState)
+SHUFFLE_BUFFER = Format("unbroken.shuffle_buffer", 2, ShuffleBufferState)
+COMBINED = Format("unbroken.CombinedLoader", 1, CombinedState)

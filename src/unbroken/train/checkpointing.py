@@ -1,0 +1,167 @@
+"""The Trainer's checkpoints: what they hold, when a periodic one is due, what a resume checks.
+
+``checkpoint_entries`` names every stateful object of a run: the user's model, optimizer,
+scheduler, scaler, loaders and stateful callbacks, and the Trainer's own ``Progress``, CSV log,
+process RNGs (``GlobalRNG``), gradients of an unfinished accumulation window (``Gradients``) and
+torchmetrics states (``MetricState``). The names are the checkpoint's format: a renamed entry is
+a checkpoint that no longer resumes. Costs: a clone of every gradient and metric state at a save.
+
+``resume`` restores them from the newest checkpoint, refuses a position this ``fit`` cannot
+continue from and says where the run starts; ``SaveSchedule`` says when a periodic checkpoint
+is due.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any, TypedDict
+
+import torch
+
+from .._state import has_state
+from ..checkpoint import Checkpointer, Restored
+from ..errors import CorruptState, StateMismatch
+from .csvlog import CSVLog
+from .globalrng import GlobalRNG
+from .progress import Progress, say
+
+# Entry names, always present ...
+PROGRESS, MODEL, GRADIENTS, OPTIMIZER = "progress", "model", "gradients", "optimizer"
+TRAIN_LOADER, RNG, LOG = "train_loader", "rng", "log"
+# ... present when given to fit ...
+VAL_LOADER, SCHEDULER, SCALER = "val_loader", "scheduler", "scaler"
+# ... and per metric ("metric.train.acc") and per stateful callback ("callback.0.EarlyStop").
+METRIC, CALLBACK = "metric", "callback"
+
+_clock = time.monotonic  # wall-clock checkpoints; a name of its own so tests can move time
+
+
+def checkpoint_entries(
+    *,
+    progress: Progress,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_loader: Iterable,
+    val_loader: Iterable | None,
+    scheduler: Any,
+    scaler: Any,
+    log: CSVLog,
+    metrics: dict[str, dict[str, Any]],
+    callbacks: list[Any],
+) -> dict[str, Any]:
+    """Everything a checkpoint holds, by name. ``metrics``: ``{phase: {name: metric}}``."""
+    entries: dict[str, Any] = {
+        PROGRESS: progress,
+        MODEL: model,
+        GRADIENTS: Gradients(model),
+        OPTIMIZER: optimizer,
+        TRAIN_LOADER: train_loader,
+        RNG: GlobalRNG(),
+        LOG: log,
+    }
+    optional = {VAL_LOADER: val_loader, SCHEDULER: scheduler, SCALER: scaler}
+    entries.update({name: obj for name, obj in optional.items() if obj is not None})
+    for phase, phase_metrics in metrics.items():
+        for name, metric in phase_metrics.items():
+            entries[f"{METRIC}.{phase}.{name}"] = MetricState(metric)
+    for i, callback in enumerate(callbacks):
+        if has_state(callback):
+            entries[f"{CALLBACK}.{i}.{type(callback).__name__}"] = callback
+    return entries
+
+
+class Gradients:
+    """The ``.grad`` of every parameter: non-empty only inside an accumulation window."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        return {name: (None if p.grad is None else p.grad.detach().clone())
+                for name, p in self.model.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
+        for name, p in self.model.named_parameters():
+            grad = state.get(name)
+            p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+
+
+class MetricStateDict(TypedDict):
+    """What ``MetricState.state_dict`` returns."""
+
+    states: dict[str, Any]  # the metric's own state_dict, its states made persistent
+    updates: int  # the metric's update count
+
+
+class MetricState:
+    """A torchmetrics metric's accumulated state, so epoch-end reductions survive a resume."""
+
+    def __init__(self, metric: Any) -> None:
+        metric.persistent(True)  # torchmetrics leaves metric states out of state_dict by default
+        self.metric = metric
+
+    def state_dict(self) -> MetricStateDict:
+        return MetricStateDict(states=self.metric.state_dict(), updates=self.metric.update_count)
+
+    def load_state_dict(self, state: Any) -> None:
+        if not isinstance(state, dict) or not isinstance(state.get("states"), dict):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CorruptState(f"metric state: expected {{'states': dict, 'updates': int}}, "
+                               f"got {got}")
+        updates = state.get("updates")
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+            raise CorruptState(f"metric state: updates must be an int >= 0, got {updates!r}",
+                               field="updates")
+        self.metric.load_state_dict(state["states"])
+        # torchmetrics has no public setter for its update count; it only gates the "compute
+        # before update" warning and distributed mean reduction, and must match the saved run.
+        self.metric._update_count = updates
+
+
+def reset_metrics(metrics: dict[str, Any]) -> None:
+    for metric in metrics.values():
+        metric.reset()
+
+
+def compute_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    return {name: float(metric.compute()) for name, metric in metrics.items()}
+
+
+class SaveSchedule:
+    """When a periodic checkpoint is due: after the batch that completes every ``every_steps``-th
+    optimizer step, and once ``every_seconds`` of wall-clock time passed since the last save."""
+
+    def __init__(self, every_steps: int | None, every_seconds: float | None) -> None:
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.last_save = _clock()
+
+    def saved(self) -> None:
+        self.last_save = _clock()
+
+    def due(self, progress: Progress) -> bool:
+        every_steps, every_seconds = self.every_steps, self.every_seconds
+        return bool((every_steps and progress.phase == "train" and progress.micro == 0
+                     and progress.steps % every_steps == 0) or (
+                     every_seconds and _clock() - self.last_save >= every_seconds))
+
+
+def resume(checkpointer: Checkpointer, entries: dict[str, Any],
+           val_loader: Iterable | None) -> Restored | None:
+    """Restore ``entries`` from the newest valid checkpoint, if any, and say where the run starts.
+
+    Refuses (before any training) a checkpoint taken inside the validation phase when this
+    ``fit`` has no ``val_loader`` to finish it with.
+    """
+    restored = checkpointer.load_latest(entries)
+    progress = entries[PROGRESS]
+    if progress.phase == "val" and val_loader is None:
+        raise StateMismatch(
+            "unbroken.Trainer", "val_loader", "a loader", None, holder="Trainer",
+            hint="The checkpoint was taken inside the validation phase: pass the same "
+                 "val_loader to fit() again to finish it.")
+    if restored is None:
+        say(f"no checkpoint in {checkpointer.directory}: starting fresh")
+    else:
+        say(f"resumed from checkpoint {restored.path} ({progress.where()})")
+    return restored

@@ -1,0 +1,62 @@
+"""What the Trainer accepts, checked where it is given: its arguments and ``fit``'s loaders.
+
+Every check runs before anything is trained, saved or locked, and its error names the argument,
+the value received and what is expected. Costs a few ``isinstance`` checks per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .._state import has_state
+
+SCHEDULER_INTERVALS = ("step", "epoch")
+
+
+def check_arguments(
+    *,
+    max_epochs: int,
+    max_steps: int | None,
+    checkpoint_every_seconds: float | None,
+    checkpoint_every_steps: int | None,
+    accumulate: int,
+    scheduler_interval: str,
+    tensorboard_every: int,
+    deterministic: bool | None,
+) -> None:
+    """Raise ``ValueError`` for a ``Trainer`` argument out of its range."""
+    positive("max_epochs", max_epochs)
+    for name, value in (("max_steps", max_steps),
+                        ("checkpoint_every_steps", checkpoint_every_steps)):
+        if value is not None:
+            positive(name, value)
+    if checkpoint_every_seconds is not None and (
+            isinstance(checkpoint_every_seconds, bool)
+            or not isinstance(checkpoint_every_seconds, (int, float))
+            or not checkpoint_every_seconds > 0):
+        raise ValueError("checkpoint_every_seconds must be a number > 0 or None, got "
+                         f"{checkpoint_every_seconds!r}")
+    if deterministic not in (None, True, False):
+        raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
+    positive("accumulate", accumulate)
+    if scheduler_interval not in SCHEDULER_INTERVALS:
+        raise ValueError(
+            f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+    positive("tensorboard_every", tensorboard_every)
+
+
+def positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_loaders(train_loader: Iterable, val_loader: Iterable | None) -> None:
+    """A loader without ``state_dict`` would restart its epoch on resume: refuse it."""
+    for loader, name in ((train_loader, "train_loader"), (val_loader, "val_loader")):
+        if loader is not None and not has_state(loader):
+            raise TypeError(
+                f"{name} has no state_dict(), so its position cannot be saved and a resume "
+                "would restart its epoch; use unbroken.DataLoader (or any loader with "
+                "state_dict/load_state_dict)"
+            )

@@ -1,0 +1,213 @@
+"""The seams issue 9 introduced: the one epoch protocol, the source protocol, the named seed
+keys, the error types and the state versions. Each test fails if its seam is broken."""
+
+import itertools
+import json
+import pickle
+
+import pytest
+import torch
+from pipelines import Augmented, Positioned
+
+import unbroken
+import unbroken.data.loader as loader_module
+from unbroken.data import keys
+from unbroken.data.epochs import EpochIterable
+from unbroken.data.fetch import Keys
+from unbroken.data.orders import IndexSource
+from unbroken.data.shuffle import derive_key
+from unbroken.errors import CorruptState, StateMismatch
+from unbroken.testing import assert_resumes_exactly, assert_same
+
+
+class Countdown(EpochIterable[list]):
+    """The example of epochs.py's docstring, with a state: three items per epoch."""
+
+    def __init__(self):
+        self._init_epochs()
+
+    def _start_position(self, ended):
+        return [0]
+
+    def _run(self, position, epoch):
+        for value in range(position[0], 3):
+            position[0] = value + 1
+            yield (epoch, value)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "received": self._pos[0]}
+
+    def load_state_dict(self, state):
+        self._move(state["epoch"], [state["received"]])
+
+
+def test_a_new_iterable_gets_the_whole_epoch_protocol_from_the_base_class():
+    stream = Countdown()
+    iter(stream)  # yields nothing: starts nothing
+    assert stream.epoch == 0
+    assert list(stream) == [(0, 0), (0, 1), (0, 2)]
+    assert stream.epoch == 1
+    for _ in stream:  # a break after one item ends epoch 1 at once
+        break
+    assert stream.state_dict() == {"epoch": 2, "received": 0}
+    held = iter(stream)
+    next(held)
+    assert stream.state_dict() == {"epoch": 2, "received": 1}  # what was received
+    assert list(stream) == [(3, 0), (3, 1), (3, 2)]  # a new iter() ended the held one's epoch
+    stream.set_epoch(7)
+    assert list(stream) == [(7, 0), (7, 1), (7, 2)]
+    with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+        stream.set_epoch(-1)
+    assert assert_resumes_exactly(Countdown, epochs=3) == 1 + 3 * 4
+
+
+def test_a_stale_iteration_changes_nothing():
+    stream = Countdown()
+    old = iter(stream)
+    next(old)
+    stream.set_epoch(5)
+    assert list(old) == [(0, 1), (0, 2)]  # it may finish, but it is not the current epoch
+    assert stream.epoch == 5 and stream.state_dict()["received"] == 0
+    assert list(stream) == [(5, 0), (5, 1), (5, 2)]
+
+
+class EveryOther(IndexSource):
+    """The example of sources.py's docstring: the even positions of [0, n), one per batch."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def __len__(self):
+        return (self.n + 1) // 2
+
+    def fingerprint(self):
+        return {"sampler": "every-other", "shuffle": None}
+
+    def check_cursor(self, cursor, what):
+        if cursor.source is not None or cursor.samples != cursor.batches or \
+                cursor.batches > len(self):
+            raise CorruptState(f"{what} state is inconsistent")
+
+    def batches(self, seed, epoch, cursor, done):
+        key = keys.samples(seed, epoch)
+        for k in range(cursor.samples, len(self)):
+            done.append((k + 1, None))
+            yield Keys([2 * k], key, k)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_adding_a_source_is_one_class(monkeypatch, workers):
+    monkeypatch.setattr(loader_module, "make_source", lambda dataset, *args: EveryOther(len(dataset)))
+
+    def make():
+        return unbroken.DataLoader(Augmented(9), batch_size=1, num_workers=workers, seed=4)
+
+    batches = list(make())
+    assert [int(b["index"]) for b in batches] == [0, 2, 4, 6, 8]
+    assert assert_resumes_exactly(make, epochs=2, cuts=range(0, 13, 3 if workers else 1))
+
+
+def test_no_two_purposes_share_a_key_tuple():
+    # The old layout keyed stream worker w as (seed, epoch, w): the shuffle's key for w = 1 and
+    # the worker seeds' for w = 2. Every purpose now has its own tuple.
+    seed, epoch = 5, 3
+    per_purpose = {
+        "samples": {keys.samples(seed, epoch)},
+        "shuffle": {keys.shuffle(seed, epoch)},
+        "torch_workers": {keys.torch_workers(seed, epoch)},
+        "stream_worker": {keys.stream_worker(seed, epoch, w) for w in range(8)},
+        "window": {keys.window(seed, epoch, w) for w in range(8)},
+    }
+    for (a, ka), (b, kb) in itertools.combinations(per_purpose.items(), 2):
+        assert not ka & kb, f"{a} and {b} share a key"
+    # The three map-style keys are those of state version 1: version 1 states resume exactly.
+    assert keys.samples(seed, epoch) == derive_key(seed, epoch)
+    assert keys.shuffle(seed, epoch) == derive_key(seed, epoch, 1)
+    assert keys.torch_workers(seed, epoch) == derive_key(seed, epoch, 2)
+
+
+def test_a_version_1_map_style_state_still_resumes_exactly():
+    make = lambda: unbroken.DataLoader(Augmented(10), batch_size=3, shuffle=True, seed=8)
+    reference = make()
+    it = iter(reference)
+    next(it)
+    state = json.loads(json.dumps(reference.state_dict()))
+    assert state["version"] == 2
+    state["version"] = 1
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert_same(list(resumed), list(it))
+
+
+def test_a_version_1_per_worker_stream_state_is_refused():
+    loader = unbroken.DataLoader(Positioned(6), batch_size=2, seed=1)
+    state = loader.state_dict()
+    state["version"] = 1
+    with pytest.raises(StateMismatch, match="version=1") as error:
+        unbroken.DataLoader(Positioned(6), batch_size=2, seed=1).load_state_dict(state)
+    assert error.value.field == "version"
+
+
+def test_a_version_1_shuffle_buffer_state_is_refused():
+    state = unbroken.shuffle_buffer(list(range(8)), 3, seed=2).state_dict()
+    assert state["version"] == 2
+    state["version"] = 1
+    with pytest.raises(StateMismatch, match="version=1"):
+        unbroken.shuffle_buffer(list(range(8)), 3, seed=2).load_state_dict(state)
+
+
+def test_mismatched_and_corrupt_states_raise_their_own_types():
+    make = lambda **kw: unbroken.DataLoader(Augmented(10), **{"batch_size": 2, "seed": 3, **kw})
+    state = make().state_dict()
+    with pytest.raises(StateMismatch) as mismatch:
+        make(batch_size=3).load_state_dict(state)
+    assert (mismatch.value.field, mismatch.value.saved, mismatch.value.current) == \
+        ("batch_size", 2, 3)
+    bad = dict(state, samples=1)  # one sample in zero batches
+    with pytest.raises(CorruptState):
+        make().load_state_dict(bad)
+    with pytest.raises(CorruptState, match="missing fields"):
+        make().load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+    assert issubclass(StateMismatch, ValueError) and issubclass(CorruptState, ValueError)
+    # A wrapper keeps its part's error type, with the part named in front.
+    combined = lambda size: unbroken.CombinedLoader({"a": make(batch_size=size)})
+    with pytest.raises(StateMismatch, match="loader 'a': .*batch_size=2"):
+        combined(3).load_state_dict(combined(2).state_dict())
+
+
+def test_an_error_raised_in_a_worker_keeps_its_type():
+    # torch re-raises a worker's error as exc_type(message); StateMismatch takes a message alone.
+    class Shrinking(torch.utils.data.IterableDataset):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n))
+
+    saved = unbroken.DataLoader(Shrinking(8), batch_size=2, num_workers=1, seed=1)
+    it = iter(saved)
+    for _ in range(3):
+        next(it)
+    state = saved.state_dict()
+    del it
+    resumed = unbroken.DataLoader(Shrinking(2), batch_size=2, num_workers=1, seed=1)
+    with pytest.warns(UserWarning, match="re-reads"):
+        resumed.load_state_dict(state)
+    with pytest.raises(StateMismatch, match="yields only 2"):
+        list(resumed)
+    error = StateMismatch("unbroken.DataLoader", "seed", 1, 2)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), copy.field, copy.saved, copy.current, str(copy)) == \
+        (StateMismatch, "seed", 1, 2, str(error))
+
+
+def test_set_epoch_on_a_combined_loader_moves_children_left_mid_epoch():
+    children = [unbroken.DataLoader(list(range(4)), batch_size=1, seed=s) for s in (1, 2)]
+    combined = unbroken.CombinedLoader(children, mode="min_size")
+    held = iter(combined)
+    next(held)
+    assert [child.epoch for child in children] == [0, 0]
+    combined.set_epoch(5)
+    assert combined.epoch == 5 and combined.state_dict()["batches"] == 0
+    assert [child.epoch for child in children] == [1, 1]  # as at the end of a combined epoch
