@@ -30,8 +30,9 @@ def _cpu_model() -> str:
 
 def _git(*args: str) -> str:
     try:
-        out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                             timeout=10, check=False)
+        out = subprocess.run(
+            ["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10, check=False
+        )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -51,6 +52,7 @@ def environment() -> list[str]:
 
     try:
         import torchdata
+
         torchdata_version = torchdata.__version__
     except ImportError:
         torchdata_version = "not installed"
@@ -142,9 +144,13 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -
             out.append(cell.ljust(widths[i]) if i < left else cell.rjust(widths[i]))
         return "| " + " | ".join(out) + " |"
 
-    sep = "|" + "|".join(
-        (" " + "-" * w + " " if i < left else " " + "-" * w + ":")
-        for i, w in enumerate(widths)) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            (" " + "-" * w + " " if i < left else " " + "-" * w + ":") for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
 
 

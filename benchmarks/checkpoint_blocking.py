@@ -53,8 +53,9 @@ def _megabytes(state: dict) -> float:
     for tensor in state["model"].state_dict().values():
         total += tensor.numel() * tensor.element_size()
     for per_param in state["optimizer"].state_dict()["state"].values():
-        total += sum(t.numel() * t.element_size() for t in per_param.values()
-                     if isinstance(t, torch.Tensor))
+        total += sum(
+            t.numel() * t.element_size() for t in per_param.values() if isinstance(t, torch.Tensor)
+        )
     return total / 1e6
 
 
@@ -63,8 +64,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6, help="Linear(2048, 2048) layers")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds")
     parser.add_argument("--steps", type=int, default=3, help="training steps after each save")
-    parser.add_argument("--dir", type=Path, default=REPO / "bench_output",
-                        help="where the checkpoints are written (a fresh subdirectory)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=REPO / "bench_output",
+        help="where the checkpoints are written (a fresh subdirectory)",
+    )
     parser.add_argument("--device", default="cpu", help="where the model trains, e.g. cuda")
     parser.add_argument("--quick", action="store_true", help="1 layer, 2 rounds: a smoke run")
     args = parser.parse_args()
@@ -113,7 +118,7 @@ def main() -> None:
             _train_step(model, optimizer, batch)
             steps_alone.append(time.perf_counter() - start)
         for rep in range(args.reps):
-            for blocking in ((True, False) if rep % 2 == 0 else (False, True)):
+            for blocking in (True, False) if rep % 2 == 0 else (False, True):
                 save(blocking, False)
                 save(blocking, True)
             print(f"[round {rep + 1}/{args.reps} done]", file=sys.stderr, flush=True)
@@ -125,22 +130,40 @@ def main() -> None:
     step_s = statistics.median(steps_alone)
     print("# Checkpointer.save: time the training loop is blocked\n")
     print("\n".join(environment()))
-    print(f"- state on {args.device}: {args.layers} x Linear({WIDTH}, {WIDTH}) + Adam after one "
-          f"step, {_megabytes(state):.0f} MB of tensors per checkpoint; keep=2; directory "
-          f"{args.dir}")
-    print(f"- {args.reps} rounds, medians; a training step alone (batch {BATCH}) takes "
-          f"{step_s * 1e3:.0f} ms\n")
+    print(
+        f"- state on {args.device}: {args.layers} x Linear({WIDTH}, {WIDTH}) + Adam after one "
+        f"step, {_megabytes(state):.0f} MB of tensors per checkpoint; keep=2; directory "
+        f"{args.dir}"
+    )
+    print(
+        f"- {args.reps} rounds, medians; a training step alone (batch {BATCH}) takes "
+        f"{step_s * 1e3:.0f} ms\n"
+    )
     rows = [
-        ["save returns (loop blocked)", f"{med['sync']:.3f}", f"{med['async']:.3f}",
-         f"{med['async'] / med['sync']:.3f}"],
-        ["checkpoint committed", f"{med['sync']:.3f}", f"{med['async_done']:.3f}",
-         f"{med['async_done'] / med['sync']:.2f}"],
-        [f"save + {args.steps} training steps, committed", f"{med['sync_steps']:.3f}",
-         f"{med['async_steps']:.3f}", f"{med['async_steps'] / med['sync_steps']:.2f}"],
+        [
+            "save returns (loop blocked)",
+            f"{med['sync']:.3f}",
+            f"{med['async']:.3f}",
+            f"{med['async'] / med['sync']:.3f}",
+        ],
+        [
+            "checkpoint committed",
+            f"{med['sync']:.3f}",
+            f"{med['async_done']:.3f}",
+            f"{med['async_done'] / med['sync']:.2f}",
+        ],
+        [
+            f"save + {args.steps} training steps, committed",
+            f"{med['sync_steps']:.3f}",
+            f"{med['async_steps']:.3f}",
+            f"{med['async_steps'] / med['sync_steps']:.2f}",
+        ],
     ]
     print(table(["seconds (median)", "blocking=True", "blocking=False", "async/sync"], rows))
-    print(f"\nsave + {args.steps} steps without any overlap would take "
-          f"{med['sync'] + args.steps * step_s:.3f} s (sync save + steps alone).")
+    print(
+        f"\nsave + {args.steps} steps without any overlap would take "
+        f"{med['sync'] + args.steps * step_s:.3f} s (sync save + steps alone)."
+    )
     print()
     print(load_line())
 

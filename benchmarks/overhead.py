@@ -104,9 +104,14 @@ def tiny_step(model, opt, batch) -> None:
 
 def cnn_model() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 10),
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 8 * 8, 10),
     )
 
 
@@ -121,8 +126,11 @@ def cnn_step(model, opt, batch) -> None:
 # --------------------------------------------------------------------------- loaders
 
 LOADERS = ["torch", "unbroken", "unbroken torch-only", "unbroken none", "torchdata"]
-GLOBAL_RNGS = {"unbroken": ("torch", "numpy", "random"), "unbroken torch-only": ("torch",),
-               "unbroken none": ()}
+GLOBAL_RNGS = {
+    "unbroken": ("torch", "numpy", "random"),
+    "unbroken torch-only": ("torch",),
+    "unbroken none": (),
+}
 LABELS = {
     "torch": "torch DataLoader",
     "unbroken": "unbroken (global_rngs default)",
@@ -155,8 +163,9 @@ class SeedingControl(torch.utils.data.Dataset):
 
 
 def make_loader(name: str, dataset, batch_size: int, workers: int):
-    common = dict(batch_size=batch_size, shuffle=True, num_workers=workers,
-                  persistent_workers=workers > 0)
+    common = dict(
+        batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=workers > 0
+    )
     if name == "torch":
         return torch.utils.data.DataLoader(dataset, **common)
     if name == "control":
@@ -198,7 +207,8 @@ def seeding_costs(repeat: int = 5) -> dict[str, float]:
     for name, rngs in GLOBAL_RNGS.items():
         seeder = make_seeder(rngs)
         stmts[f"unbroken per-sample seeding, {LABELS[name].removeprefix('unbroken ')}"] = (
-            lambda seeder=seeder: seeder(sample_seed_at(value, 12345)))
+            lambda seeder=seeder: seeder(sample_seed_at(value, 12345))
+        )
     costs = {}
     for name, fn in stmts.items():
         timer = timeit.Timer(fn)
@@ -311,16 +321,20 @@ def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
         before = monitor.snapshot()
         used = chunk_rounds(runs, names, step, chunk, n_rounds)
         foreign = ForeignLoad.cores(before, monitor.snapshot())
-        note = (f"{loop}, num_workers=0: {n_rounds} interleaved rounds of {chunk} steps per "
-                f"loader; other processes used {foreign:.2f} cores on average meanwhile")
+        note = (
+            f"{loop}, num_workers=0: {n_rounds} interleaved rounds of {chunk} steps per "
+            f"loader; other processes used {foreign:.2f} cores on average meanwhile"
+        )
     else:
         used, foreign, n_clean = epoch_rounds(runs, names, step, args)
         disturbed = n_clean < min(3, args.worker_reps)
         counted = "clean" if args.max_foreign != float("inf") else "unfiltered (--quick)"
-        note = (f"{loop}, num_workers={workers}: {n_clean} {counted} of {len(foreign)} epoch "
-                f"rounds (other processes' load during an epoch: max {max(foreign):.2f} cores, "
-                f"median {statistics.median(foreign):.2f})"
-                + ("; TOO FEW CLEAN ROUNDS, all rounds used: disturbed" if disturbed else ""))
+        note = (
+            f"{loop}, num_workers={workers}: {n_clean} {counted} of {len(foreign)} epoch "
+            f"rounds (other processes' load during an epoch: max {max(foreign):.2f} cores, "
+            f"median {statistics.median(foreign):.2f})"
+            + ("; TOO FEW CLEAN ROUNDS, all rounds used: disturbed" if disturbed else "")
+        )
     del runs  # shuts persistent workers down before the next configuration
 
     torch_us = statistics.median(r["torch"][0] for r in used)
@@ -336,17 +350,22 @@ def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
             key = f"unbroken per-sample seeding, {LABELS[name].removeprefix('unbroken ')}"
             estimate = f"+{seed_cost[key] * batch_size / torch_us * 100:.1f}%"
         is_torch = name == "torch"
-        rows.append([
-            loop + (" (disturbed)" if disturbed else ""), str(workers), LABELS[name],
-            f"{statistics.median(wall):.1f}",
-            "1" if is_torch else f"{statistics.median(ratio):.3f}",
-            "-" if is_torch else f"{ci_lo:.3f}-{ci_hi:.3f}",
-            "-" if is_torch else f"{lo:.3f}-{hi:.3f}",
-            "-" if data is None else f"{statistics.median(data):.1f}",
-            "-" if is_torch or data is None else
-            f"{statistics.median(r[name][1] - r['torch'][1] for r in used) / torch_us * 100:+.1f}%",
-            estimate,
-        ])
+        rows.append(
+            [
+                loop + (" (disturbed)" if disturbed else ""),
+                str(workers),
+                LABELS[name],
+                f"{statistics.median(wall):.1f}",
+                "1" if is_torch else f"{statistics.median(ratio):.3f}",
+                "-" if is_torch else f"{ci_lo:.3f}-{ci_hi:.3f}",
+                "-" if is_torch else f"{lo:.3f}-{hi:.3f}",
+                "-" if data is None else f"{statistics.median(data):.1f}",
+                "-"
+                if is_torch or data is None
+                else f"{statistics.median(r[name][1] - r['torch'][1] for r in used) / torch_us * 100:+.1f}%",
+                estimate,
+            ]
+        )
     return rows, note
 
 
@@ -354,29 +373,57 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--loops", default="tiny,realistic", help="comma-separated: tiny,realistic")
     parser.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
-    parser.add_argument("--reps", type=int, default=7,
-                        help="timed work per loader and configuration, in epochs")
-    parser.add_argument("--worker-reps", type=int, default=5,
-                        help="num_workers>0: clean epoch rounds per configuration")
-    parser.add_argument("--tiny-chunk", type=int, default=64,
-                        help="num_workers=0: training steps per loader per round, tiny loop")
-    parser.add_argument("--realistic-chunk", type=int, default=4,
-                        help="num_workers=0: training steps per loader per round, realistic loop")
+    parser.add_argument(
+        "--reps", type=int, default=7, help="timed work per loader and configuration, in epochs"
+    )
+    parser.add_argument(
+        "--worker-reps",
+        type=int,
+        default=5,
+        help="num_workers>0: clean epoch rounds per configuration",
+    )
+    parser.add_argument(
+        "--tiny-chunk",
+        type=int,
+        default=64,
+        help="num_workers=0: training steps per loader per round, tiny loop",
+    )
+    parser.add_argument(
+        "--realistic-chunk",
+        type=int,
+        default=4,
+        help="num_workers=0: training steps per loader per round, realistic loop",
+    )
     parser.add_argument("--tiny-rows", type=int, default=4096)
     parser.add_argument("--tiny-batch", type=int, default=2)
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--image-batch", type=int, default=32)
-    parser.add_argument("--max-rounds", type=int, default=10,
-                        help="num_workers>0: epoch rounds at most, counting disturbed ones")
-    parser.add_argument("--max-foreign", type=float, default=0.2,
-                        help="num_workers>0: a round in which other processes used more cores "
-                             "than this during any loader's epochs is set aside as disturbed")
-    parser.add_argument("--no-control", dest="control", action="store_false",
-                        help="leave out the control loader (torch's DataLoader with a dataset "
-                             "that makes unbroken's per-sample seeding calls)")
+    parser.add_argument(
+        "--max-rounds",
+        type=int,
+        default=10,
+        help="num_workers>0: epoch rounds at most, counting disturbed ones",
+    )
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.2,
+        help="num_workers>0: a round in which other processes used more cores "
+        "than this during any loader's epochs is set aside as disturbed",
+    )
+    parser.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="leave out the control loader (torch's DataLoader with a dataset "
+        "that makes unbroken's per-sample seeding calls)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: small datasets, little timed work (numbers are noise)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: small datasets, little timed work (numbers are noise)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.reps, args.worker_reps, args.max_rounds = 2, 2, 2
@@ -386,17 +433,23 @@ def main() -> None:
 
     print("# unbroken.DataLoader training-loop overhead\n")
     print("\n".join(environment()))
-    print(f"- torch.set_num_threads({args.threads}) in the main process (DataLoader workers use 1 "
-          "thread each); persistent_workers=True for every loader when num_workers > 0")
-    print(f"- tiny: Linear(32, 2), {args.tiny_rows} rows, batch {args.tiny_batch}; realistic: "
-          f"2-conv CNN, {args.images} images 3x32x32 with crop+flip, batch {args.image_batch}")
-    print("- after 1 untimed warm-up epoch per loader: num_workers=0: "
-          f"{args.reps} epochs' worth of training steps per loader, in rounds of "
-          f"{args.tiny_chunk} (tiny) / {args.realistic_chunk} (realistic) training steps + as "
-          "many data-only batches per loader, interleaved, order rotated each round. "
-          f"num_workers>0: {args.worker_reps} rounds of 1 training epoch per loader, order "
-          f"rotated; rounds where other processes used > {args.max_foreign} cores are set aside "
-          f"and rerun (at most {args.max_rounds} rounds)")
+    print(
+        f"- torch.set_num_threads({args.threads}) in the main process (DataLoader workers use 1 "
+        "thread each); persistent_workers=True for every loader when num_workers > 0"
+    )
+    print(
+        f"- tiny: Linear(32, 2), {args.tiny_rows} rows, batch {args.tiny_batch}; realistic: "
+        f"2-conv CNN, {args.images} images 3x32x32 with crop+flip, batch {args.image_batch}"
+    )
+    print(
+        "- after 1 untimed warm-up epoch per loader: num_workers=0: "
+        f"{args.reps} epochs' worth of training steps per loader, in rounds of "
+        f"{args.tiny_chunk} (tiny) / {args.realistic_chunk} (realistic) training steps + as "
+        "many data-only batches per loader, interleaved, order rotated each round. "
+        f"num_workers>0: {args.worker_reps} rounds of 1 training epoch per loader, order "
+        f"rotated; rounds where other processes used > {args.max_foreign} cores are set aside "
+        f"and rerun (at most {args.max_rounds} rounds)"
+    )
     if StatefulDataLoader is None:
         print("- torchdata is not installed: its rows are left out")
     sys.stdout.flush()
@@ -416,19 +469,37 @@ def main() -> None:
             print(f"[{note}; {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
 
     print("\n## Time per training step\n")
-    print("us/step: wall time per training step, median over rounds. ratio: the loader's time "
-          "/ torch DataLoader's in the same round, median over rounds, with a bootstrap 95% "
-          "confidence interval of that median and the interquartile range of the rounds. "
-          "data-only us/batch (num_workers=0): the same loader iterated without training, right "
-          "after its training steps in each round (median). data-only est.: the "
-          "loader's data-only time minus torch's in the same round (median), as a share of "
-          "torch's training step: the overhead the loader adds if nothing else changes "
-          "(num_workers=0; steadier than the ratio, since the noisy training compute is left "
-          "out, but blind to cache interplay with training). seeding est.: unbroken's "
-          "per-sample seeding cost (table above) x batch size / torch's step time, the overhead "
-          "that seeding alone would explain if it cost inside the loop what it costs alone.\n")
-    print(table(["loop", "workers", "loader", "us/step", "ratio vs torch", "95% CI", "ratio IQR",
-                 "data-only us/batch", "data-only est.", "seeding est."], rows, left=3))
+    print(
+        "us/step: wall time per training step, median over rounds. ratio: the loader's time "
+        "/ torch DataLoader's in the same round, median over rounds, with a bootstrap 95% "
+        "confidence interval of that median and the interquartile range of the rounds. "
+        "data-only us/batch (num_workers=0): the same loader iterated without training, right "
+        "after its training steps in each round (median). data-only est.: the "
+        "loader's data-only time minus torch's in the same round (median), as a share of "
+        "torch's training step: the overhead the loader adds if nothing else changes "
+        "(num_workers=0; steadier than the ratio, since the noisy training compute is left "
+        "out, but blind to cache interplay with training). seeding est.: unbroken's "
+        "per-sample seeding cost (table above) x batch size / torch's step time, the overhead "
+        "that seeding alone would explain if it cost inside the loop what it costs alone.\n"
+    )
+    print(
+        table(
+            [
+                "loop",
+                "workers",
+                "loader",
+                "us/step",
+                "ratio vs torch",
+                "95% CI",
+                "ratio IQR",
+                "data-only us/batch",
+                "data-only est.",
+                "seeding est.",
+            ],
+            rows,
+            left=3,
+        )
+    )
     print()
     print("\n".join(f"- {note}" for note in notes))
     print(load_line())

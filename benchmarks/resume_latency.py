@@ -77,17 +77,32 @@ class Library:
 
 
 def libraries(dataset, global_rngs) -> list[Library]:
-    libs = [Library(
-        "unbroken",
-        lambda: unbroken.DataLoader(dataset, batch_size=BATCH, shuffle=True, seed=0,
-                                    collate_fn=keep_list, global_rngs=global_rngs),
-        lambda s: json.dumps(s).encode(), json.loads)]
+    libs = [
+        Library(
+            "unbroken",
+            lambda: unbroken.DataLoader(
+                dataset,
+                batch_size=BATCH,
+                shuffle=True,
+                seed=0,
+                collate_fn=keep_list,
+                global_rngs=global_rngs,
+            ),
+            lambda s: json.dumps(s).encode(),
+            json.loads,
+        )
+    ]
     if StatefulDataLoader is not None:
-        libs.append(Library(
-            "torchdata",
-            lambda: StatefulDataLoader(dataset, batch_size=BATCH, shuffle=True,
-                                       collate_fn=keep_list),
-            pickle.dumps, pickle.loads))
+        libs.append(
+            Library(
+                "torchdata",
+                lambda: StatefulDataLoader(
+                    dataset, batch_size=BATCH, shuffle=True, collate_fn=keep_list
+                ),
+                pickle.dumps,
+                pickle.loads,
+            )
+        )
     return libs
 
 
@@ -127,19 +142,35 @@ def time_resume(lib: Library, blob: bytes | None) -> tuple[float, list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=10_000_000, help="epoch length")
-    parser.add_argument("--reps", type=int, default=5,
-                        help="clean rounds; each times every point once per library")
-    parser.add_argument("--fast-reps", type=int, default=9,
-                        help="timed resumes of unbroken per point and round (it takes ~1 ms, so "
-                             "more samples cost nothing and steady its median)")
-    parser.add_argument("--max-rounds", type=int, default=10,
-                        help="rounds at most, counting those set aside as disturbed")
-    parser.add_argument("--max-foreign", type=float, default=0.2,
-                        help="a round during which other processes used more cores than this is "
-                             "set aside as disturbed")
-    parser.add_argument("--global-rngs", default="torch,numpy,random",
-                        help="unbroken's global_rngs, comma-separated ('' for none); seeding "
-                             "makes the capture pass slower, not the resume")
+    parser.add_argument(
+        "--reps", type=int, default=5, help="clean rounds; each times every point once per library"
+    )
+    parser.add_argument(
+        "--fast-reps",
+        type=int,
+        default=9,
+        help="timed resumes of unbroken per point and round (it takes ~1 ms, so "
+        "more samples cost nothing and steady its median)",
+    )
+    parser.add_argument(
+        "--max-rounds",
+        type=int,
+        default=10,
+        help="rounds at most, counting those set aside as disturbed",
+    )
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.2,
+        help="a round during which other processes used more cores than this is "
+        "set aside as disturbed",
+    )
+    parser.add_argument(
+        "--global-rngs",
+        default="torch,numpy,random",
+        help="unbroken's global_rngs, comma-separated ('' for none); seeding "
+        "makes the capture pass slower, not the resume",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 200k samples, 2 reps")
     args = parser.parse_args()
     if args.quick:
@@ -155,15 +186,21 @@ def main() -> None:
 
     print("# Resume latency: load_state_dict -> first batch\n")
     print("\n".join(environment()))
-    print(f"- epoch: {args.samples:,} samples, shuffle=True, batch_size {BATCH} ({n_batches:,} "
-          "batches), num_workers 0, __getitem__ returns torch.tensor(i), collate_fn keeps the list")
-    print(f"- unbroken.DataLoader(seed=0, global_rngs={global_rngs!r}); torchdata "
-          "StatefulDataLoader(shuffle=True) with its defaults")
-    print(f"- timed resumes per point: {args.reps * args.fast_reps} for unbroken, {args.reps} "
-          "for torchdata, interleaved over rounds (a round during which other processes used "
-          f"more than {args.max_foreign} cores is set aside and another run, at most "
-          f"{args.max_rounds}); each on a freshly constructed loader; timed: "
-          "load_state_dict + iter + next (construction and deserialization not timed)")
+    print(
+        f"- epoch: {args.samples:,} samples, shuffle=True, batch_size {BATCH} ({n_batches:,} "
+        "batches), num_workers 0, __getitem__ returns torch.tensor(i), collate_fn keeps the list"
+    )
+    print(
+        f"- unbroken.DataLoader(seed=0, global_rngs={global_rngs!r}); torchdata "
+        "StatefulDataLoader(shuffle=True) with its defaults"
+    )
+    print(
+        f"- timed resumes per point: {args.reps * args.fast_reps} for unbroken, {args.reps} "
+        "for torchdata, interleaved over rounds (a round during which other processes used "
+        f"more than {args.max_foreign} cores is set aside and another run, at most "
+        f"{args.max_rounds}); each on a freshly constructed loader; timed: "
+        "load_state_dict + iter + next (construction and deserialization not timed)"
+    )
     if StatefulDataLoader is None:
         print("- torchdata is not installed: its columns are left out")
     sys.stdout.flush()
@@ -171,8 +208,11 @@ def main() -> None:
     states, capture_s = {}, {}
     for lib in libs:
         states[lib.name], capture_s[lib.name] = capture(lib, stops)
-        print(f"[captured {lib.name} states in {capture_s[lib.name]:.0f} s]", file=sys.stderr,
-              flush=True)
+        print(
+            f"[captured {lib.name} states in {capture_s[lib.name]:.0f} s]",
+            file=sys.stderr,
+            flush=True,
+        )
 
     labels = ["0% (fresh, no state)"] + [f"{p:.0%}" for p in POINTS]
     blobs = {lib.name: [None] + [states[lib.name][k][0] for k in stops] for lib in libs}
@@ -199,12 +239,17 @@ def main() -> None:
         rounds.append((foreign, this_round))
         if foreign <= args.max_foreign:
             clean.append(this_round)
-        print(f"[round {len(rounds)}: foreign load {foreign:.2f} cores, "
-              f"{'clean' if foreign <= args.max_foreign else 'set aside'}]",
-              file=sys.stderr, flush=True)
+        print(
+            f"[round {len(rounds)}: foreign load {foreign:.2f} cores, "
+            f"{'clean' if foreign <= args.max_foreign else 'set aside'}]",
+            file=sys.stderr,
+            flush=True,
+        )
     used = clean if len(clean) >= min(3, args.reps) else [r for _, r in rounds]
-    times = {lib.name: [[t for r in used for t in r[lib.name][i]] for i in range(len(labels))]
-             for lib in libs}
+    times = {
+        lib.name: [[t for r in used for t in r[lib.name][i]] for i in range(len(labels))]
+        for lib in libs
+    }
 
     med = {name: [statistics.median(t) for t in ts] for name, ts in times.items()}
     header = ["position", "samples before"]
@@ -225,20 +270,45 @@ def main() -> None:
     print("\n## Time from load_state_dict to the first batch\n")
     print(table(header, rows))
     print("\n## Flatness and state size\n")
-    print(table(
-        ["library", "99% / 1% (medians)", "50% / 1% (medians)", "state bytes at 1%",
-         "state bytes at 99%", "capture pass s"],
-        [[lib.name, f"{med[lib.name][3] / med[lib.name][1]:.3f}",
-          f"{med[lib.name][2] / med[lib.name][1]:.3f}", f"{len(blobs[lib.name][1]):,}",
-          f"{len(blobs[lib.name][3]):,}", f"{capture_s[lib.name]:.0f}"] for lib in libs]))
-    print("\nstate bytes: len(json.dumps(state)) for unbroken, len(pickle.dumps(state)) for "
-          "torchdata. capture pass: iterating to 99% (+1 batch) and taking the three states.")
-    print("\nresumed first batch == the batch the uninterrupted pass got next: "
-          + ("yes, at every point" if not wrong else "NO: " + ", ".join(sorted(set(wrong)))))
+    print(
+        table(
+            [
+                "library",
+                "99% / 1% (medians)",
+                "50% / 1% (medians)",
+                "state bytes at 1%",
+                "state bytes at 99%",
+                "capture pass s",
+            ],
+            [
+                [
+                    lib.name,
+                    f"{med[lib.name][3] / med[lib.name][1]:.3f}",
+                    f"{med[lib.name][2] / med[lib.name][1]:.3f}",
+                    f"{len(blobs[lib.name][1]):,}",
+                    f"{len(blobs[lib.name][3]):,}",
+                    f"{capture_s[lib.name]:.0f}",
+                ]
+                for lib in libs
+            ],
+        )
+    )
+    print(
+        "\nstate bytes: len(json.dumps(state)) for unbroken, len(pickle.dumps(state)) for "
+        "torchdata. capture pass: iterating to 99% (+1 batch) and taking the three states."
+    )
+    print(
+        "\nresumed first batch == the batch the uninterrupted pass got next: "
+        + ("yes, at every point" if not wrong else "NO: " + ", ".join(sorted(set(wrong))))
+    )
     counted = "clean" if args.max_foreign != float("inf") else "unfiltered (--quick)"
-    print(f"\ntiming rounds: {len(clean)} {counted} of {len(rounds)} (other processes' CPU use per "
-          "round, cores: " + ", ".join(f"{f:.2f}" for f, _ in rounds) + ")"
-          + ("" if used is clean else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run"))
+    print(
+        f"\ntiming rounds: {len(clean)} {counted} of {len(rounds)} (other processes' CPU use per "
+        "round, cores: "
+        + ", ".join(f"{f:.2f}" for f, _ in rounds)
+        + ")"
+        + ("" if used is clean else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run")
+    )
     print()
     print(load_line())
 

@@ -139,8 +139,11 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
     runs = {}
     for name in names:
         model = copy.deepcopy(base)
-        runs[name] = (make_loader(name, args.rows, workers), model,
-                      torch.optim.SGD(model.parameters(), lr=0.1))
+        runs[name] = (
+            make_loader(name, args.rows, workers),
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+        )
     for name in names:  # warm-up epoch, untimed
         run_epochs(*runs[name], 1)
 
@@ -168,37 +171,51 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
         ratio = [rd[name][0] / rd["torch"][0] for rd in rounds]
         first_ms = [rd[name][1] / args.epochs * 1e3 for rd in rounds]
         steady = [_steady(rd[name], args.epochs) for rd in rounds]
-        steady_ratio = [_steady(rd[name], args.epochs) / _steady(rd["torch"], args.epochs)
-                        for rd in rounds]
+        steady_ratio = [
+            _steady(rd[name], args.epochs) / _steady(rd["torch"], args.epochs) for rd in rounds
+        ]
         is_torch = name == "torch"
-        rows.append([
-            str(workers), LABELS[name],
-            f"{statistics.median(per_step):.1f}",
-            "1" if is_torch else f"{statistics.median(ratio):.3f}",
-            "-" if is_torch else f"{min(ratio):.3f}-{max(ratio):.3f}",
-            f"{statistics.median(first_ms):.1f}",
-            f"{statistics.median(steady):.1f}",
-            "1" if is_torch else f"{statistics.median(steady_ratio):.3f}",
-        ])
+        rows.append(
+            [
+                str(workers),
+                LABELS[name],
+                f"{statistics.median(per_step):.1f}",
+                "1" if is_torch else f"{statistics.median(ratio):.3f}",
+                "-" if is_torch else f"{min(ratio):.3f}-{max(ratio):.3f}",
+                f"{statistics.median(first_ms):.1f}",
+                f"{statistics.median(steady):.1f}",
+                "1" if is_torch else f"{statistics.median(steady_ratio):.3f}",
+            ]
+        )
     (count,) = steps["torch"]
-    notes = [f"num_workers={workers}: {count // args.epochs} steps per epoch, {args.epochs} "
-             f"epoch(s) per loader per round"]
+    notes = [
+        f"num_workers={workers}: {count // args.epochs} steps per epoch, {args.epochs} "
+        f"epoch(s) per loader per round"
+    ]
     if foreign:
-        notes.append(f"num_workers={workers}: other processes' CPU use during a round: median "
-                     f"{statistics.median(foreign):.2f} cores, max {max(foreign):.2f}")
+        notes.append(
+            f"num_workers={workers}: other processes' CPU use during a round: median "
+            f"{statistics.median(foreign):.2f} cores, max {max(foreign):.2f}"
+        )
     if any(s != steps["torch"] for s in steps.values()):
         notes.append(f"num_workers={workers}: LOADERS YIELDED DIFFERENT STEP COUNTS: {steps}")
     for name in ("unbroken", "unbroken rngs=()"):
         ratio = statistics.median(rd[name][0] / rd["torch"][0] for rd in rounds)
         verdict = "within" if ratio <= 1 + TARGET else "NOT within"
-        notes.append(f"num_workers={workers}: {LABELS[name]} is {verdict} the {TARGET:.0%} target "
-                     f"(median ratio {ratio:.3f})")
+        notes.append(
+            f"num_workers={workers}: {LABELS[name]} is {verdict} the {TARGET:.0%} target "
+            f"(median ratio {ratio:.3f})"
+        )
     if differ:
-        notes.append(f"num_workers={workers}: NOT THE SAME BATCHES: final weights differ from "
-                     f"torch's for {', '.join(LABELS[n] for n in differ)}")
+        notes.append(
+            f"num_workers={workers}: NOT THE SAME BATCHES: final weights differ from "
+            f"torch's for {', '.join(LABELS[n] for n in differ)}"
+        )
     else:
-        notes.append(f"num_workers={workers}: every loader's model ends with torch's weights "
-                     "(torch.equal): same batches, same order")
+        notes.append(
+            f"num_workers={workers}: every loader's model ends with torch's weights "
+            "(torch.equal): same batches, same order"
+        )
     return rows, notes
 
 
@@ -219,8 +236,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10, help="timed rounds per num_workers")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per loader per round")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 256 rows, 2 rounds of 1 epoch (numbers mean nothing)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 256 rows, 2 rounds of 1 epoch (numbers mean nothing)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.rows, args.reps, args.epochs = 256, 2, 1
@@ -229,16 +249,24 @@ def main() -> None:
     print("# Iterable datasets: per-batch overhead of shipping worker state\n")
     print(f"Command: `{command_line()}`\n")
     print("\n".join(environment()))
-    print(f"- torch.set_num_threads({args.threads}) in the main process (workers use 1 thread "
-          "each); batch_size 2; Linear(32, 2) + SGD step per batch")
-    print(f"- dataset: IterableDataset of {args.rows} rows x 32 floats, sharded by worker, "
-          "state_dict/load_state_dict of three ints")
-    print("- persistent_workers=False for every loader: unbroken.DataLoader restarts the workers "
-          "of an iterable dataset each epoch (every epoch starts each worker from another "
-          "state), so the others are run the same way; every timed epoch includes starting and "
-          "stopping its workers")
-    print(f"- 1 warm-up epoch per loader, then {args.reps} rounds x {args.epochs} epoch(s) per "
-          "loader, loader order rotated each round")
+    print(
+        f"- torch.set_num_threads({args.threads}) in the main process (workers use 1 thread "
+        "each); batch_size 2; Linear(32, 2) + SGD step per batch"
+    )
+    print(
+        f"- dataset: IterableDataset of {args.rows} rows x 32 floats, sharded by worker, "
+        "state_dict/load_state_dict of three ints"
+    )
+    print(
+        "- persistent_workers=False for every loader: unbroken.DataLoader restarts the workers "
+        "of an iterable dataset each epoch (every epoch starts each worker from another "
+        "state), so the others are run the same way; every timed epoch includes starting and "
+        "stopping its workers"
+    )
+    print(
+        f"- 1 warm-up epoch per loader, then {args.reps} rounds x {args.epochs} epoch(s) per "
+        "loader, loader order rotated each round"
+    )
     if StatefulDataLoader is None:
         print("- torchdata is not installed: its rows are left out")
     if args.quick:
@@ -251,20 +279,39 @@ def main() -> None:
         w_rows, w_notes = bench(workers, args)
         rows += w_rows
         notes += w_notes
-        print(f"[num_workers={workers}: {time.perf_counter() - start:.0f} s]", file=sys.stderr,
-              flush=True)
+        print(
+            f"[num_workers={workers}: {time.perf_counter() - start:.0f} s]",
+            file=sys.stderr,
+            flush=True,
+        )
 
     print("\n## Time per step\n")
-    print("us/step: epoch wall time / steps, including worker start-up, median over rounds. "
-          "ratio: the loader's time / torch DataLoader's in the same round, median and min-max. "
-          "first batch ms: from iter() to the first batch, per epoch (median). steady us/step: "
-          "time per step after each epoch's first batch (median), and its ratio to torch's "
-          f"(median of per-round ratios). Target: unbroken within {TARGET:.0%} of torch's "
-          "DataLoader (ratio <= "
-          f"{1 + TARGET:.2f}).\n")
+    print(
+        "us/step: epoch wall time / steps, including worker start-up, median over rounds. "
+        "ratio: the loader's time / torch DataLoader's in the same round, median and min-max. "
+        "first batch ms: from iter() to the first batch, per epoch (median). steady us/step: "
+        "time per step after each epoch's first batch (median), and its ratio to torch's "
+        f"(median of per-round ratios). Target: unbroken within {TARGET:.0%} of torch's "
+        "DataLoader (ratio <= "
+        f"{1 + TARGET:.2f}).\n"
+    )
     print(f"Command: `{command_line()}`\n")
-    print(table(["workers", "loader", "us/step", "ratio vs torch", "ratio min-max",
-                 "first batch ms", "steady us/step", "steady ratio"], rows, left=2))
+    print(
+        table(
+            [
+                "workers",
+                "loader",
+                "us/step",
+                "ratio vs torch",
+                "ratio min-max",
+                "first batch ms",
+                "steady us/step",
+                "steady ratio",
+            ],
+            rows,
+            left=2,
+        )
+    )
     print()
     print("\n".join(f"- {note}" for note in notes))
     print(load_line())

@@ -94,9 +94,14 @@ def boring_step(model, batch):
 
 def cnn_model() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 10),
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32 * 8 * 8, 10),
     )
 
 
@@ -119,19 +124,28 @@ class Workload:
         """A model copy, its optimizer and a new loader: the same start for every run."""
         model = copy.deepcopy(self.base)
         optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
-        loader = unbroken.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True,
-                                     num_workers=0, seed=0)
+        loader = unbroken.DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=True, num_workers=0, seed=0
+        )
         return model, optimizer, loader
 
 
 def make_workload(name: str, args) -> Workload:
     torch.manual_seed(0)
     if name == "boring":
-        return Workload(name, RowDataset(args.boring_rows), 2, args.boring_epochs,
-                        boring_model(), boring_step, 0.1)
+        return Workload(
+            name,
+            RowDataset(args.boring_rows),
+            2,
+            args.boring_epochs,
+            boring_model(),
+            boring_step,
+            0.1,
+        )
     if name == "cnn":
-        return Workload(name, ImageDataset(args.cnn_images), 32, args.cnn_epochs,
-                        cnn_model(), cnn_step, 0.01)
+        return Workload(
+            name, ImageDataset(args.cnn_images), 32, args.cnn_epochs, cnn_model(), cnn_step, 0.01
+        )
     raise SystemExit(f"unknown workload {name!r}: expected boring or cnn")
 
 
@@ -146,16 +160,29 @@ def variants(tensorboard: str) -> list[tuple[str, dict | None]]:
     chosen = {} if tensorboard == "default" else {"tensorboard": tensorboard == "on"}
     out = [
         ("plain loop", None),
-        (NO_CHECKPOINTS, {"checkpoint_every_steps": None, "checkpoint_every_seconds": None, **chosen}),
+        (
+            NO_CHECKPOINTS,
+            {"checkpoint_every_steps": None, "checkpoint_every_seconds": None, **chosen},
+        ),
     ]
     if HAS_TENSORBOARD_ARG and tensorboard != "off":  # what the TensorBoard logging costs
-        out.append(("Trainer, checkpoint_every_steps=None, tensorboard=False",
-                    {"checkpoint_every_steps": None, "checkpoint_every_seconds": None, "tensorboard": False}))
+        out.append(
+            (
+                "Trainer, checkpoint_every_steps=None, tensorboard=False",
+                {
+                    "checkpoint_every_steps": None,
+                    "checkpoint_every_seconds": None,
+                    "tensorboard": False,
+                },
+            )
+        )
     out += [
         ("Trainer, checkpoint_every_steps=100", {"checkpoint_every_steps": 100, **chosen}),
         ("Trainer, checkpoint_every_steps=1000", {"checkpoint_every_steps": 1000, **chosen}),
-        ("Trainer, checkpoint_every_steps=100, async_save",
-         {"checkpoint_every_steps": 100, "async_save": True, **chosen}),
+        (
+            "Trainer, checkpoint_every_steps=100, async_save",
+            {"checkpoint_every_steps": 100, "async_save": True, **chosen},
+        ),
     ]
     return out
 
@@ -215,8 +242,14 @@ def run_trainer(work: Workload, options: dict, parent: str | None) -> Run:
     directory = tempfile.mkdtemp(prefix="unbroken-trainer-overhead-", dir=parent)
     try:
         clock = Clock()
-        trainer = unbroken.Trainer(directory, max_epochs=work.epochs, seed=0, progress_bar=False,
-                                   callbacks=[clock], **options)
+        trainer = unbroken.Trainer(
+            directory,
+            max_epochs=work.epochs,
+            seed=0,
+            progress_bar=False,
+            callbacks=[clock],
+            **options,
+        )
         start = time.perf_counter()
         trainer.fit(model, optimizer, loader, training_step=work.step)
         total = time.perf_counter() - start
@@ -255,8 +288,9 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
             if run.steps != plain.steps:
                 mismatches.append(f"{label}: {run.steps} steps, plain {plain.steps}")
             elif not torch.equal(run.weights, plain.weights):
-                mismatches.append(f"{label}: final weights differ from the plain loop's "
-                                  f"(round {r})")
+                mismatches.append(
+                    f"{label}: final weights differ from the plain loop's (round {r})"
+                )
         rounds.append(this_round)
         print(f"[{work.name}: round {r + 1}/{args.reps}]", file=sys.stderr, flush=True)
 
@@ -271,40 +305,59 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
         saves = sorted({run.saves for run in runs})
         save_ms = "-"
         if options[label] is not None and saves != [0]:
-            costs = [(rd[label].loop - rd[NO_CHECKPOINTS].loop) / rd[label].saves * 1e3
-                     for rd in rounds]
+            costs = [
+                (rd[label].loop - rd[NO_CHECKPOINTS].loop) / rd[label].saves * 1e3 for rd in rounds
+            ]
             per_save[label] = statistics.median(costs)
             save_ms = f"{per_save[label]:.2f}"
-        fixed = "-" if options[label] is None else \
-            f"{statistics.median(run.total - run.loop for run in runs) * 1e3:.1f}"
+        fixed = (
+            "-"
+            if options[label] is None
+            else f"{statistics.median(run.total - run.loop for run in runs) * 1e3:.1f}"
+        )
         is_plain = options[label] is None
         board = sorted({"on" if run.tensorboard else "off" for run in runs})
-        rows.append([
-            work.name, label, "-" if is_plain else "/".join(board), "/".join(map(str, saves)),
-            f"{statistics.median(us):.1f}",
-            "1" if is_plain else f"{statistics.median(ratio):.3f}",
-            "-" if is_plain else f"{min(ratio):.3f}-{max(ratio):.3f}",
-            "-" if is_plain else f"{statistics.median(delta):+.1f}",
-            save_ms, fixed,
-        ])
+        rows.append(
+            [
+                work.name,
+                label,
+                "-" if is_plain else "/".join(board),
+                "/".join(map(str, saves)),
+                f"{statistics.median(us):.1f}",
+                "1" if is_plain else f"{statistics.median(ratio):.3f}",
+                "-" if is_plain else f"{min(ratio):.3f}-{max(ratio):.3f}",
+                "-" if is_plain else f"{statistics.median(delta):+.1f}",
+                save_ms,
+                fixed,
+            ]
+        )
 
-    notes = [f"{work.name}: {len(work.dataset)} samples, batch {work.batch_size}, {work.epochs} "
-             f"epoch(s) = {rounds[0][labels[0]].steps} steps per run"]
+    notes = [
+        f"{work.name}: {len(work.dataset)} samples, batch {work.batch_size}, {work.epochs} "
+        f"epoch(s) = {rounds[0][labels[0]].steps} steps per run"
+    ]
     if foreign:
-        notes.append(f"{work.name}: other processes' CPU use during a round: median "
-                     f"{statistics.median(foreign):.2f} cores, max {max(foreign):.2f}")
+        notes.append(
+            f"{work.name}: other processes' CPU use during a round: median "
+            f"{statistics.median(foreign):.2f} cores, max {max(foreign):.2f}"
+        )
     sync = per_save.get("Trainer, checkpoint_every_steps=100")
     if sync is not None:
         notes.append(
             f"{work.name}: a blocking save costs ~{sync:.1f} ms (checkpoint_every_steps=100 row), i.e. "
             f"~{sync * 1e3 / plain_us:.0f} plain steps of {plain_us:.0f} us: "
-            + ", ".join(f"+{sync * 1e3 / (n * plain_us) * 100:.1f}% at one save per {n} steps"
-                        for n in (100, 1000, 10000)))
+            + ", ".join(
+                f"+{sync * 1e3 / (n * plain_us) * 100:.1f}% at one save per {n} steps"
+                for n in (100, 1000, 10000)
+            )
+        )
     if mismatches:
         notes.append(f"{work.name}: NOT THE SAME WORK: " + "; ".join(sorted(set(mismatches))))
     else:
-        notes.append(f"{work.name}: every run's final weights equal the plain loop's "
-                     "(torch.equal): the same training computation in every loop")
+        notes.append(
+            f"{work.name}: every run's final weights equal the plain loop's "
+            "(torch.equal): the same training computation in every loop"
+        )
     return rows, notes
 
 
@@ -339,17 +392,27 @@ def main() -> None:
     parser.add_argument("--boring-epochs", type=int, default=2)
     parser.add_argument("--cnn-images", type=int, default=1024)
     parser.add_argument("--cnn-epochs", type=int, default=8)
-    parser.add_argument("--dir", default=None,
-                        help="parent of the per-run checkpoint directories (default: the system "
-                             "temporary directory)")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="parent of the per-run checkpoint directories (default: the system "
+        "temporary directory)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--tensorboard", choices=("default", "off", "on"), default="default",
-                        help="the Trainer's TensorBoard logging in the Trainer rows: its own "
-                             "default (on when tensorboard is installed), or forced off/on. "
-                             "Unless off, a checkpoint_every_steps=None, tensorboard=False row is "
-                             "added to show what that logging costs")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)")
+    parser.add_argument(
+        "--tensorboard",
+        choices=("default", "off", "on"),
+        default="default",
+        help="the Trainer's TensorBoard logging in the Trainer rows: its own "
+        "default (on when tensorboard is installed), or forced off/on. "
+        "Unless off, a checkpoint_every_steps=None, tensorboard=False row is "
+        "added to show what that logging costs",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.reps, args.boring_rows, args.boring_epochs = 2, 512, 1
@@ -360,19 +423,27 @@ def main() -> None:
     print("# unbroken.Trainer training-loop overhead vs a plain PyTorch loop\n")
     print(f"Command: `{command_line()}`\n")
     print("\n".join(environment()))
-    print(f"- torch.set_num_threads({args.threads}); loader: unbroken.DataLoader(shuffle=True, "
-          "num_workers=0, seed=0), the same for both loops")
-    print(f"- checkpoint directories: fresh tempfile.mkdtemp() under {parent} "
-          f"({_filesystem(parent)}), keep=2, every file fsynced")
+    print(
+        f"- torch.set_num_threads({args.threads}); loader: unbroken.DataLoader(shuffle=True, "
+        "num_workers=0, seed=0), the same for both loops"
+    )
+    print(
+        f"- checkpoint directories: fresh tempfile.mkdtemp() under {parent} "
+        f"({_filesystem(parent)}), keep=2, every file fsynced"
+    )
     if HAS_TENSORBOARD_ARG:
-        print(f"- TensorBoard logging in the Trainer rows: --tensorboard {args.tensorboard} "
-              f"(tensorboard {_tensorboard_version()}); the plain loop logs only loss.item()")
+        print(
+            f"- TensorBoard logging in the Trainer rows: --tensorboard {args.tensorboard} "
+            f"(tensorboard {_tensorboard_version()}); the plain loop logs only loss.item()"
+        )
     else:
         print("- this unbroken.Trainer has no tensorboard option: --tensorboard is ignored")
     if args.quick:
         print("- --quick: a smoke run; its numbers mean nothing")
-    print(f"- 1 warm-up round, then {args.reps} rounds, each running every variant once in an "
-          "order rotated every round")
+    print(
+        f"- 1 warm-up round, then {args.reps} rounds, each running every variant once in an "
+        "order rotated every round"
+    )
     sys.stdout.flush()
 
     rows, notes = [], []
@@ -384,16 +455,34 @@ def main() -> None:
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
 
     print("\n## Time per training step\n")
-    print("TensorBoard: whether the Trainer wrote TensorBoard events (a scalar per step). "
-          "saves: periodic checkpoints inside the timed loop per run. us/step: loop wall time / "
-          "steps, median over rounds. ratio: loop time / the plain loop's in the same round, "
-          "median and min-max over rounds. +us/step: the same difference per step (median). "
-          "ms/save: (loop time - the checkpoint-free Trainer's in the same round) / saves, "
-          "median: what each periodic save added to the loop. fixed ms: whole fit() minus the "
-          "loop (setup + the end-of-fit save), not in the other columns.\n")
+    print(
+        "TensorBoard: whether the Trainer wrote TensorBoard events (a scalar per step). "
+        "saves: periodic checkpoints inside the timed loop per run. us/step: loop wall time / "
+        "steps, median over rounds. ratio: loop time / the plain loop's in the same round, "
+        "median and min-max over rounds. +us/step: the same difference per step (median). "
+        "ms/save: (loop time - the checkpoint-free Trainer's in the same round) / saves, "
+        "median: what each periodic save added to the loop. fixed ms: whole fit() minus the "
+        "loop (setup + the end-of-fit save), not in the other columns.\n"
+    )
     print(f"Command: `{command_line()}`\n")
-    print(table(["workload", "loop", "TensorBoard", "saves", "us/step", "ratio vs plain",
-                 "ratio min-max", "+us/step", "ms/save", "fixed ms"], rows, left=3))
+    print(
+        table(
+            [
+                "workload",
+                "loop",
+                "TensorBoard",
+                "saves",
+                "us/step",
+                "ratio vs plain",
+                "ratio min-max",
+                "+us/step",
+                "ms/save",
+                "fixed ms",
+            ],
+            rows,
+            left=3,
+        )
+    )
     print()
     print("\n".join(f"- {note}" for note in notes))
     print(load_line())

@@ -35,7 +35,9 @@ class NoisyCrops(torch.utils.data.Dataset):
     """Synthetic 3x16x16 images with random crop, flip and noise, like a real augmentation."""
 
     def __init__(self, n: int = 240) -> None:
-        self.images = torch.randint(0, 256, (n, 3, 20, 20), generator=torch.Generator().manual_seed(0))
+        self.images = torch.randint(
+            0, 256, (n, 3, 20, 20), generator=torch.Generator().manual_seed(0)
+        )
 
     def __len__(self) -> int:
         return len(self.images)
@@ -68,8 +70,11 @@ def child(mode: str, workdir: Path) -> None:
     if mode == "resumed":
         saved = json.loads(state_file.read_text())
         loader.load_state_dict(saved["loader"])
-        print(f"  resumed process: loaded the state after batch {saved['received']} "
-              f"(epoch {loader.epoch}), continuing with num_workers=1", flush=True)
+        print(
+            f"  resumed process: loaded the state after batch {saved['received']} "
+            f"(epoch {loader.epoch}), continuing with num_workers=1",
+            flush=True,
+        )
     received = 0 if mode != "resumed" else saved["received"]
     for _ in range(loader.epoch, EPOCHS):
         for batch in loader:
@@ -89,8 +94,10 @@ def main() -> int:
         run = [sys.executable, __file__, "--child"]
         total = EPOCHS * len(make_loader(0))
         kill_at = random.Random().randint(3, total // 2 - 3)
-        print(f"unbroken demo: {EPOCHS} epochs x {len(make_loader(0))} batches, shuffled, "
-              "random crop/flip/noise, 2 workers")
+        print(
+            f"unbroken demo: {EPOCHS} epochs x {len(make_loader(0))} batches, shuffled, "
+            "random crop/flip/noise, 2 workers"
+        )
         proc = subprocess.Popen(run + ["interrupted", tmp])
         log = workdir / "interrupted.log"
         while not log.exists() or len(log.read_text().splitlines()) < kill_at:
@@ -101,8 +108,10 @@ def main() -> int:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         saved = json.loads((workdir / "state.json").read_text())
-        print(f"  SIGKILLed the training process after {len(log.read_text().splitlines())} "
-              f"batches; its last saved state is after batch {saved['received']}")
+        print(
+            f"  SIGKILLed the training process after {len(log.read_text().splitlines())} "
+            f"batches; its last saved state is after batch {saved['received']}"
+        )
         subprocess.run(run + ["resumed", tmp], check=True)
         subprocess.run(run + ["uninterrupted", tmp], check=True)
 
@@ -110,14 +119,20 @@ def main() -> int:
         interrupted = lines("interrupted")[: saved["received"]]
         stitched, reference = interrupted + lines("resumed"), lines("uninterrupted")
         if stitched == reference:
-            print(f"EQUAL: all {len(reference)} batches of the interrupted+resumed run are bit for "
-                  f"bit those of the uninterrupted run ({len(reference) - len(interrupted)} "
-                  "after the resume, no batch replayed or skipped)")
+            print(
+                f"EQUAL: all {len(reference)} batches of the interrupted+resumed run are bit for "
+                f"bit those of the uninterrupted run ({len(reference) - len(interrupted)} "
+                "after the resume, no batch replayed or skipped)"
+            )
             return 0
-        first = next((i for i, (a, b) in enumerate(zip(stitched, reference)) if a != b),
-                     min(len(stitched), len(reference)))
-        print(f"DIFFERENT: first difference at batch {first} "
-              f"({len(stitched)} batches vs {len(reference)})")
+        first = next(
+            (i for i, (a, b) in enumerate(zip(stitched, reference)) if a != b),
+            min(len(stitched), len(reference)),
+        )
+        print(
+            f"DIFFERENT: first difference at batch {first} "
+            f"({len(stitched)} batches vs {len(reference)})"
+        )
         return 1
 
 

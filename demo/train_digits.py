@@ -65,9 +65,14 @@ class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Dropout(0.2), nn.Linear(32 * 4 * 4, 10),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Dropout(0.2),
+            nn.Linear(32 * 4 * 4, 10),
         )
 
     def forward(self, x):
@@ -103,11 +108,18 @@ def train(directory: Path) -> None:
     torch.manual_seed(SEED)  # model init; a resumed run takes the weights from its checkpoint
     model = ConvNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    train_loader = unbroken.DataLoader(Digits(train=True), batch_size=BATCH, shuffle=True,
-                                       num_workers=2, persistent_workers=True, seed=SEED)
+    train_loader = unbroken.DataLoader(
+        Digits(train=True),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        seed=SEED,
+    )
     val_loader = unbroken.DataLoader(Digits(train=False), batch_size=100, seed=SEED)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=0.1, total_steps=EPOCHS * len(train_loader) // 2 + EPOCHS)
+        optimizer, max_lr=0.1, total_steps=EPOCHS * len(train_loader) // 2 + EPOCHS
+    )
     train_acc, val_acc = MulticlassAccuracy(10), MulticlassAccuracy(10)
 
     def training_step(model, batch):
@@ -123,12 +135,25 @@ def train(directory: Path) -> None:
         return nn.functional.cross_entropy(logits, labels)
 
     trainer = unbroken.Trainer(
-        directory, max_epochs=EPOCHS, seed=SEED, checkpoint_every_steps=5, accumulate=2,
-        clip_grad_norm=1.0, callbacks=[Status(directory / "status")],
+        directory,
+        max_epochs=EPOCHS,
+        seed=SEED,
+        checkpoint_every_steps=5,
+        accumulate=2,
+        clip_grad_norm=1.0,
+        callbacks=[Status(directory / "status")],
     )
-    trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,
-                training_step=training_step, validation_step=validation_step,
-                train_metrics={"accuracy": train_acc}, val_metrics={"accuracy": val_acc})
+    trainer.fit(
+        model,
+        optimizer,
+        train_loader,
+        val_loader,
+        scheduler=scheduler,
+        training_step=training_step,
+        validation_step=validation_step,
+        train_metrics={"accuracy": train_acc},
+        val_metrics={"accuracy": val_acc},
+    )
     torch.save(model.state_dict(), directory / "final_weights.pt")
 
 
@@ -143,26 +168,34 @@ def main() -> int:
     targets = ["saving", "val", "random", "random", "random", "preempt"]
     rng.shuffle(targets)
     kills: list[tuple[int, str]] = []
-    print(f"unbroken demo: {EPOCHS} epochs of a convnet on scikit-learn's digits, 2 loader "
-          f"workers, augmentation, dropout, accumulation; SIGKILL at {len(targets) - 1} moments "
-          "and one SIGTERM to the whole process group")
+    print(
+        f"unbroken demo: {EPOCHS} epochs of a convnet on scikit-learn's digits, 2 loader "
+        f"workers, augmentation, dropout, accumulation; SIGKILL at {len(targets) - 1} moments "
+        "and one SIGTERM to the whole process group"
+    )
     batch = 0
     while True:
         (interrupted / "status").unlink(missing_ok=True)
         # A session of its own: the process group a scheduler would signal.
         process = subprocess.Popen([*command, str(interrupted)], start_new_session=True)
         target = targets[len(kills)] if len(kills) < len(targets) else None
-        if target is not None and _kill_when(process, interrupted, target, batch + rng.randint(5, 40)):
+        if target is not None and _kill_when(
+            process, interrupted, target, batch + rng.randint(5, 40)
+        ):
             phase, batch_text = (interrupted / "status").read_text().split()
             batch = int(batch_text)
             kills.append((batch, "SIGTERM" if target == "preempt" else phase))
             if target == "preempt":
                 if process.returncode != unbroken.EXIT_CODE:
-                    print(f"training process exited with {process.returncode} after SIGTERM, "
-                          f"not {unbroken.EXIT_CODE}")
+                    print(
+                        f"training process exited with {process.returncode} after SIGTERM, "
+                        f"not {unbroken.EXIT_CODE}"
+                    )
                     return 1
-                print(f"  SIGTERM to the process group during {phase} at training batch {batch}: "
-                      f"checkpoint committed, exit code {process.returncode}; restarting")
+                print(
+                    f"  SIGTERM to the process group during {phase} at training batch {batch}: "
+                    f"checkpoint committed, exit code {process.returncode}; restarting"
+                )
                 continue
             leftovers = [p.name for p in (interrupted / "checkpoints").glob(".*")]
             note = f" (its partial checkpoint {leftovers[0]} is ignored)" if leftovers else ""
@@ -223,8 +256,10 @@ def _compare(interrupted: Path, reference: Path) -> int:
     if len(got) != len(want):
         print(f"DIFFERENT: {len(got)} logged lines vs {len(want)}")
         return 1
-    print(f"IDENTICAL: all {len(expected)} final weight tensors (torch.equal) and all "
-          f"{len(want) - 1} logged values are bit for bit those of the uninterrupted run")
+    print(
+        f"IDENTICAL: all {len(expected)} final weight tensors (torch.equal) and all "
+        f"{len(want) - 1} logged values are bit for bit those of the uninterrupted run"
+    )
     return 0
 
 
@@ -235,14 +270,29 @@ def _plot(interrupted: Path, reference: Path, kills: list, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for run, style, label in ((reference, "-", "uninterrupted"), (interrupted, "--", "killed and resumed")):
-        rows = [r for r in CSVLog.read(run / "metrics.csv") if r["phase"] == "train" and r["name"] == "loss"]
+    for run, style, label in (
+        (reference, "-", "uninterrupted"),
+        (interrupted, "--", "killed and resumed"),
+    ):
+        rows = [
+            r
+            for r in CSVLog.read(run / "metrics.csv")
+            if r["phase"] == "train" and r["name"] == "loss"
+        ]
         ax.plot([r["step"] for r in rows], [r["value"] for r in rows], style, label=label, lw=1)
     for i, (batch, target) in enumerate(kills):  # target: the phase it hit, or "SIGTERM"
         ax.axvline(batch, color="red", alpha=0.6, lw=1, label="kill" if i == 0 else None)
         what = "SIGTERM (group)" if target == "SIGTERM" else f"SIGKILL, {target}"
-        ax.text(batch, ax.get_ylim()[0], f" {what}", color="red", fontsize=8, rotation=90,
-                va="bottom", ha="right")
+        ax.text(
+            batch,
+            ax.get_ylim()[0],
+            f" {what}",
+            color="red",
+            fontsize=8,
+            rotation=90,
+            va="bottom",
+            ha="right",
+        )
     ax.set(xlabel="training batch", ylabel="training loss", title="unbroken: identical loss curves")
     ax.legend()
     fig.tight_layout()

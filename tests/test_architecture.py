@@ -85,8 +85,11 @@ class EveryOther(IndexSource):
         return {"sampler": "every-other", "shuffle": None}
 
     def check_cursor(self, cursor, what):
-        if cursor.source is not None or cursor.samples != cursor.batches or \
-                cursor.batches > len(self):
+        if (
+            cursor.source is not None
+            or cursor.samples != cursor.batches
+            or cursor.batches > len(self)
+        ):
             raise CorruptState(f"{what} state is inconsistent")
 
     def batches(self, seed, epoch, cursor, done):
@@ -98,7 +101,9 @@ class EveryOther(IndexSource):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_adding_a_source_is_one_class(monkeypatch, workers):
-    monkeypatch.setattr(loader_module, "make_source", lambda dataset, *args: EveryOther(len(dataset)))
+    monkeypatch.setattr(
+        loader_module, "make_source", lambda dataset, *args: EveryOther(len(dataset))
+    )
 
     def make():
         return unbroken.DataLoader(Augmented(9), batch_size=1, num_workers=workers, seed=4)
@@ -162,8 +167,11 @@ def test_mismatched_and_corrupt_states_raise_their_own_types():
     state = make().state_dict()
     with pytest.raises(StateMismatch) as mismatch:
         make(batch_size=3).load_state_dict(state)
-    assert (mismatch.value.field, mismatch.value.saved, mismatch.value.current) == \
-        ("batch_size", 2, 3)
+    assert (mismatch.value.field, mismatch.value.saved, mismatch.value.current) == (
+        "batch_size",
+        2,
+        3,
+    )
     bad = dict(state, samples=1)  # one sample in zero batches
     with pytest.raises(CorruptState):
         make().load_state_dict(bad)
@@ -198,8 +206,13 @@ def test_an_error_raised_in_a_worker_keeps_its_type():
         list(resumed)
     error = StateMismatch("unbroken.DataLoader", "seed", 1, 2)
     copy = pickle.loads(pickle.dumps(error))
-    assert (type(copy), copy.field, copy.saved, copy.current, str(copy)) == \
-        (StateMismatch, "seed", 1, 2, str(error))
+    assert (type(copy), copy.field, copy.saved, copy.current, str(copy)) == (
+        StateMismatch,
+        "seed",
+        1,
+        2,
+        str(error),
+    )
 
 
 def test_set_epoch_on_a_combined_loader_moves_children_left_mid_epoch():

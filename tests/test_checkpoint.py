@@ -40,8 +40,11 @@ def _model(width=8):
 def _trained(width=8, optimizer="adam", steps=3):
     model = _model(width)
     params = model.parameters()
-    opt = torch.optim.Adam(params, lr=0.01) if optimizer == "adam" else torch.optim.SGD(
-        params, lr=0.1, momentum=0.9)
+    opt = (
+        torch.optim.Adam(params, lr=0.01)
+        if optimizer == "adam"
+        else torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    )
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for _ in range(steps):
         opt.zero_grad()
@@ -90,26 +93,43 @@ def test_round_trip_restores_every_object_and_value(tmp_path, blocking, optimize
     loader = unbroken.DataLoader(Counting(10), batch_size=3, shuffle=True, seed=4)
     batches = iter(loader)
     next(batches)
-    state = {"model": model, "optimizer": opt, "scheduler": scheduler, "scaler": scaler,
-             "loader": loader, "epoch": 3, "history": [0.5, (1, "a"), {"best": torch.ones(2)}],
-             "note": None}
-    expected = {name: obj.state_dict() if hasattr(obj, "state_dict") else obj
-                for name, obj in state.items()}
+    state = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "loader": loader,
+        "epoch": 3,
+        "history": [0.5, (1, "a"), {"best": torch.ones(2)}],
+        "note": None,
+    }
+    expected = {
+        name: obj.state_dict() if hasattr(obj, "state_dict") else obj for name, obj in state.items()
+    }
     with Checkpointer(tmp_path, keep=2) as checkpointer:
         assert checkpointer.save(7, state, blocking=blocking) == tmp_path / "step-000000007"
 
     fresh_model, fresh_opt, fresh_scheduler = _trained(optimizer=optimizer, steps=0)
-    fresh = {"model": fresh_model, "optimizer": fresh_opt, "scheduler": fresh_scheduler,
-             "scaler": _scaler(),
-             "loader": unbroken.DataLoader(Counting(10), batch_size=3, shuffle=True, seed=4),
-             "epoch": 0, "history": [], "note": "x"}
+    fresh = {
+        "model": fresh_model,
+        "optimizer": fresh_opt,
+        "scheduler": fresh_scheduler,
+        "scaler": _scaler(),
+        "loader": unbroken.DataLoader(Counting(10), batch_size=3, shuffle=True, seed=4),
+        "epoch": 0,
+        "history": [],
+        "note": "x",
+    }
     restored = Checkpointer(tmp_path).load_latest(fresh)
     assert isinstance(restored, Restored) and restored.unrequested == {}
     assert restored.step == 7 and restored.path == tmp_path / "step-000000007"
     assert list(restored.values) == ["epoch", "history", "note"]
     for name, obj in fresh.items():
-        assert_same(expected[name], obj.state_dict() if hasattr(obj, "state_dict") else
-                    restored.values[name], name)
+        assert_same(
+            expected[name],
+            obj.state_dict() if hasattr(obj, "state_dict") else restored.values[name],
+            name,
+        )
     # The restored loader continues where the saved one was.
     assert [b.tolist() for b in fresh["loader"]] == [b.tolist() for b in batches]
 
@@ -124,13 +144,17 @@ class _Warmup:
         return min(1.0, (epoch + 1) / self.steps)
 
 
-@pytest.mark.parametrize("make", [
-    lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2),
-    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=20),
-    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.9 ** epoch),
-    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _Warmup(5)),
-    lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),  # holds float('inf')
-], ids=["StepLR", "OneCycleLR", "LambdaLR-lambda", "LambdaLR-object", "ReduceLROnPlateau"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2),
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=20),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.9**epoch),
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _Warmup(5)),
+        lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),  # holds float('inf')
+    ],
+    ids=["StepLR", "OneCycleLR", "LambdaLR-lambda", "LambdaLR-object", "ReduceLROnPlateau"],
+)
 def test_schedulers_round_trip(tmp_path, make):
     def build():
         opt = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
@@ -139,8 +163,9 @@ def test_schedulers_round_trip(tmp_path, make):
     opt, scheduler = build()
     for _ in range(3):
         opt.step()
-        scheduler.step(*([1.0] if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-                         else []))
+        scheduler.step(
+            *([1.0] if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) else [])
+        )
     Checkpointer(tmp_path).save(3, {"optimizer": opt, "scheduler": scheduler})
     opt2, scheduler2 = build()
     Checkpointer(tmp_path).load_latest({"optimizer": opt2, "scheduler": scheduler2})
@@ -165,8 +190,7 @@ def test_no_checkpoint_returns_none(tmp_path):
 
 def test_restored_is_always_true_and_plain_values_are_returned_not_rebound(tmp_path):
     model, opt, _ = _trained()
-    Checkpointer(tmp_path).save(3, {"model": model, "optimizer": opt, "epoch": 4,
-                                    "history": [0.5]})
+    Checkpointer(tmp_path).save(3, {"model": model, "optimizer": opt, "epoch": 4, "history": [0.5]})
     # Everything restored, nothing left over: the result must still read as "resumed".
     restored = Checkpointer(tmp_path).load_latest({"model": _model()})
     assert restored and bool(restored) is True and not isinstance(restored, dict)
@@ -179,8 +203,10 @@ def test_restored_is_always_true_and_plain_values_are_returned_not_rebound(tmp_p
     assert list(restored.unrequested) == ["optimizer", "history"]
     assert restored.unrequested["history"] == [0.5]
     text = repr(restored)
-    assert text.startswith(f"Restored(step=3, path={str(tmp_path / 'step-000000003')!r}, "
-                           "values={'epoch': 4}, unrequested={'optimizer': {"), text
+    assert text.startswith(
+        f"Restored(step=3, path={str(tmp_path / 'step-000000003')!r}, "
+        "values={'epoch': 4}, unrequested={'optimizer': {"
+    ), text
     assert len(text) < 400  # the optimizer's state is elided, not printed
     Checkpointer(tmp_path).save(4, {"model": model})
     only = Checkpointer(tmp_path).load_latest({"model": _model()})
@@ -200,9 +226,11 @@ def test_a_directory_that_is_a_file_is_refused_before_anything_is_touched(tmp_pa
         return
     checkpointer = Checkpointer(directory)
     blocker.write_text("precious")
-    for call in (lambda: checkpointer.load_latest({"x": None}),
-                 lambda: checkpointer.save(1, {"x": 1}, blocking=False),  # raised by save
-                 lambda: checkpointer.save(1, {"x": 1})):
+    for call in (
+        lambda: checkpointer.load_latest({"x": None}),
+        lambda: checkpointer.save(1, {"x": 1}, blocking=False),  # raised by save
+        lambda: checkpointer.save(1, {"x": 1}),
+    ):
         with pytest.raises(NotADirectoryError, match=f"{directory}.*not a directory"):
             call()
     checkpointer.wait()  # no background failure pending
@@ -250,18 +278,22 @@ class _Custom:
     pass
 
 
-@pytest.mark.parametrize("value, path, what", [
-    ({"fn": lambda: 0}, "state['bad']['fn']", "function"),
-    ({"a": [1, {"b": _Custom()}]}, "state['bad']['a'][1]['b']", "_Custom"),
-    ({"x": np.float64(1.5)}, "state['bad']['x']", "numpy float64"),
-    ({"x": np.arange(3)}, "state['bad']['x']", "numpy ndarray"),
-    ([collections.defaultdict(list)], "state['bad'][0]", "defaultdict"),
-    ({"c": _Colour.RED}, "state['bad']['c']", "_Colour"),
-    ({"b": b""}, "state['bad']['b']", "bytes"),
-    ({_Custom(): 1}, "(the key", "_Custom"),
-])
-def test_a_value_weights_only_cannot_load_fails_at_save_naming_its_path(tmp_path, value, path,
-                                                                        what):
+@pytest.mark.parametrize(
+    "value, path, what",
+    [
+        ({"fn": lambda: 0}, "state['bad']['fn']", "function"),
+        ({"a": [1, {"b": _Custom()}]}, "state['bad']['a'][1]['b']", "_Custom"),
+        ({"x": np.float64(1.5)}, "state['bad']['x']", "numpy float64"),
+        ({"x": np.arange(3)}, "state['bad']['x']", "numpy ndarray"),
+        ([collections.defaultdict(list)], "state['bad'][0]", "defaultdict"),
+        ({"c": _Colour.RED}, "state['bad']['c']", "_Colour"),
+        ({"b": b""}, "state['bad']['b']", "bytes"),
+        ({_Custom(): 1}, "(the key", "_Custom"),
+    ],
+)
+def test_a_value_weights_only_cannot_load_fails_at_save_naming_its_path(
+    tmp_path, value, path, what
+):
     checkpointer = Checkpointer(tmp_path / "ckpt")
     for blocking in (True, False):
         with pytest.raises(ValueError) as error:
@@ -299,10 +331,24 @@ def _torch_loads(value):
     return type(loaded) is type(value) and loaded == value
 
 
-@pytest.mark.parametrize("value", [
-    b"", b"abc", bytearray(), bytearray(b"abc"), 1 + 2j, torch.strided, torch.sparse_coo,
-    collections.Counter("abca"), {3, 1, 2}, set(), frozenset({1}), frozenset(),
-], ids=repr)
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",
+        b"abc",
+        bytearray(),
+        bytearray(b"abc"),
+        1 + 2j,
+        torch.strided,
+        torch.sparse_coo,
+        collections.Counter("abca"),
+        {3, 1, 2},
+        set(),
+        frozenset({1}),
+        frozenset(),
+    ],
+    ids=repr,
+)
 def test_a_value_saves_exactly_when_this_torch_loads_it(tmp_path, value):
     checkpointer = Checkpointer(tmp_path)
     # A type is accepted when all its values load: b"" does not (it pickles as a call to bytes).
@@ -318,17 +364,33 @@ def test_a_value_saves_exactly_when_this_torch_loads_it(tmp_path, value):
         assert list(tmp_path.iterdir()) == []
 
 
-_leaves = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=5)
-           | st.floats(allow_nan=False) | st.binary(max_size=5).map(bytearray)
-           | st.builds(lambda n, d: torch.arange(n).to(d), st.integers(0, 4),
-                       st.sampled_from([torch.float32, torch.int64, torch.bfloat16, torch.bool]))
-           | st.sampled_from([torch.Size([2, 3]), torch.device("cpu"), torch.float16]))
-_values = st.recursive(_leaves, lambda inner: (
-    st.lists(inner, max_size=3) | st.tuples(inner, inner)
-    | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=3)
-    | st.builds(collections.OrderedDict, st.dictionaries(st.text(max_size=3), inner, max_size=3))
-    | (st.sets(st.integers(), max_size=3) if _torch_loads({1}) else st.nothing())),
-    max_leaves=10)
+_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.text(max_size=5)
+    | st.floats(allow_nan=False)
+    | st.binary(max_size=5).map(bytearray)
+    | st.builds(
+        lambda n, d: torch.arange(n).to(d),
+        st.integers(0, 4),
+        st.sampled_from([torch.float32, torch.int64, torch.bfloat16, torch.bool]),
+    )
+    | st.sampled_from([torch.Size([2, 3]), torch.device("cpu"), torch.float16])
+)
+_values = st.recursive(
+    _leaves,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=3)
+        | st.builds(
+            collections.OrderedDict, st.dictionaries(st.text(max_size=3), inner, max_size=3)
+        )
+        | (st.sets(st.integers(), max_size=3) if _torch_loads({1}) else st.nothing())
+    ),
+    max_leaves=10,
+)
 
 
 @given(value=_values, blocking=st.booleans())
@@ -377,7 +439,7 @@ def _flip_manifest_digit(checkpoint):
     manifest = (checkpoint / MANIFEST).read_text()
     at = manifest.index('"size": ') + len('"size": ')
     digit = str((int(manifest[at]) + 1) % 10)
-    (checkpoint / MANIFEST).write_text(manifest[:at] + digit + manifest[at + 1:])
+    (checkpoint / MANIFEST).write_text(manifest[:at] + digit + manifest[at + 1 :])
 
 
 CORRUPTIONS = {
@@ -385,16 +447,19 @@ CORRUPTIONS = {
     "flipped byte": (_flip_byte, "does not match its sha256"),
     "missing file": (lambda c: _data_file(c).unlink(), "unreadable: No such file"),
     "deleted manifest": (lambda c: (c / MANIFEST).unlink(), "manifest.json is missing"),
-    "garbage manifest": (lambda c: (c / MANIFEST).write_bytes(b"\x00{not json"),
-                         "manifest.json is unreadable"),
+    "garbage manifest": (
+        lambda c: (c / MANIFEST).write_bytes(b"\x00{not json"),
+        "manifest.json is unreadable",
+    ),
     "empty manifest": (lambda c: (c / MANIFEST).write_bytes(b""), "manifest.json is unreadable"),
     "edited manifest": (_flip_manifest_digit, "does not match its own sha256"),
 }
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=list(CORRUPTIONS))
-def test_a_corrupt_checkpoint_is_skipped_with_a_warning_and_the_previous_one_used(tmp_path,
-                                                                                  corrupt):
+def test_a_corrupt_checkpoint_is_skipped_with_a_warning_and_the_previous_one_used(
+    tmp_path, corrupt
+):
     damage, why = CORRUPTIONS[corrupt]
     newest = _two_checkpoints(tmp_path)
     damage(newest)
@@ -449,6 +514,7 @@ def test_loading_runs_no_code_from_the_file(tmp_path, writer):
             torch.save({"weight": _Payload(marker)}, path)
         else:
             import pickle
+
             path.write_bytes(pickle.dumps({"weight": _Payload(marker)}, protocol=2))
 
     # The payload works: an unrestricted load runs it.
@@ -457,6 +523,7 @@ def test_loading_runs_no_code_from_the_file(tmp_path, writer):
         torch.load(tmp_path / "probe.pt", weights_only=False)
     else:
         import pickle
+
         pickle.loads((tmp_path / "probe.pt").read_bytes())
     assert (tmp_path / "probe-marker").exists()
 
@@ -474,8 +541,11 @@ def test_loading_runs_no_code_from_the_file(tmp_path, writer):
 def test_a_checkpoint_of_another_format_version_is_an_error_not_skipped(tmp_path):
     newest = _two_checkpoints(tmp_path)
     _reseal(newest, version=2)
-    with pytest.raises(ValueError, match=r"step-000000002 has format version 2; this unbroken "
-                                         r"reads version 1\. Resume with the unbroken version"):
+    with pytest.raises(
+        ValueError,
+        match=r"step-000000002 has format version 2; this unbroken "
+        r"reads version 1\. Resume with the unbroken version",
+    ):
         Checkpointer(tmp_path).load_latest({"model": _model()})
 
 
@@ -496,14 +566,19 @@ def test_a_model_of_another_shape_names_the_parameter_and_both_shapes(tmp_path):
     assert_same(before, other.state_dict())  # checked before anything was restored
 
     with pytest.raises(ValueError, match=r"'model'.*missing from the checkpoint: \['2.weight"):
-        Checkpointer(tmp_path).load_latest({"model": nn.Sequential(
-            nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))})
-    with pytest.raises(ValueError, match=r"state\['optimizer'\]: parameter 0 of group 0 has "
-                                         r"shape \(8, 4\) in the checkpoint and \(6, 4\) now"):
+        Checkpointer(tmp_path).load_latest(
+            {"model": nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))}
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"state\['optimizer'\]: parameter 0 of group 0 has "
+        r"shape \(8, 4\) in the checkpoint and \(6, 4\) now",
+    ):
         Checkpointer(tmp_path).load_latest({"optimizer": other_opt})
     with pytest.raises(ValueError, match=r"'optimizer'.*groups of sizes \[6\].* sizes \[2\]"):
-        Checkpointer(tmp_path).load_latest({"optimizer": torch.optim.Adam(
-            nn.Linear(2, 2).parameters())})
+        Checkpointer(tmp_path).load_latest(
+            {"optimizer": torch.optim.Adam(nn.Linear(2, 2).parameters())}
+        )
 
 
 def test_a_rejected_entry_is_a_value_error_naming_it_and_chaining_the_cause(tmp_path):
@@ -719,8 +794,9 @@ def test_sigkill_at_any_moment_leaves_a_whole_checkpoint(tmp_path):
     rng = random.Random(1234)
     step = leftovers = 0
     for kill in range(14):
-        child = subprocess.Popen([sys.executable, str(script), str(directory)],
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, str(script), str(directory)], stdout=subprocess.PIPE, text=True
+        )
         try:
             ready = child.stdout.readline().split()
             assert ready[:1] == ["ready"] and int(ready[1]) == step

@@ -64,8 +64,9 @@ def tiny_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mountpoint = tmp_path / "disk"
     mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)],
-                          capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -106,14 +107,14 @@ def dev_full(monkeypatch):
     return route
 
 
-@pytest.mark.parametrize("where, big", [
-    ("data file, inside torch.save", 300_000),
-    ("data file, at the flush", 1),
-    ("manifest", 1),
-])
+@pytest.mark.parametrize(
+    "where, big",
+    [("data file, inside torch.save", 300_000), ("data file, at the flush", 1), ("manifest", 1)],
+)
 @pytest.mark.parametrize("blocking", [True, False])
-def test_writes_the_kernel_refuses_with_enospc_say_the_disk_is_full(tmp_path, dev_full, where,
-                                                                     big, blocking):
+def test_writes_the_kernel_refuses_with_enospc_say_the_disk_is_full(
+    tmp_path, dev_full, where, big, blocking
+):
     directory = tmp_path / "ckpt"
     checkpointer = _save_step_1(directory)
     dev_full(r"^\d+-x\.pt$" if where.startswith("data") else r"^manifest\.json$")
@@ -137,8 +138,9 @@ def test_an_fsync_that_reports_enospc_says_the_disk_is_full(tmp_path, monkeypatc
     _assert_untouched(directory)
 
 
-def test_other_write_errors_are_raised_as_themselves_not_as_torch_runtime_errors(tmp_path,
-                                                                                 monkeypatch):
+def test_other_write_errors_are_raised_as_themselves_not_as_torch_runtime_errors(
+    tmp_path, monkeypatch
+):
     """torch.save turns an error of the file it writes into "unexpected pos": the cause is kept."""
     directory = tmp_path / "ckpt"
     checkpointer = _save_step_1(directory)
@@ -204,8 +206,12 @@ def _run(tmp_path, mode):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     directory = tmp_path / "ckpt"
-    done = subprocess.run([sys.executable, str(script), str(directory), mode],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(script), str(directory), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done, directory
 
 
@@ -237,5 +243,5 @@ def test_a_failure_already_raised_by_wait_is_not_reported_again(tmp_path):
 def test_the_report_comes_with_the_scripts_own_error(tmp_path):
     done, directory = _run(tmp_path, "raises")
     assert done.returncode == 1
-    assert "KeyError: \"the script's own error\"" in done.stderr
+    assert 'KeyError: "the script\'s own error"' in done.stderr
     assert str(directory / "step-000000002") in done.stderr and "FAILED" in done.stderr

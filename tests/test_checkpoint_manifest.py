@@ -82,59 +82,101 @@ def _model_file(manifest):
 EDITS = {
     "entry file is a list": (
         lambda m: m["entries"]["model"].update(file=[_model_file(m)]),
-        r"\['entries'\]\['model'\]\['file'\] is a list, expected a str"),
+        r"\['entries'\]\['model'\]\['file'\] is a list, expected a str",
+    ),
     "file name with a null byte": (
-        lambda m: m["files"].update({"000-mo\x00del.pt": m["files"].pop(_model_file(m))})
-        or m["entries"]["model"].update(file="000-mo\x00del.pt"),
-        r"\['files'\] has an invalid file name '000-mo\\x00del.pt'"),
+        lambda m: (
+            m["files"].update({"000-mo\x00del.pt": m["files"].pop(_model_file(m))})
+            or m["entries"]["model"].update(file="000-mo\x00del.pt")
+        ),
+        r"\['files'\] has an invalid file name '000-mo\\x00del.pt'",
+    ),
     "file name with a slash": (
-        lambda m: m["files"].update({"../step-000000001/000-model.pt": m["files"].pop(
-            _model_file(m))}) or m["entries"]["model"].update(
-            file="../step-000000001/000-model.pt"),
-        r"invalid file name '\.\./step-000000001/000-model\.pt'"),
-    "size is a str": (lambda m: m["files"][_model_file(m)].update(size="1234"),
-                      r"\['files'\]\['000-model\.pt'\]\['size'\] is a str, expected an int >= 0"),
-    "size is a bool": (lambda m: m["files"][_model_file(m)].update(size=True),
-                       r"\['size'\] is a bool, expected an int >= 0"),
-    "size is negative": (lambda m: m["files"][_model_file(m)].update(size=-1),
-                         r"\['size'\] is -1, expected an int >= 0"),
-    "size is a float": (lambda m: m["files"][_model_file(m)].update(
-        size=float(m["files"][_model_file(m)]["size"])), r"\['size'\] is a float"),
-    "sha256 is an int": (lambda m: m["files"][_model_file(m)].update(sha256=5),
-                         r"\['sha256'\] is an int, expected 64 lowercase hex digits"),
-    "sha256 is not hex": (lambda m: m["files"][_model_file(m)].update(sha256="z" * 64),
-                          r"\['sha256'\] is 'z+', expected 64 lowercase hex digits"),
-    "entries is a list": (lambda m: m.update(entries=[]), r"manifest\['entries'\] is a list, expected a dict"),
-    "files is null": (lambda m: m.update(files=None), r"manifest\['files'\] is None, expected a dict"),
-    "an entry is a str": (lambda m: m["entries"].update(model="000-model.pt"),
-                          r"\['entries'\]\['model'\] is a str, expected a dict"),
-    "an entry lacks its file": (lambda m: m["entries"]["model"].pop("file"),
-                                r"manifest\['entries'\]\['model'\] has no 'file'"),
-    "a file is not listed": (lambda m: m["files"].pop(_model_file(m)),
-                             r"\['file'\] is '000-model\.pt', which is not in manifest\['files'\]"),
-    "step is a float": (lambda m: m.update(step=2.0), r"manifest\['step'\] is a float, expected an int >= 0"),
+        lambda m: (
+            m["files"].update({"../step-000000001/000-model.pt": m["files"].pop(_model_file(m))})
+            or m["entries"]["model"].update(file="../step-000000001/000-model.pt")
+        ),
+        r"invalid file name '\.\./step-000000001/000-model\.pt'",
+    ),
+    "size is a str": (
+        lambda m: m["files"][_model_file(m)].update(size="1234"),
+        r"\['files'\]\['000-model\.pt'\]\['size'\] is a str, expected an int >= 0",
+    ),
+    "size is a bool": (
+        lambda m: m["files"][_model_file(m)].update(size=True),
+        r"\['size'\] is a bool, expected an int >= 0",
+    ),
+    "size is negative": (
+        lambda m: m["files"][_model_file(m)].update(size=-1),
+        r"\['size'\] is -1, expected an int >= 0",
+    ),
+    "size is a float": (
+        lambda m: m["files"][_model_file(m)].update(size=float(m["files"][_model_file(m)]["size"])),
+        r"\['size'\] is a float",
+    ),
+    "sha256 is an int": (
+        lambda m: m["files"][_model_file(m)].update(sha256=5),
+        r"\['sha256'\] is an int, expected 64 lowercase hex digits",
+    ),
+    "sha256 is not hex": (
+        lambda m: m["files"][_model_file(m)].update(sha256="z" * 64),
+        r"\['sha256'\] is 'z+', expected 64 lowercase hex digits",
+    ),
+    "entries is a list": (
+        lambda m: m.update(entries=[]),
+        r"manifest\['entries'\] is a list, expected a dict",
+    ),
+    "files is null": (
+        lambda m: m.update(files=None),
+        r"manifest\['files'\] is None, expected a dict",
+    ),
+    "an entry is a str": (
+        lambda m: m["entries"].update(model="000-model.pt"),
+        r"\['entries'\]\['model'\] is a str, expected a dict",
+    ),
+    "an entry lacks its file": (
+        lambda m: m["entries"]["model"].pop("file"),
+        r"manifest\['entries'\]\['model'\] has no 'file'",
+    ),
+    "a file is not listed": (
+        lambda m: m["files"].pop(_model_file(m)),
+        r"\['file'\] is '000-model\.pt', which is not in manifest\['files'\]",
+    ),
+    "step is a float": (
+        lambda m: m.update(step=2.0),
+        r"manifest\['step'\] is a float, expected an int >= 0",
+    ),
     "step is a bool": (lambda m: m.update(step=True), r"manifest\['step'\] is a bool"),
-    "version is a str": (lambda m: m.update(version="1"), r"manifest\['version'\] is a str, expected an int"),
+    "version is a str": (
+        lambda m: m.update(version="1"),
+        r"manifest\['version'\] is a str, expected an int",
+    ),
     "torch is missing": (lambda m: m.pop("torch"), r"manifest has no 'torch'"),
-    "param_shapes is a dict": (lambda m: m["entries"]["optimizer"].update(param_shapes={}),
-                               r"\['entries'\]\['optimizer'\]\['param_shapes'\] is a dict"),
+    "param_shapes is a dict": (
+        lambda m: m["entries"]["optimizer"].update(param_shapes={}),
+        r"\['entries'\]\['optimizer'\]\['param_shapes'\] is a dict",
+    ),
     "param_shapes has a str": (
         lambda m: m["entries"]["optimizer"]["param_shapes"][0][0].__setitem__(0, "4"),
-        r"\['param_shapes'\]\[0\]\[0\]\[0\] is a str, expected an int >= 0"),
+        r"\['param_shapes'\]\[0\]\[0\]\[0\] is a str, expected an int >= 0",
+    ),
     "param_shapes lists too few groups": (
         lambda m: m["entries"]["optimizer"].update(param_shapes=[]),
         r"\['optimizer'\]\['param_shapes'\] lists 0 parameter groups of sizes \[\], the "
-        r"optimizer state_dict in 001-optimizer\.pt has 1 of sizes \[2\]"),
+        r"optimizer state_dict in 001-optimizer\.pt has 1 of sizes \[2\]",
+    ),
     "param_shapes lists too few parameters": (
         lambda m: m["entries"]["optimizer"]["param_shapes"][0].pop(),
         r"lists 1 parameter groups of sizes \[1\], the optimizer state_dict in "
-        r"001-optimizer\.pt has 1 of sizes \[2\]"),
+        r"001-optimizer\.pt has 1 of sizes \[2\]",
+    ),
 }
 
 
 @pytest.mark.parametrize("edit", EDITS, ids=list(EDITS))
 def test_a_resealed_manifest_that_breaks_the_schema_is_skipped_naming_the_problem(
-        template, tmp_path, edit):
+    template, tmp_path, edit
+):
     change, why = EDITS[edit]
     checkpoint, manifest = _copy(template, tmp_path / "ckpt")
     change(manifest)
@@ -167,9 +209,11 @@ def test_unknown_keys_are_ignored(template, tmp_path):
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                max_size=3),
-    max_leaves=5)
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=5,
+)
 
 
 def _paths(value, path=()):
@@ -203,7 +247,8 @@ def _type_changes(draw, manifest):
 @given(data=st.data())
 @settings(max_examples=80)
 def test_any_change_of_a_fields_type_falls_back_to_the_previous_checkpoint(
-        template, tmp_path_factory, data):
+    template, tmp_path_factory, data
+):
     directory = tmp_path_factory.mktemp("ckpt") / "c"
     checkpoint, manifest = _copy(template, directory)
     path, new = data.draw(_type_changes(manifest))
@@ -216,8 +261,9 @@ def test_any_change_of_a_fields_type_falls_back_to_the_previous_checkpoint(
 
 @given(data=st.data())
 @settings(max_examples=80)
-def test_any_edit_is_skipped_loaded_or_a_value_error_never_a_crash(template, tmp_path_factory,
-                                                                    data):
+def test_any_edit_is_skipped_loaded_or_a_value_error_never_a_crash(
+    template, tmp_path_factory, data
+):
     directory = tmp_path_factory.mktemp("ckpt") / "c"
     checkpoint, manifest = _copy(template, directory)
     path, old = data.draw(st.sampled_from(_edits(manifest)))

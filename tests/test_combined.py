@@ -27,15 +27,19 @@ class Draws(torch.utils.data.Dataset):
 
 def _child(n, batch_size=1, shuffle=True, seed=0, workers=0):
     # No persistent_workers: a loader holding them stalls 5 s per worker when gc frees it.
-    return unbroken.DataLoader(Draws(n), batch_size=batch_size, shuffle=shuffle, seed=seed,
-                               num_workers=workers)
+    return unbroken.DataLoader(
+        Draws(n), batch_size=batch_size, shuffle=shuffle, seed=seed, num_workers=workers
+    )
 
 
 def _factory(mode, specs, as_dict=True, workers=0):
     """specs: (n, batch_size, shuffle) per child; seeds differ per child."""
+
     def make():
-        children = [_child(n, b, shuffle, seed=10 + i, workers=workers)
-                    for i, (n, b, shuffle) in enumerate(specs)]
+        children = [
+            _child(n, b, shuffle, seed=10 + i, workers=workers)
+            for i, (n, b, shuffle) in enumerate(specs)
+        ]
         loaders = dict(zip("abc", children)) if as_dict else children
         return CombinedLoader(loaders, mode=mode)
 
@@ -85,8 +89,12 @@ def test_a_cut_resumes_exactly_with_workers():
     # workers per child, resumed in-process.
     make = _factory("max_size_cycle", SPECS[:2], workers=2)
     assert len(make()) == 4
-    assert assert_resumes_exactly(make, epochs=3, resume_with=_factory("max_size_cycle", SPECS[:2]),
-                                  cuts=[1 + 5 + 4]) == 1
+    assert (
+        assert_resumes_exactly(
+            make, epochs=3, resume_with=_factory("max_size_cycle", SPECS[:2]), cuts=[1 + 5 + 4]
+        )
+        == 1
+    )
 
 
 def test_cycled_children_begin_their_next_epoch_when_the_longest_ends():
@@ -114,10 +122,13 @@ def test_children_cut_short_begin_their_next_epoch_in_min_size():
     assert assert_resumes_exactly(make, epochs=3) == 1 + 3 * 3
 
 
-@pytest.mark.parametrize("mode, lengths, b_epoch", [
-    ("min_size", {"b": 3, "a": 2}, 1),  # b is cut short in its epoch 0
-    ("max_size_cycle", {"b": 2, "a": 3}, 2),  # b is cycled and cut short in its epoch 1
-])
+@pytest.mark.parametrize(
+    "mode, lengths, b_epoch",
+    [
+        ("min_size", {"b": 3, "a": 2}, 1),  # b is cut short in its epoch 0
+        ("max_size_cycle", {"b": 2, "a": 3}, 2),  # b is cycled and cut short in its epoch 1
+    ],
+)
 def test_a_child_resumed_and_never_advanced_moves_on_like_an_abandoned_one(mode, lengths, b_epoch):
     # Saved after the last combined batch: b is mid-epoch. The uninterrupted run abandons b's
     # open iteration; the resumed b only holds a loaded state and yields nothing more. Both
@@ -149,8 +160,9 @@ def test_max_size_gives_none_for_exhausted_children():
 
 
 def test_sequential_items_are_batch_index_and_key():
-    loader = CombinedLoader([_child(2, shuffle=False), _child(0), _child(3, 2, False)],
-                            mode="sequential")
+    loader = CombinedLoader(
+        [_child(2, shuffle=False), _child(0), _child(3, 2, False)], mode="sequential"
+    )
     items = [(index.tolist(), batch_idx, key) for (index, _), batch_idx, key in loader]
     assert items == [([0], 0, 0), ([1], 1, 0), ([0, 1], 0, 2), ([2], 1, 2)]
     named = CombinedLoader({"x": _child(1), "y": _child(1)}, mode="sequential")
@@ -255,12 +267,22 @@ def test_state_is_json_and_says_what_was_received():
         next(iterator)
     state = loader.state_dict()
     assert json.loads(json.dumps(state)) == state
-    assert {k: state[k] for k in ("format", "version", "mode", "keys", "epoch", "batches",
-                                  "current")} == {
-        "format": "unbroken.CombinedLoader", "version": 1, "mode": "sequential",
-        "keys": ["a", "b", "c"], "epoch": 0, "batches": 4, "current": 1}
+    assert {
+        k: state[k] for k in ("format", "version", "mode", "keys", "epoch", "batches", "current")
+    } == {
+        "format": "unbroken.CombinedLoader",
+        "version": 1,
+        "mode": "sequential",
+        "keys": ["a", "b", "c"],
+        "epoch": 0,
+        "batches": 4,
+        "current": 1,
+    }
     assert [(e["batches"], e["exhausted"], e["open"]) for e in state["loaders"]] == [
-        (3, True, False), (1, False, True), (0, False, False)]
+        (3, True, False),
+        (1, False, True),
+        (0, False, False),
+    ]
     assert state["loaders"][1]["state"]["batches"] == 1
     list(iterator)
     after = loader.state_dict()
@@ -275,22 +297,30 @@ def _saved(mode="max_size_cycle"):
     return json.loads(json.dumps(loader.state_dict()))
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda s: s.update(mode="min_size"), r"saved with mode='min_size' but this loader has "
-                                          r"mode='max_size_cycle'"),
-    (lambda s: s.update(keys=["a", "b", "d"]),
-     r"keys=\['a', 'b', 'd'\] but .* keys=\['a', 'b', 'c'\]"),
-    (lambda s: s.update(version=2), "version=2"),
-    (lambda s: s.update(format="unbroken.DataLoader"), "format='unbroken.DataLoader'"),
-    (lambda s: s.pop("current"), r"malformed: missing fields \['current'\]"),
-    (lambda s: s.update(epoch=-1), "field 'epoch'"),
-    (lambda s: s["loaders"].pop(), "field 'loaders': expected a list of 3 entries"),
-    (lambda s: s["loaders"][1].pop("open"), "entry 'b': expected a dict with fields"),
-    (lambda s: s["loaders"][2].update(exhausted=1), "entry 'c': 'exhausted' must be a bool"),
-    (lambda s: s.update(batches=2), "state is inconsistent"),
-    (lambda s: s.update(current=0), "state is inconsistent"),
-    (lambda s: s["loaders"][1]["state"].update(batches=2), "loader 'b': .*inconsistent"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            lambda s: s.update(mode="min_size"),
+            r"saved with mode='min_size' but this loader has "
+            r"mode='max_size_cycle'",
+        ),
+        (
+            lambda s: s.update(keys=["a", "b", "d"]),
+            r"keys=\['a', 'b', 'd'\] but .* keys=\['a', 'b', 'c'\]",
+        ),
+        (lambda s: s.update(version=2), "version=2"),
+        (lambda s: s.update(format="unbroken.DataLoader"), "format='unbroken.DataLoader'"),
+        (lambda s: s.pop("current"), r"malformed: missing fields \['current'\]"),
+        (lambda s: s.update(epoch=-1), "field 'epoch'"),
+        (lambda s: s["loaders"].pop(), "field 'loaders': expected a list of 3 entries"),
+        (lambda s: s["loaders"][1].pop("open"), "entry 'b': expected a dict with fields"),
+        (lambda s: s["loaders"][2].update(exhausted=1), "entry 'c': 'exhausted' must be a bool"),
+        (lambda s: s.update(batches=2), "state is inconsistent"),
+        (lambda s: s.update(current=0), "state is inconsistent"),
+        (lambda s: s["loaders"][1]["state"].update(batches=2), "loader 'b': .*inconsistent"),
+    ],
+)
 def test_bad_states_are_refused_and_change_nothing(change, match):
     state = _saved()
     change(state)
@@ -306,10 +336,14 @@ def test_states_of_other_loaders_or_containers_are_refused():
     state = _saved()
     with pytest.raises(ValueError, match="keys=3"):
         _factory("max_size_cycle", SPECS, as_dict=False)().load_state_dict(state)
-    other = CombinedLoader({"a": _child(3, seed=10), "b": _child(7, 3, seed=11),
-                            "c": _child(4, seed=12)})
-    with pytest.raises(ValueError, match=r"loader 'b': .* batch_size=2 but this loader has "
-                                         r"batch_size=3"):
+    other = CombinedLoader(
+        {"a": _child(3, seed=10), "b": _child(7, 3, seed=11), "c": _child(4, seed=12)}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"loader 'b': .* batch_size=2 but this loader has "
+        r"batch_size=3",
+    ):
         other.load_state_dict(state)
     assert other.loaders["a"].state_dict()["batches"] == 0  # 'a' loaded, then restored
     with pytest.raises(ValueError, match="expected the dict returned by state_dict"):
@@ -319,8 +353,11 @@ def test_states_of_other_loaders_or_containers_are_refused():
 
 
 def test_bad_loaders_are_refused():
-    with pytest.raises(TypeError, match=r"loader 'b' \(a torch.utils.data.dataloader.DataLoader\)"
-                                        r" needs __iter__, state_dict\(\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"loader 'b' \(a torch.utils.data.dataloader.DataLoader\)"
+        r" needs __iter__, state_dict\(\)",
+    ):
         CombinedLoader({"a": _child(2), "b": torch.utils.data.DataLoader(Draws(3))})
     with pytest.raises(ValueError, match="mode must be one of"):
         CombinedLoader([_child(1)], mode="max_size_cyle")

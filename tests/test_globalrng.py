@@ -8,8 +8,13 @@ from unbroken.train.globalrng import GlobalRNG
 
 
 def _draws():
-    return (torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)],
-            np.random.normal(), random.gauss(0, 1))
+    return (
+        torch.rand(3),
+        np.random.rand(3),
+        [random.random() for _ in range(3)],
+        np.random.normal(),
+        random.gauss(0, 1),
+    )
 
 
 def _assert_same_draws(got, expected):

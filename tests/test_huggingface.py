@@ -34,7 +34,8 @@ def _stream(files):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_streaming_dataset_resumes_exactly(parquet_files, workers):
     make = lambda: unbroken.DataLoader(
-        _stream(parquet_files).with_format("torch"), batch_size=16, num_workers=workers, seed=0)
+        _stream(parquet_files).with_format("torch"), batch_size=16, num_workers=workers, seed=0
+    )
     batches = sum(1 for _ in make())
     assert batches == (25 if workers == 0 else 26)  # with 2 workers each ends on a partial batch
     cuts = [0, 1, 7, 13, 24, 25, 26, 27, 40, 52]  # start, middle, last batch, epoch ends, epoch 1
@@ -45,7 +46,10 @@ def test_a_streaming_dataset_resumes_exactly(parquet_files, workers):
 def test_an_exact_shuffle_of_the_stream_resumes_exactly(parquet_files, workers):
     make = lambda: unbroken.DataLoader(
         unbroken.shuffle_buffer(_stream(parquet_files).with_format("torch"), 64, seed=5),
-        batch_size=16, num_workers=workers, seed=0)
+        batch_size=16,
+        num_workers=workers,
+        seed=0,
+    )
     first = [int(x) for batch in make() for x in batch["x"]]
     assert sorted(first) == list(range(400)) and first != sorted(first)
     assert assert_resumes_exactly(make, epochs=2, cuts=[0, 5, 13, 25, 26, 31]) == 6

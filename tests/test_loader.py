@@ -94,7 +94,9 @@ def test_epoch_boundary_inside_versus_after_the_loop():
 
 
 def test_state_is_what_was_received_not_what_was_prefetched():
-    loader = unbroken.DataLoader(Counting(64), batch_size=4, num_workers=2, prefetch_factor=4, seed=0)
+    loader = unbroken.DataLoader(
+        Counting(64), batch_size=4, num_workers=2, prefetch_factor=4, seed=0
+    )
     iterator = iter(loader)
     first = next(iterator)
     state = loader.state_dict()
@@ -135,8 +137,9 @@ def test_iterating_leaves_the_training_process_torch_rng_alone(workers, batch_si
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    loader = unbroken.DataLoader(Augmented(8), batch_size=batch_size, shuffle=True,
-                                 num_workers=workers, seed=0)
+    loader = unbroken.DataLoader(
+        Augmented(8), batch_size=batch_size, shuffle=True, num_workers=workers, seed=0
+    )
     for _ in range(2):
         list(loader)
     assert torch.equal(torch.rand(3), expected)
@@ -188,8 +191,12 @@ def test_state_dict_is_json():
 def test_spawned_workers_resume_exactly():
     # spawn pickles the dataset wrapper and the batches: the path fork never exercises.
     make = _factory(7, 2, True, False, 3, workers=1, multiprocessing_context="spawn")
-    assert assert_resumes_exactly(make, epochs=2, resume_with=_factory(7, 2, True, False, 3, 0),
-                                  cuts=[2]) == 1
+    assert (
+        assert_resumes_exactly(
+            make, epochs=2, resume_with=_factory(7, 2, True, False, 3, 0), cuts=[2]
+        )
+        == 1
+    )
 
 
 def _record_worker(directory, worker):
@@ -202,8 +209,13 @@ def _record_worker(directory, worker):
 
 def test_torch_arguments_pass_through(tmp_path):
     loader = unbroken.DataLoader(
-        Counting(7), batch_size=3, drop_last=True, collate_fn=lambda items: [int(i) for i in items],
-        num_workers=2, worker_init_fn=functools.partial(_record_worker, tmp_path), seed=0,
+        Counting(7),
+        batch_size=3,
+        drop_last=True,
+        collate_fn=lambda items: [int(i) for i in items],
+        num_workers=2,
+        worker_init_fn=functools.partial(_record_worker, tmp_path),
+        seed=0,
     )
     assert len(loader) == 2 and [len(batch) for batch in loader] == [3, 3]
     assert list(loader)[0] == [0, 1, 2]
@@ -212,13 +224,17 @@ def test_torch_arguments_pass_through(tmp_path):
     calls = sorted(path.name.split("-") for path in tmp_path.iterdir())
     assert [(worker, own) for worker, own, _ in calls] == [("0", "0")] * 2 + [("1", "1")] * 2
     assert len({pid for _, _, pid in calls}) == 4
-    seeded = unbroken.DataLoader(Counting(7), shuffle=True, generator=torch.Generator().manual_seed(42))
+    seeded = unbroken.DataLoader(
+        Counting(7), shuffle=True, generator=torch.Generator().manual_seed(42)
+    )
     assert seeded.seed == 42
 
 
-@pytest.mark.parametrize("kw", [{"shuffle": True}, {},
-                                {"sampler": torch.utils.data.SequentialSampler(range(10))}],
-                         ids=["shuffled", "sequential", "sampler"])
+@pytest.mark.parametrize(
+    "kw",
+    [{"shuffle": True}, {}, {"sampler": torch.utils.data.SequentialSampler(range(10))}],
+    ids=["shuffled", "sequential", "sampler"],
+)
 def test_another_batch_size_is_refused_at_every_cut_point(kw):
     def make(batch_size):
         return unbroken.DataLoader(Counting(10), batch_size=batch_size, seed=7, **kw)
@@ -236,15 +252,18 @@ def test_another_batch_size_is_refused_at_every_cut_point(kw):
     for state in states:
         other = make(4)
         before = other.state_dict()
-        with pytest.raises(ValueError, match="saved with batch_size=3 but this loader has "
-                                             "batch_size=4"):
+        with pytest.raises(
+            ValueError, match="saved with batch_size=3 but this loader has batch_size=4"
+        ):
             other.load_state_dict(json.loads(json.dumps(state)))
         assert other.state_dict() == before
 
 
 def test_an_iterator_that_yields_nothing_starts_no_epoch_and_keeps_a_loaded_state():
     # tqdm.auto and other wrappers call iter() once more than they consume.
-    reference = [b.tolist() for b in unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)]
+    reference = [
+        b.tolist() for b in unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
+    ]
     loader = unbroken.DataLoader(Counting(6), batch_size=2, shuffle=True, seed=9)
     iter(loader)
     assert [b.tolist() for b in loader] == reference and loader.epoch == 1
@@ -285,7 +304,9 @@ def test_freeing_a_loader_with_persistent_workers_needs_no_cycle_collection():
     import gc
     import weakref
 
-    loader = unbroken.DataLoader(Counting(7), batch_size=2, num_workers=2, persistent_workers=True, seed=0)
+    loader = unbroken.DataLoader(
+        Counting(7), batch_size=2, num_workers=2, persistent_workers=True, seed=0
+    )
     list(loader)
     gc.disable()
     try:
@@ -300,12 +321,27 @@ def test_public_docstrings_point_to_public_documentation_not_private_modules():
     import inspect
     import re
 
-    for name in ["DataLoader", "CombinedLoader", "Resumable", "ShuffleBuffer", "resumable",
-                 "shuffle_buffer", "sample_rng", "sample_seed"]:
+    for name in [
+        "DataLoader",
+        "CombinedLoader",
+        "Resumable",
+        "ShuffleBuffer",
+        "resumable",
+        "shuffle_buffer",
+        "sample_rng",
+        "sample_seed",
+    ]:
         obj = getattr(unbroken, name)
         docs = [inspect.getdoc(obj) or ""]
-        docs += [inspect.getdoc(member) or "" for attribute, member in vars(obj).items()
-                 if not attribute.startswith("_") and callable(member)] if inspect.isclass(obj) else []
+        docs += (
+            [
+                inspect.getdoc(member) or ""
+                for attribute, member in vars(obj).items()
+                if not attribute.startswith("_") and callable(member)
+            ]
+            if inspect.isclass(obj)
+            else []
+        )
         for doc in docs:
             private = re.findall(r"unbroken\._\w+|``_[a-z]\w*``", doc)
             assert not private, f"unbroken.{name}'s documentation points to {private}"

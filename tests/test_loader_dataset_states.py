@@ -39,8 +39,14 @@ class IntKeyed(IterableDataset):
             yield torch.tensor([shard[self.position - 1], self.epoch])
 
     def state_dict(self):
-        return {0: self.position, 1: self.epoch, 2.5: [1.5], None: None, (3, "a"): {True: 1},
-                "name": "x"}
+        return {
+            0: self.position,
+            1: self.epoch,
+            2.5: [1.5],
+            None: None,
+            (3, "a"): {True: 1},
+            "name": "x",
+        }
 
     def load_state_dict(self, state):
         keys = [(type(key), key) for key in state]
@@ -92,8 +98,11 @@ class CountIterCallsIter(IterableDataset):
         return self.iter_state.curr - 1
 
     def state_dict(self):
-        return {"curr": self.iter_state.curr, "end": self.iter_state.end,
-                "iter_calls": self.iter_calls}
+        return {
+            "curr": self.iter_state.curr,
+            "end": self.iter_state.end,
+            "iter_calls": self.iter_calls,
+        }
 
     def load_state_dict(self, state):
         self.iter_state.curr, self.iter_state.end = state["curr"], state["end"]
@@ -101,8 +110,9 @@ class CountIterCallsIter(IterableDataset):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataset_that_sets_up_its_state_in_iter_resumes_mid_epoch_exactly(workers):
-    make = lambda: unbroken.DataLoader(CountIterCallsIter(12), batch_size=2,
-                                       num_workers=workers, seed=0)
+    make = lambda: unbroken.DataLoader(
+        CountIterCallsIter(12), batch_size=2, num_workers=workers, seed=0
+    )
     first = [batch.tolist() for batch in make()]
     assert sorted(sum(first, [])) == list(range(12))
     cuts = None if workers == 0 else [0, 1, 4, 6, 7, 10]
@@ -115,8 +125,7 @@ def test_a_dataset_that_sets_up_its_state_in_iter_resumes_mid_epoch_exactly(work
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_each_fresh_epoch_starts_from_the_state_as_constructed(workers):
-    loader = unbroken.DataLoader(Positioned(7, 3), batch_size=2, num_workers=workers,
-                                 seed=0)
+    loader = unbroken.DataLoader(Positioned(7, 3), batch_size=2, num_workers=workers, seed=0)
     epochs = [sorted(sum((b.tolist() for b in loader), [])) for _ in range(3)]
     expected = [3, 4, 5, 6] if workers == 0 else [3, 3, 4, 4, 5, 5, 6, 6]  # a replica per worker
     assert epochs == [expected] * 3
@@ -145,8 +154,11 @@ def test_an_unsaveable_dataset_state_fails_only_at_state_dict_naming_its_key(wor
     batches = []
     for batch in loader:  # iterating works
         batches.append(batch)
-        with pytest.raises(ValueError, match=r"dataset\.state_dict\(\)\.handle: a builtins\.object "
-                                             "cannot be saved as JSON"):
+        with pytest.raises(
+            ValueError,
+            match=r"dataset\.state_dict\(\)\.handle: a builtins\.object "
+            "cannot be saved as JSON",
+        ):
             loader.state_dict()
     assert len(batches) == (3 if workers == 0 else 6)
     assert loader.state_dict()["epoch"] == 1  # after the epoch: saveable again
@@ -174,8 +186,11 @@ def test_an_unsaveable_sampler_state_fails_only_at_state_dict_naming_its_key():
     batches = []
     for batch in loader:
         batches.append(batch)
-        with pytest.raises(ValueError, match=r"sampler\.state_dict\(\): key frozenset\(\{1\}\) "
-                                             "is a frozenset"):
+        with pytest.raises(
+            ValueError,
+            match=r"sampler\.state_dict\(\): key frozenset\(\{1\}\) "
+            "is a frozenset",
+        ):
             loader.state_dict()
     assert len(batches) == 3
 
@@ -212,8 +227,10 @@ def test_a_stateless_stream_shorter_than_the_saved_position_is_a_clear_error(cls
     state = loader.state_dict()
     shorter = unbroken.DataLoader(cls(3), batch_size=2, num_workers=workers, seed=0)
     shorter.load_state_dict(state)
-    match = (r"the state says worker 0 of .* had (yielded \d+ items|drawn \d+ sampler indices) "
-             r"this epoch, but it now yields only \d+; .*not deterministic, or shorter")
+    match = (
+        r"the state says worker 0 of .* had (yielded \d+ items|drawn \d+ sampler indices) "
+        r"this epoch, but it now yields only \d+; .*not deterministic, or shorter"
+    )
     with pytest.raises(ValueError, match=match):
         list(shorter)
 
@@ -229,6 +246,8 @@ def test_a_resumable_shorter_than_the_saved_position_is_a_clear_error():
         next(iterator)
     shorter = unbroken.resumable(lambda epoch: generator(3))
     shorter.load_state_dict(stream.state_dict())
-    with pytest.raises(ValueError, match="7 items of epoch 0 were received, but the re-made "
-                                         "generator yields only 3"):
+    with pytest.raises(
+        ValueError,
+        match="7 items of epoch 0 were received, but the re-made generator yields only 3",
+    ):
         list(shorter)

@@ -20,6 +20,7 @@ from unbroken.testing import assert_same
 
 # Specific states an independent trial found accepted.
 
+
 def _mid_epoch(loader, batches=1):
     iterator = iter(loader)
     for _ in range(batches):
@@ -34,13 +35,16 @@ def _refused(loader, state, match):
     assert json.dumps(loader.state_dict()) == before
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"version": True}, "version=True"),
-    ({"source": "garbage"}, "'source': expected null"),
-    ({"source": [1, 2]}, "'source': expected null"),
-    ({"epoch": 10**30}, r"'epoch': expected an int >= 0, got 10{30}"),
-    ({"samples": 2**64, "batches": 2**64}, "'samples': expected an int"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"version": True}, "version=True"),
+        ({"source": "garbage"}, "'source': expected null"),
+        ({"source": [1, 2]}, "'source': expected null"),
+        ({"epoch": 10**30}, r"'epoch': expected an int >= 0, got 10{30}"),
+        ({"samples": 2**64, "batches": 2**64}, "'samples': expected an int"),
+    ],
+)
 def test_a_loader_refuses_what_no_run_saves(change, match):
     def make():
         return unbroken.DataLoader(Counting(10), batch_size=3, shuffle=True, seed=7)
@@ -68,12 +72,15 @@ def test_a_shuffle_buffer_refuses_a_window_its_upstream_is_not_at():
     assert list(resumed) == rest and sorted(rest) == sorted(set(rest))
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"items": 10**30}, "'items': expected an int"),
-    ({"inner": "x"}, r"'inner': expected the object's state_dict\(\) \(a dict\), got 'x'"),
-    ({"inner": {"__tensor__": {"dtype": "int8"}}}, "'inner': a tagged value"),
-    ({"name": None, "epoch": 2**63}, "'epoch'"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"items": 10**30}, "'items': expected an int"),
+        ({"inner": "x"}, r"'inner': expected the object's state_dict\(\) \(a dict\), got 'x'"),
+        ({"inner": {"__tensor__": {"dtype": "int8"}}}, "'inner': a tagged value"),
+        ({"name": None, "epoch": 2**63}, "'epoch'"),
+    ],
+)
 def test_a_resumable_refuses_at_load_not_at_iter(change, match):
     make = lambda: unbroken.resumable(lambda epoch: range(5))
     state, _ = _mid_epoch(make(), 2)
@@ -82,7 +89,8 @@ def test_a_resumable_refuses_at_load_not_at_iter(change, match):
 
 def test_a_combined_loader_refuses_out_of_range_counters_and_loose_keys():
     make = lambda: unbroken.CombinedLoader(
-        [unbroken.DataLoader(Counting(4), batch_size=1, seed=0)], mode="max_size")
+        [unbroken.DataLoader(Counting(4), batch_size=1, seed=0)], mode="max_size"
+    )
     state, _ = _mid_epoch(make())
     _refused(make(), {**state, "epoch": 10**30}, "'epoch'")
     _refused(make(), {**state, "keys": True}, "keys=True")
@@ -91,6 +99,7 @@ def test_a_combined_loader_refuses_out_of_range_counters_and_loose_keys():
 
 
 # Every field of every loader kind, mutated.
+
 
 class SamplerPattern(IterableDataset):
     """Lightning's pattern: its state, the sampler indices drawn, is wholly unbroken's."""
@@ -158,23 +167,41 @@ def _dataloader(**kw):
 KINDS = {
     "native": (_dataloader(shuffle=True), {}),
     "native drop_last": (_dataloader(shuffle=False, drop_last=True, batch_size=3), {}),
-    "user sampler": (_dataloader(sampler=Stateless(7)),
-                     {bool: [("source", "end")], int: lambda state: [("samples",)] if state[
-                         "source"] and state["source"]["end"] else []}),
-    "user batch sampler": (_dataloader(batch_sampler=Batches(), batch_size=1),
-                           {bool: [("source", "end")], int: [("samples",), ("batches",)]}),
-    "stateful stream": (lambda: unbroken.DataLoader(Positioned(7), batch_size=2, seed=1),
-                        {"inside": ["state"], dict: [("state",)]}),
-    "sampler pattern": (lambda: unbroken.DataLoader(SamplerPattern(7), batch_size=2, seed=1),
-                        {int: [("sampler_indices",)]}),
-    "global cursor": (lambda: unbroken.DataLoader(Ranged(7), batch_size=2, seed=1),
-                      {int: [("samples",)]}),
-    "resumable": (lambda: unbroken.resumable(lambda epoch: [epoch * 10 + i for i in range(5)]),
-                  {bool: [("end",)], int: [("items",)], dict: [("inner",)]}),
-    "shuffle_buffer": (lambda: unbroken.shuffle_buffer(lambda epoch: range(epoch, epoch + 7), 3,
-                                                       seed=2),
-                       {bool: [("upstream", "end")], dict: [("upstream", "inner")],
-                        int: lambda state: [("emitted",)] + [("window",)] * state["end"]}),
+    "user sampler": (
+        _dataloader(sampler=Stateless(7)),
+        {
+            bool: [("source", "end")],
+            int: lambda state: [("samples",)] if state["source"] and state["source"]["end"] else [],
+        },
+    ),
+    "user batch sampler": (
+        _dataloader(batch_sampler=Batches(), batch_size=1),
+        {bool: [("source", "end")], int: [("samples",), ("batches",)]},
+    ),
+    "stateful stream": (
+        lambda: unbroken.DataLoader(Positioned(7), batch_size=2, seed=1),
+        {"inside": ["state"], dict: [("state",)]},
+    ),
+    "sampler pattern": (
+        lambda: unbroken.DataLoader(SamplerPattern(7), batch_size=2, seed=1),
+        {int: [("sampler_indices",)]},
+    ),
+    "global cursor": (
+        lambda: unbroken.DataLoader(Ranged(7), batch_size=2, seed=1),
+        {int: [("samples",)]},
+    ),
+    "resumable": (
+        lambda: unbroken.resumable(lambda epoch: [epoch * 10 + i for i in range(5)]),
+        {bool: [("end",)], int: [("items",)], dict: [("inner",)]},
+    ),
+    "shuffle_buffer": (
+        lambda: unbroken.shuffle_buffer(lambda epoch: range(epoch, epoch + 7), 3, seed=2),
+        {
+            bool: [("upstream", "end")],
+            dict: [("upstream", "inner")],
+            int: lambda state: [("emitted",)] + [("window",)] * state["end"],
+        },
+    ),
 }
 # A CombinedLoader's children may be at any epoch of their own (a cycled child goes through
 # many); in max_size_cycle, whether a child already ran out and was restarted in this combined
@@ -186,15 +213,23 @@ COMBINED_UNVERIFIABLE = {
 COMBINED_MODES = ["max_size_cycle", "min_size", "max_size", "sequential"]
 
 GARBAGE = st.one_of(
-    st.none(), st.booleans(), st.integers(-2, 9), st.just("garbage"), st.text(max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 9),
+    st.just("garbage"),
+    st.text(max_size=2),
     st.sampled_from([2**63, 2**64, 10**30, -(2**63), 0.5, 1.0, [], [1, 2], {}, {"a": 1}]),
 )
 
 
 def _combined(mode):
     return lambda: unbroken.CombinedLoader(
-        {"a": unbroken.DataLoader(Counting(3), batch_size=1, shuffle=True, seed=3),
-         "b": unbroken.DataLoader(Counting(5), batch_size=2, seed=4)}, mode=mode)
+        {
+            "a": unbroken.DataLoader(Counting(3), batch_size=1, shuffle=True, seed=3),
+            "b": unbroken.DataLoader(Counting(5), batch_size=2, seed=4),
+        },
+        mode=mode,
+    )
 
 
 def _record(loader, epoch=None):
@@ -250,9 +285,15 @@ def _check_one_mutation(make, data, unverifiable=None, sets_epochs=True):
     owned = (unverifiable or {}).get("inside", ())  # the user's own state: not ours to check
     paths = [p for p in _paths(state) if not any(key in p[:-1] for key in owned)]
     path = data.draw(st.sampled_from(paths), label="path")
-    excluded = [kind for kind, suffixes in (unverifiable or {}).items() if kind != "inside"
-                and any(path[-len(suffix):] == suffix
-                       for suffix in (suffixes(state) if callable(suffixes) else suffixes))]
+    excluded = [
+        kind
+        for kind, suffixes in (unverifiable or {}).items()
+        if kind != "inside"
+        and any(
+            path[-len(suffix) :] == suffix
+            for suffix in (suffixes(state) if callable(suffixes) else suffixes)
+        )
+    ]
     value = data.draw(_mutations(_get(state, path), excluded), label="value")
     mutated = _set(copy.deepcopy(state), path, value)
 

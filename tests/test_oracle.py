@@ -55,22 +55,36 @@ class Probe(Dataset):
         return self.n
 
     def __getitem__(self, index):
-        return {"index": index, "seed": unbroken.sample_seed(), "torch": torch.rand(2).tolist(),
-                "numpy": np.random.rand(2).tolist(), "random": random.random(),
-                "own": torch.rand(2, generator=unbroken.sample_rng()).tolist()}
+        return {
+            "index": index,
+            "seed": unbroken.sample_seed(),
+            "torch": torch.rand(2).tolist(),
+            "numpy": np.random.rand(2).tolist(),
+            "random": random.random(),
+            "own": torch.rand(2, generator=unbroken.sample_rng()).tolist(),
+        }
 
 
 def _draws(seed):
     """What a sample seeded with ``seed`` draws from the global generators, computed apart."""
-    return {"torch": torch.rand(2, generator=torch.Generator().manual_seed(seed)).tolist(),
-            "numpy": np.random.RandomState(seed & 0xFFFFFFFF).rand(2).tolist(),
-            "random": random.Random(seed).random()}
+    return {
+        "torch": torch.rand(2, generator=torch.Generator().manual_seed(seed)).tolist(),
+        "numpy": np.random.RandomState(seed & 0xFFFFFFFF).rand(2).tolist(),
+        "random": random.Random(seed).random(),
+    }
 
 
 def _run(n, batch_size, shuffle, drop_last, seed, workers=0, epochs=3, **kw):
     loader = unbroken.DataLoader(
-        Probe(n), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, seed=seed,
-        num_workers=workers, collate_fn=_as_list if batch_size is not None else _as_batch, **kw)
+        Probe(n),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        seed=seed,
+        num_workers=workers,
+        collate_fn=_as_list if batch_size is not None else _as_batch,
+        **kw,
+    )
     return loader, [list(loader) for _ in range(epochs)]
 
 
@@ -98,21 +112,29 @@ def _check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch):
     return indices
 
 
-@given(n=st.integers(0, 40), batch_size=st.integers(1, 8), shuffle=st.booleans(),
-       drop_last=st.booleans(), seed=st.integers(0, 2**64 - 1))
+@given(
+    n=st.integers(0, 40),
+    batch_size=st.integers(1, 8),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**64 - 1),
+)
 @settings(max_examples=40)
 def test_a_map_style_stream_is_what_the_contract_says(n, batch_size, shuffle, drop_last, seed):
     loader, epochs = _run(n, batch_size, shuffle, drop_last, seed)
     assert [len(batches) for batches in epochs] == [len(loader)] * 3
-    orders = [_check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch)
-              for epoch, batches in enumerate(epochs)]
+    orders = [
+        _check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch)
+        for epoch, batches in enumerate(epochs)
+    ]
     # Samples are a pure function of (seed, epoch, position): a fresh loader told the epoch
     # repeats them, whatever its batch size, and drop_last only cuts the epoch short.
-    fresh = unbroken.DataLoader(Probe(n), batch_size=1, shuffle=shuffle, seed=seed,
-                                collate_fn=_as_list)
+    fresh = unbroken.DataLoader(
+        Probe(n), batch_size=1, shuffle=shuffle, seed=seed, collate_fn=_as_list
+    )
     fresh.set_epoch(2)
     last = [s for batch in epochs[2] for s in batch]
-    assert [s for batch in fresh for s in batch][:len(last)] == last
+    assert [s for batch in fresh for s in batch][: len(last)] == last
     seeds = [s["seed"] for batches in epochs for batch in batches for s in batch]
     assert len(set(seeds)) == len(seeds)  # each (epoch, position) draws its own numbers
     if shuffle and n >= 12:  # two equal orders of >= 8 of 12 items: odds below 1 in 10**7
@@ -121,24 +143,31 @@ def test_a_map_style_stream_is_what_the_contract_says(n, batch_size, shuffle, dr
         assert [s["index"] for batch in other[0] for s in batch] != orders[0], "seed ignored"
 
 
-@pytest.mark.parametrize("n, batch_size, shuffle, drop_last, seed, persistent", [
-    (23, 4, True, False, 7, True),
-    (17, 3, False, True, 2**64 - 1, False),
-    (9, None, True, False, 1, False),
-])
-def test_a_map_style_stream_with_workers_is_what_the_contract_says(n, batch_size, shuffle,
-                                                                  drop_last, seed, persistent):
-    loader, epochs = _run(n, batch_size, shuffle, drop_last, seed, workers=2, epochs=2,
-                          persistent_workers=persistent)
-    orders = [_check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch)
-              for epoch, batches in enumerate(epochs)]
+@pytest.mark.parametrize(
+    "n, batch_size, shuffle, drop_last, seed, persistent",
+    [
+        (23, 4, True, False, 7, True),
+        (17, 3, False, True, 2**64 - 1, False),
+        (9, None, True, False, 1, False),
+    ],
+)
+def test_a_map_style_stream_with_workers_is_what_the_contract_says(
+    n, batch_size, shuffle, drop_last, seed, persistent
+):
+    loader, epochs = _run(
+        n, batch_size, shuffle, drop_last, seed, workers=2, epochs=2, persistent_workers=persistent
+    )
+    orders = [
+        _check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch)
+        for epoch, batches in enumerate(epochs)
+    ]
     if shuffle:
         assert orders[0] != orders[1]
     # Every sample (index and draws, sample_rng()'s too) as in process, in batches of one.
     _, in_process = _run(n, 1, shuffle, False, seed, epochs=2)
     for batches, reference in zip(epochs, in_process):
         samples = [s for batch in batches for s in batch]
-        assert samples == [s for batch in reference for s in batch][:len(samples)]
+        assert samples == [s for batch in reference for s in batch][: len(samples)]
 
 
 def test_randomness_follows_the_position_not_the_index():
@@ -146,8 +175,9 @@ def test_randomness_follows_the_position_not_the_index():
     _, ordered = _run(16, 4, False, False, 5, epochs=2)
     _, shuffled = _run(16, 3, True, False, 5, epochs=2)
     for a, b in zip(ordered, shuffled):
-        strip = lambda batches: [{k: v for k, v in s.items() if k != "index"}
-                                 for batch in batches for s in batch]
+        strip = lambda batches: [
+            {k: v for k, v in s.items() if k != "index"} for batch in batches for s in batch
+        ]
         assert strip(a) == strip(b)
     assert [s["index"] for s in shuffled[0][0]] != [0, 1, 2]
 
@@ -172,28 +202,35 @@ class UnevenBatches(torch.utils.data.Sampler):
         if self.epoch % 2:
             order.reverse()
         while start < self.n:
-            yield order[start:start + size]
+            yield order[start : start + size]
             start, size = start + size, size % 3 + 1
 
 
 @given(n=st.integers(0, 20), batch_size=st.integers(1, 4), drop_last=st.booleans())
 @settings(max_examples=15)
 def test_a_user_sampler_order_is_the_samplers_own(n, batch_size, drop_last):
-    loader = unbroken.DataLoader(Probe(n), batch_size=batch_size, sampler=Stateless(n),
-                                 drop_last=drop_last, seed=0, collate_fn=_as_list)
+    loader = unbroken.DataLoader(
+        Probe(n),
+        batch_size=batch_size,
+        sampler=Stateless(n),
+        drop_last=drop_last,
+        seed=0,
+        collate_fn=_as_list,
+    )
     for epoch in range(2):
         sampler = Stateless(n)
         sampler.set_epoch(epoch)
         order = list(sampler)
-        expected = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+        expected = [order[i : i + batch_size] for i in range(0, n, batch_size)]
         if drop_last and n % batch_size:
             expected.pop()
         assert [[s["index"] for s in batch] for batch in loader] == expected
 
 
 def test_a_user_batch_sampler_order_is_the_samplers_own():
-    loader = unbroken.DataLoader(Probe(11), batch_sampler=UnevenBatches(11), seed=0,
-                                 collate_fn=_as_list)
+    loader = unbroken.DataLoader(
+        Probe(11), batch_sampler=UnevenBatches(11), seed=0, collate_fn=_as_list
+    )
     for epoch in range(2):
         sampler = UnevenBatches(11)
         sampler.set_epoch(epoch)
@@ -232,14 +269,22 @@ class BatchedReads(Dataset):
     def __getitems__(self, indices):
         _log(self.directory, "call")
         seed, draws = unbroken.sample_seed(), torch.rand(len(indices)).tolist()
-        return [{"index": i, "via": "__getitems__", "seed": seed, "draw": d}
-                for i, d in zip(indices, draws)]
+        return [
+            {"index": i, "via": "__getitems__", "seed": seed, "draw": d}
+            for i, d in zip(indices, draws)
+        ]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_datasets_own_getitems_is_called_once_per_batch_and_seeded(tmp_path, workers):
-    loader = unbroken.DataLoader(BatchedReads(10, str(tmp_path)), batch_size=3, shuffle=True,
-                                 num_workers=workers, seed=4, collate_fn=_as_list)
+    loader = unbroken.DataLoader(
+        BatchedReads(10, str(tmp_path)),
+        batch_size=3,
+        shuffle=True,
+        num_workers=workers,
+        seed=4,
+        collate_fn=_as_list,
+    )
     epochs = [list(loader) for _ in range(2)]
     assert _events(tmp_path) == ["call"] * 8  # 4 batches an epoch, one call each
     for epoch, batches in enumerate(epochs):
@@ -251,13 +296,20 @@ def test_a_datasets_own_getitems_is_called_once_per_batch_and_seeded(tmp_path, w
             expected = torch.rand(len(batch), generator=torch.Generator().manual_seed(seed))
             assert [s["draw"] for s in batch] == expected.tolist()
     # A resume continues with the same calls: batch 2 of epoch 1, seeded as in the full run.
-    saved = unbroken.DataLoader(BatchedReads(10, str(tmp_path)), batch_size=3, shuffle=True,
-                                seed=4, collate_fn=_as_list)
+    saved = unbroken.DataLoader(
+        BatchedReads(10, str(tmp_path)), batch_size=3, shuffle=True, seed=4, collate_fn=_as_list
+    )
     saved.set_epoch(1)
     iterator = iter(saved)
     next(iterator), next(iterator)
-    resumed = unbroken.DataLoader(BatchedReads(10, str(tmp_path)), batch_size=3, shuffle=True,
-                                  num_workers=workers, seed=4, collate_fn=_as_list)
+    resumed = unbroken.DataLoader(
+        BatchedReads(10, str(tmp_path)),
+        batch_size=3,
+        shuffle=True,
+        num_workers=workers,
+        seed=4,
+        collate_fn=_as_list,
+    )
     resumed.load_state_dict(saved.state_dict())
     assert list(resumed) == epochs[1][2:]
 
@@ -341,7 +393,7 @@ def _direct(cls, n, epoch, worker=None):
 
 
 def _batched(items, batch_size, drop_last):
-    batches = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+    batches = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
     return batches[:-1] if batches and drop_last and len(batches[-1]) < batch_size else batches
 
 
@@ -355,8 +407,12 @@ def _round_robin(per_worker):
     return out
 
 
-@given(n=st.integers(0, 25), batch_size=st.integers(1, 5), drop_last=st.booleans(),
-       cls=st.sampled_from(KINDS))
+@given(
+    n=st.integers(0, 25),
+    batch_size=st.integers(1, 5),
+    drop_last=st.booleans(),
+    cls=st.sampled_from(KINDS),
+)
 @settings(max_examples=30)
 def test_an_iterable_stream_in_process_is_the_dataset_batched(n, batch_size, drop_last, cls):
     loader = unbroken.DataLoader(cls(n), batch_size=batch_size, drop_last=drop_last, seed=1)
@@ -375,18 +431,27 @@ def test_an_iterable_stream_with_workers_is_torchs_round_robin(cls):
         if cls is RangeKind:
             expected = _batched(_direct(cls, n, epoch), batch_size, False)
         else:
-            expected = _round_robin([_batched(_direct(cls, n, epoch, (w, workers)), batch_size,
-                                              False) for w in range(workers)])
+            expected = _round_robin(
+                [
+                    _batched(_direct(cls, n, epoch, (w, workers)), batch_size, False)
+                    for w in range(workers)
+                ]
+            )
         assert [batch.tolist() for batch in loader] == expected
 
 
 def test_an_iterable_stream_with_workers_drops_each_workers_partial_batch():
-    loader = unbroken.DataLoader(StatefulKind(11), batch_size=2, drop_last=True, num_workers=2,
-                                 seed=1)
-    expected = _round_robin([_batched(_direct(StatefulKind, 11, 0, (w, 2)), 2, True)
-                             for w in range(2)])
-    assert [batch.tolist() for batch in loader] == expected == [[0, 2], [1, 3], [4, 6], [5, 7],
-                                                                [8, 10]]
+    loader = unbroken.DataLoader(
+        StatefulKind(11), batch_size=2, drop_last=True, num_workers=2, seed=1
+    )
+    expected = _round_robin(
+        [_batched(_direct(StatefulKind, 11, 0, (w, 2)), 2, True) for w in range(2)]
+    )
+    assert (
+        [batch.tolist() for batch in loader]
+        == expected
+        == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10]]
+    )
 
 
 class CountedSamplerKind(SamplerKind):
@@ -418,8 +483,9 @@ def test_resuming_the_sampler_pattern_reads_no_sample_it_skips(tmp_path, workers
     saved_dir.mkdir(), resumed_dir.mkdir()
 
     def make(directory):
-        return unbroken.DataLoader(CountedSamplerKind(20, str(directory)), batch_size=2,
-                                   num_workers=workers, seed=0)
+        return unbroken.DataLoader(
+            CountedSamplerKind(20, str(directory)), batch_size=2, num_workers=workers, seed=0
+        )
 
     loader = make(saved_dir)
     iterator = iter(loader)
@@ -528,40 +594,50 @@ def _combined_reference(mode, keys, epoch_of, lengths, combined_epochs, pack):
     out, next_epoch = [], [0] * len(keys)
     for combined in range(combined_epochs):
         if mode == "sequential":
-            out += [(batch, j, key) for i, key in enumerate(keys)
-                    for j, batch in enumerate(epoch_of(i, combined))]
+            out += [
+                (batch, j, key)
+                for i, key in enumerate(keys)
+                for j, batch in enumerate(epoch_of(i, combined))
+            ]
         elif mode == "min_size":
-            out += [pack(step) for step in zip(*(epoch_of(i, combined)
-                                                 for i in range(len(keys))))]
+            out += [pack(step) for step in zip(*(epoch_of(i, combined) for i in range(len(keys))))]
         elif mode == "max_size":
-            out += [pack(step) for step in itertools.zip_longest(
-                *(epoch_of(i, combined) for i in range(len(keys))))]
+            out += [
+                pack(step)
+                for step in itertools.zip_longest(
+                    *(epoch_of(i, combined) for i in range(len(keys)))
+                )
+            ]
         else:  # max_size_cycle: the longest runs once, the others restart until it ends
             longest, columns = max(lengths), []
             for i, length in enumerate(lengths):
                 cycles = math.ceil(longest / length)
-                flat = [b for e in range(next_epoch[i], next_epoch[i] + cycles)
-                        for b in epoch_of(i, e)]
+                flat = [
+                    b for e in range(next_epoch[i], next_epoch[i] + cycles) for b in epoch_of(i, e)
+                ]
                 columns.append(flat[:longest])
                 next_epoch[i] += cycles  # one cut short begins its next epoch
             out += [pack(step) for step in zip(*columns)]
     return out
 
 
-@given(mode=st.sampled_from(MODES), lengths=st.lists(st.integers(0, 6), min_size=1, max_size=3),
-       as_dict=st.booleans())
+@given(
+    mode=st.sampled_from(MODES),
+    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=3),
+    as_dict=st.booleans(),
+)
 @settings(max_examples=60)
 def test_a_combined_stream_is_each_modes_definition(mode, lengths, as_dict):
     if mode == "max_size_cycle":
         lengths = [max(1, length) for length in lengths]  # an empty child cannot be cycled
-    names = "abc"[:len(lengths)]
+    names = "abc"[: len(lengths)]
     children = [ListChild(name, length) for name, length in zip(names, lengths)]
     keys = list(names) if as_dict else list(range(len(children)))
     loader = CombinedLoader(dict(zip(names, children)) if as_dict else children, mode=mode)
     pack = (lambda step: dict(zip(names, step))) if as_dict else list
-    expected = _combined_reference(mode, keys, lambda i, e: [(names[i], e, k) for k in
-                                                             range(lengths[i])],
-                                   lengths, 3, pack)
+    expected = _combined_reference(
+        mode, keys, lambda i, e: [(names[i], e, k) for k in range(lengths[i])], lengths, 3, pack
+    )
     assert [batch for _ in range(3) for batch in loader] == expected
 
 
@@ -571,8 +647,7 @@ def test_a_combined_stream_of_data_loaders_is_each_modes_definition(mode):
 
     def child(i):
         n, batch_size, shuffle = specs[i]
-        return unbroken.DataLoader(Indices(n), batch_size=batch_size, shuffle=shuffle,
-                                   seed=10 + i)
+        return unbroken.DataLoader(Indices(n), batch_size=batch_size, shuffle=shuffle, seed=10 + i)
 
     def epoch_of(i, epoch):  # a plain list of the child's batches, from a loader of its own
         loader = child(i)
@@ -580,8 +655,9 @@ def test_a_combined_stream_of_data_loaders_is_each_modes_definition(mode):
         return [batch.tolist() for batch in loader]
 
     loader = CombinedLoader({"a": child(0), "b": child(1), "c": child(2)}, mode=mode)
-    expected = _combined_reference(mode, ["a", "b", "c"], epoch_of, [3, 4, 3], 3,
-                                   lambda step: dict(zip("abc", step)))
+    expected = _combined_reference(
+        mode, ["a", "b", "c"], epoch_of, [3, 4, 3], 3, lambda step: dict(zip("abc", step))
+    )
     got = [batch for _ in range(3) for batch in loader]
     if mode == "sequential":
         got = [(batch.tolist(), j, key) for batch, j, key in got]

@@ -29,7 +29,7 @@ def _blocks(language: str) -> list[tuple[str, str]]:
             heading = line.lstrip("# ").strip()
         elif line.strip() == f"```{language}":
             end = lines.index("```", i + 1)
-            found.append((heading, "\n".join(lines[i + 1:end]) + "\n"))
+            found.append((heading, "\n".join(lines[i + 1 : end]) + "\n"))
             i = end
         i += 1
     return found
@@ -58,15 +58,20 @@ def test_a_python_block_runs_as_written(heading, code, tmp_path, monkeypatch):
 
 
 def test_the_state_format_block_is_what_state_dict_returns():
-    (heading, block), = _blocks("json")
+    ((heading, block),) = _blocks("json")
     documented = json.loads(block)
-    loader = unbroken.DataLoader(torch.utils.data.TensorDataset(torch.arange(50_000.0)),
-                                 batch_size=32, shuffle=True, seed=1234)
+    loader = unbroken.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(50_000.0)),
+        batch_size=32,
+        shuffle=True,
+        seed=1234,
+    )
     state = loader.state_dict()
     assert documented.keys() == state.keys()
     assert documented["fingerprint"].keys() == state["fingerprint"].keys()
     assert {k: documented[k] for k in ("format", "version")} == {
-        k: state[k] for k in ("format", "version")}
+        k: state[k] for k in ("format", "version")
+    }
 
 
 def test_the_data_quickstart_resumes_after_sigkills_at_random_moments(tmp_path):
@@ -78,8 +83,9 @@ def test_the_data_quickstart_resumes_after_sigkills_at_random_moments(tmp_path):
     rng = random.Random(os.environ.get("UNBROKEN_KILL_SEED"))
     kills = 0
     for _ in range(6):
-        process = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
-                                   stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, str(script)], cwd=tmp_path, stderr=subprocess.PIPE, text=True
+        )
         before = _steps(checkpoints)
         while process.poll() is None and _steps(checkpoints) == before:  # some progress first
             time.sleep(0.001)
@@ -89,8 +95,9 @@ def test_the_data_quickstart_resumes_after_sigkills_at_random_moments(tmp_path):
         process.send_signal(signal.SIGKILL)
         process.wait()
         kills += 1
-    final = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                           text=True)
+    final = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True
+    )
     assert final.returncode == 0, final.stderr
     assert kills >= 3
     assert "skipping checkpoint" not in final.stderr  # every committed checkpoint was whole

@@ -53,8 +53,11 @@ class FakeDali:
             raise StopIteration
         self.position += 1
         self.log.append(("read", self.epoch, self.position - 1))
-        return {"position": self.position - 1, "epoch": self.epoch,
-                "augment": torch.rand(2, generator=self.generator)}
+        return {
+            "position": self.position - 1,
+            "epoch": self.epoch,
+            "augment": torch.rand(2, generator=self.generator),
+        }
 
     def state_dict(self):
         return {"epoch": self.epoch, "position": self.position, "rng": self.generator.get_state()}
@@ -79,8 +82,12 @@ def cut_points(lengths):
     return 1 + sum(n + 1 for n in lengths)
 
 
-@given(n=st.integers(0, 12), seed=st.integers(0, 2**32), epochs=st.integers(1, 3),
-       reshuffle=st.booleans())
+@given(
+    n=st.integers(0, 12),
+    seed=st.integers(0, 2**32),
+    epochs=st.integers(1, 3),
+    reshuffle=st.booleans(),
+)
 @settings(max_examples=100)
 @pytest.mark.filterwarnings(SKIP_WARNING)
 def test_a_list_of_batches_resumes_at_every_cut(n, seed, epochs, reshuffle):
@@ -203,8 +210,11 @@ def test_skipping_past_the_end_of_a_shorter_iterable_is_a_clear_error():
             break
     shorter = resumable(lambda epoch: range(5))
     shorter.load_state_dict(state)
-    with pytest.raises(ValueError, match="7 items of epoch 0 were received, but the re-made "
-                                         "range yields only 5; the iterable is not deterministic"):
+    with pytest.raises(
+        ValueError,
+        match="7 items of epoch 0 were received, but the re-made "
+        "range yields only 5; the iterable is not deterministic",
+    ):
         list(shorter)
 
 
@@ -329,8 +339,11 @@ def test_a_state_that_json_cannot_hold_fails_at_state_dict_naming_the_key():
     stream = resumable(Locked())
     iterator = iter(stream)
     assert next(iterator) == 1  # iterating works; only saving fails
-    with pytest.raises(ValueError, match=r"Locked\.state_dict\(\)\.lock: a _thread\.lock cannot "
-                                         "be saved as JSON"):
+    with pytest.raises(
+        ValueError,
+        match=r"Locked\.state_dict\(\)\.lock: a _thread\.lock cannot "
+        "be saved as JSON",
+    ):
         stream.state_dict()
 
 
@@ -339,8 +352,13 @@ def test_state_format():
     iterator = iter(stream)
     next(iterator)
     assert stream.state_dict() == {
-        "format": "unbroken.resumable", "version": 1, "name": "train", "epoch": 0,
-        "items": 1, "end": False, "inner": None,
+        "format": "unbroken.resumable",
+        "version": 1,
+        "name": "train",
+        "epoch": 0,
+        "items": 1,
+        "end": False,
+        "inner": None,
     }
 
 

@@ -60,7 +60,7 @@ def test_opting_out_leaves_the_global_generator_alone():
 
     torch.manual_seed(0)
     loader = unbroken.DataLoader(Peek(), batch_size=2, seed=4, global_rngs=())
-    (globals_, own), = list(loader)
+    ((globals_, own),) = list(loader)
     torch.manual_seed(0)
     expected = torch.rand(2, 1)
     assert torch.equal(globals_, expected)  # not re-seeded: it just continued the global stream

@@ -92,7 +92,9 @@ def test_a_stateful_sampler_is_restored_through_its_state(n, batch_size, drop_la
 
 
 def test_a_stateful_sampler_state_travels_as_json():
-    loader = unbroken.DataLoader(Augmented(8), batch_size=2, sampler=EpochShuffleSampler(8, 1), seed=0)
+    loader = unbroken.DataLoader(
+        Augmented(8), batch_size=2, sampler=EpochShuffleSampler(8, 1), seed=0
+    )
     iterator = iter(loader)
     next(iterator)
     saved = loader.state_dict()["source"]
@@ -112,9 +114,7 @@ def test_a_stateless_sampler_is_skipped_with_one_warning(workers):
 
 @pytest.mark.parametrize("stateful", [True, False])
 def test_a_user_batch_sampler_resumes_exactly(stateful):
-    make = lambda: unbroken.DataLoader(
-        Augmented(13), batch_sampler=Batches(13, stateful), seed=4
-    )
+    make = lambda: unbroken.DataLoader(Augmented(13), batch_sampler=Batches(13, stateful), seed=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore" if not stateful else "error")
         assert assert_resumes_exactly(make, epochs=2) == 1 + 2 * (len(Batches(13, False)) + 1)
@@ -133,6 +133,8 @@ def test_skipping_past_the_end_of_a_sampler_is_a_clear_error():
 
 def test_a_different_sampler_class_is_a_mismatch():
     loader = unbroken.DataLoader(Augmented(6), batch_size=2, sampler=Stateless(6), seed=0)
-    other = unbroken.DataLoader(Augmented(6), batch_size=2, sampler=EpochShuffleSampler(6, 0), seed=0)
+    other = unbroken.DataLoader(
+        Augmented(6), batch_size=2, sampler=EpochShuffleSampler(6, 0), seed=0
+    )
     with pytest.raises(ValueError, match="sampler='pipelines.Stateless'"):
         other.load_state_dict(loader.state_dict())

@@ -30,8 +30,7 @@ def test_keys_give_different_orders_and_are_not_the_identity():
 def test_positions_spread_uniformly_over_indices():
     # Where does position 0 land, over many epochs? Each of 8 indices about 1/8 of the time.
     counts = np.bincount(
-        [IndexShuffle(8, derive_key(1, epoch)).range(0, 1)[0] for epoch in range(4000)],
-        minlength=8,
+        [IndexShuffle(8, derive_key(1, epoch)).range(0, 1)[0] for epoch in range(4000)], minlength=8
     )
     assert counts.min() > 400 and counts.max() < 600, counts
 
@@ -68,7 +67,9 @@ def test_the_loaders_order_and_sample_seeds_are_pinned():
     data = torch.utils.data.TensorDataset(torch.arange(10))
     loader = unbroken.DataLoader(data, batch_size=10, shuffle=True, seed=1234)
     assert [[b[0].tolist() for b in loader] for _ in range(2)] == [
-        [[2, 3, 6, 5, 8, 9, 7, 4, 0, 1]], [[0, 6, 8, 2, 5, 7, 1, 9, 4, 3]]]
+        [[2, 3, 6, 5, 8, 9, 7, 4, 0, 1]],
+        [[0, 6, 8, 2, 5, 7, 1, 9, 4, 3]],
+    ]
 
     class Seeds(torch.utils.data.Dataset):
         def __len__(self):
@@ -77,9 +78,14 @@ def test_the_loaders_order_and_sample_seeds_are_pinned():
         def __getitem__(self, index):
             return str(unbroken.sample_seed())
 
-    assert list(unbroken.DataLoader(Seeds(), batch_size=4, seed=1234)) == [[
-        "12507072921202175184", "9513324602677794140", "6519576287138217479",
-        "3525827971585511917"]]
+    assert list(unbroken.DataLoader(Seeds(), batch_size=4, seed=1234)) == [
+        [
+            "12507072921202175184",
+            "9513324602677794140",
+            "6519576287138217479",
+            "3525827971585511917",
+        ]
+    ]
 
 
 def test_a_negative_length_is_refused():

@@ -69,9 +69,13 @@ def cut_points(n, epochs):
     return 1 + epochs * (n + 1)
 
 
-@given(n=st.integers(0, 16), size=st.integers(1, 6), seed=st.integers(0, 2**64 - 1),
-       epochs=st.integers(1, 3),
-       kind=st.sampled_from(["list", "generator", "stateful", "own epochs"]))
+@given(
+    n=st.integers(0, 16),
+    size=st.integers(1, 6),
+    seed=st.integers(0, 2**64 - 1),
+    epochs=st.integers(1, 3),
+    kind=st.sampled_from(["list", "generator", "stateful", "own epochs"]),
+)
 @settings(max_examples=200)
 @example(n=41, size=7, seed=2**64 - 1, epochs=3, kind="stateful")
 @example(n=40, size=8, seed=0, epochs=3, kind="generator")
@@ -118,8 +122,7 @@ def test_every_order_of_a_window_is_equally_likely():
     assert chi2 < 49.7  # the 99.9% quantile of chi-square with 23 degrees of freedom
 
 
-@given(n=st.integers(1, 40), size=st.integers(1, 10), seed=st.integers(0, 2**32),
-       data=st.data())
+@given(n=st.integers(1, 40), size=st.integers(1, 10), seed=st.integers(0, 2**32), data=st.data())
 @settings(max_examples=150)
 def test_a_resume_re_reads_less_than_one_window(n, size, seed, data):
     epochs = 2
@@ -170,8 +173,10 @@ def test_a_non_deterministic_upstream_is_caught():
             break
     shorter = shuffle_buffer(lambda epoch: range(6), 4, seed=0)
     shorter.load_state_dict(state)
-    with pytest.raises(ValueError, match="3 items of window 1 of epoch 0 were emitted, but the "
-                                         "upstream now yields 2 for it"):
+    with pytest.raises(
+        ValueError,
+        match="3 items of window 1 of epoch 0 were emitted, but the upstream now yields 2 for it",
+    ):
         list(shorter)
 
 
@@ -214,8 +219,12 @@ class OwnEpochs:
         self.in_epoch = False
 
     def state_dict(self):
-        return {"next_epoch": self.next_epoch, "current": self.current,
-                "position": self.position, "in_epoch": self.in_epoch}
+        return {
+            "next_epoch": self.next_epoch,
+            "current": self.current,
+            "position": self.position,
+            "in_epoch": self.in_epoch,
+        }
 
     def load_state_dict(self, state):
         self.next_epoch, self.current = state["next_epoch"], state["current"]
@@ -313,8 +322,14 @@ def test_state_format():
     next(iterator)
     state = buffer.state_dict()
     assert {k: v for k, v in state.items() if k != "upstream"} == {
-        "format": "unbroken.shuffle_buffer", "version": 2, "size": 2, "seed": 3, "epoch": 0,
-        "window": 0, "emitted": 1, "end": False,
+        "format": "unbroken.shuffle_buffer",
+        "version": 2,
+        "size": 2,
+        "seed": 3,
+        "epoch": 0,
+        "window": 0,
+        "emitted": 1,
+        "end": False,
     }
     assert state["upstream"]["format"] == "unbroken.resumable" and state["upstream"]["items"] == 0
 
@@ -330,8 +345,10 @@ def test_state_format():
         ({"end": True, "emitted": 0}, r"field 'emitted': expected an int >= 1"),
         ({"end": "no"}, "field 'end': expected a bool"),
         ({"window": -1}, "field 'window': expected an int >= 0"),
-        ({"upstream": {"format": "x"}}, "field 'upstream': unbroken.resumable: the state was "
-                                        "saved with format='x'"),
+        (
+            {"upstream": {"format": "x"}},
+            "field 'upstream': unbroken.resumable: the state was saved with format='x'",
+        ),
         ({"other": 1}, r"unexpected fields \['other'\]"),
     ],
 )
@@ -347,8 +364,12 @@ def test_bad_states_are_refused_naming_the_field_and_change_nothing(change, matc
 
 @pytest.mark.parametrize(
     "size, seed, match",
-    [(0, 1, "size must be an int >= 1"), (2.0, 1, "size must be an int"),
-     (2, None, r"seed must be an int in \[0, 2\*\*64\)"), (2, -1, "seed must be an int")],
+    [
+        (0, 1, "size must be an int >= 1"),
+        (2.0, 1, "size must be an int"),
+        (2, None, r"seed must be an int in \[0, 2\*\*64\)"),
+        (2, -1, "seed must be an int"),
+    ],
 )
 def test_bad_arguments(size, seed, match):
     with pytest.raises(ValueError, match=match):

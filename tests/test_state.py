@@ -116,8 +116,11 @@ def test_user_states_with_tensors_round_trip_through_json():
     "value, match",
     [
         ({"fn": print}, r"state\.fn: a builtins\.builtin_function_or_method cannot be saved"),
-        ({"a": {frozenset(): 2}}, r"state\.a: key frozenset\(\) is a frozenset; a state's keys may "
-                                  "be str, int"),
+        (
+            {"a": {frozenset(): 2}},
+            r"state\.a: key frozenset\(\) is a frozenset; a state's keys may "
+            "be str, int",
+        ),
         ({(1, object()): 2}, "key <object object at .*> is a object"),
         ({float("inf"): 2}, "key inf is a float"),
         ({"x": [float("nan")]}, r"state\.x\[0\]: nan is not valid JSON"),
@@ -128,14 +131,25 @@ def test_unserializable_user_state_names_its_key(value, match):
         to_jsonable(value)
 
 
-_SCALAR_KEYS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                         st.floats(allow_nan=False, allow_infinity=False),
-                         st.text(max_size=4), st.sampled_from(["__items__", "__tensor__"]))
-_KEYS = st.recursive(_SCALAR_KEYS, lambda inner: st.tuples(inner, inner) | st.tuples(inner),
-                     max_leaves=4)
+_SCALAR_KEYS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=4),
+    st.sampled_from(["__items__", "__tensor__"]),
+)
+_KEYS = st.recursive(
+    _SCALAR_KEYS, lambda inner: st.tuples(inner, inner) | st.tuples(inner), max_leaves=4
+)
 _STATES = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=4),
-              st.floats(allow_nan=False, allow_infinity=False)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.text(max_size=4),
+        st.floats(allow_nan=False, allow_infinity=False),
+    ),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
     max_leaves=12,
 )
@@ -148,7 +162,8 @@ def _strictly_equal(a, b):
     if isinstance(a, dict):
         return len(a) == len(b) and all(
             type(ka) is type(kb) and _strictly_equal(ka, kb) and _strictly_equal(a[ka], b[kb])
-            for ka, kb in zip(a, b))
+            for ka, kb in zip(a, b)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_strictly_equal(x, y) for x, y in zip(a, b))
     return a == b

@@ -24,8 +24,12 @@ def _shard(n):
 
 
 def _item(index):
-    return {"index": torch.tensor(index), "torch": torch.rand(2),
-            "numpy": torch.tensor(np.random.rand()), "random": torch.tensor(random.random())}
+    return {
+        "index": torch.tensor(index),
+        "torch": torch.rand(2),
+        "numpy": torch.tensor(np.random.rand()),
+        "random": torch.tensor(random.random()),
+    }
 
 
 class StatefulStream(IterableDataset):
@@ -79,20 +83,30 @@ class Replayed(IterableDataset):
 
 
 def _make(cls, n, batch_size, drop_last, workers, seed=3):
-    return lambda: unbroken.DataLoader(cls(n), batch_size=batch_size, drop_last=drop_last,
-                                       num_workers=workers, seed=seed)
+    return lambda: unbroken.DataLoader(
+        cls(n), batch_size=batch_size, drop_last=drop_last, num_workers=workers, seed=seed
+    )
 
 
-@given(n=st.integers(0, 23), batch_size=st.integers(1, 4), drop_last=st.booleans(),
-       cls=st.sampled_from([StatefulStream, SamplerPattern]))
+@given(
+    n=st.integers(0, 23),
+    batch_size=st.integers(1, 4),
+    drop_last=st.booleans(),
+    cls=st.sampled_from([StatefulStream, SamplerPattern]),
+)
 @settings(max_examples=40)
 def test_every_cut_point_resumes_exactly_in_process(n, batch_size, drop_last, cls):
     assert assert_resumes_exactly(_make(cls, n, batch_size, drop_last, 0), epochs=3)
 
 
-@given(n=st.integers(0, 23), batch_size=st.integers(1, 3), drop_last=st.booleans(),
-       workers=st.integers(1, 3), cls=st.sampled_from([StatefulStream, SamplerPattern]),
-       data=st.data())
+@given(
+    n=st.integers(0, 23),
+    batch_size=st.integers(1, 3),
+    drop_last=st.booleans(),
+    workers=st.integers(1, 3),
+    cls=st.sampled_from([StatefulStream, SamplerPattern]),
+    data=st.data(),
+)
 @settings(max_examples=20)
 def test_a_cut_resumes_exactly_with_workers(n, batch_size, drop_last, workers, cls, data):
     make = _make(cls, n, batch_size, drop_last, workers)
@@ -109,7 +123,9 @@ def test_all_cut_points_with_uneven_shards_and_exhausted_workers(workers):
 
 
 def test_state_is_what_was_received_not_what_was_prefetched():
-    loader = unbroken.DataLoader(StatefulStream(40), batch_size=2, num_workers=2, prefetch_factor=4, seed=0)
+    loader = unbroken.DataLoader(
+        StatefulStream(40), batch_size=2, num_workers=2, prefetch_factor=4, seed=0
+    )
     iterator = iter(loader)
     next(iterator), next(iterator), next(iterator)
     state = loader.state_dict()
@@ -134,9 +150,14 @@ class SeedProbe(StatefulStream):
 
 def _seeds_and_draws(seed, epochs=2):
     loader = unbroken.DataLoader(SeedProbe(8), batch_size=2, num_workers=2, seed=seed)
-    return [[item for batch in loader for item in
-             ({k: v[i] for k, v in batch.items()} for i in range(len(batch["index"])))]
-            for _ in range(epochs)]
+    return [
+        [
+            item
+            for batch in loader
+            for item in ({k: v[i] for k, v in batch.items()} for i in range(len(batch["index"])))
+        ]
+        for _ in range(epochs)
+    ]
 
 
 def test_per_item_randomness_is_derived_from_seed_epoch_worker_and_item_count():
@@ -212,16 +233,27 @@ class Ranged(IterableDataset):
         return self.read_range(0, self.n)
 
 
-@given(n=st.integers(0, 23), batch_size=st.integers(1, 4), drop_last=st.booleans(),
-       saved=st.integers(0, 3), resumed=st.integers(0, 3), data=st.data())
+@given(
+    n=st.integers(0, 23),
+    batch_size=st.integers(1, 4),
+    drop_last=st.booleans(),
+    saved=st.integers(0, 3),
+    resumed=st.integers(0, 3),
+    data=st.data(),
+)
 @settings(max_examples=15)
-def test_a_global_cursor_stream_resumes_with_any_number_of_workers(n, batch_size, drop_last, saved,
-                                                                   resumed, data):
+def test_a_global_cursor_stream_resumes_with_any_number_of_workers(
+    n, batch_size, drop_last, saved, resumed, data
+):
     make = _make(Ranged, n, batch_size, drop_last, saved)
     cut_points = 1 + sum(1 + sum(1 for _ in make()) for _ in range(1)) * 2
     cut = data.draw(st.integers(0, cut_points - 1), label="cut")
-    assert assert_resumes_exactly(make, epochs=2, resume_with=_make(Ranged, n, batch_size, drop_last, resumed),
-                                  cuts=[cut]) == 1
+    assert (
+        assert_resumes_exactly(
+            make, epochs=2, resume_with=_make(Ranged, n, batch_size, drop_last, resumed), cuts=[cut]
+        )
+        == 1
+    )
 
 
 def test_a_global_cursor_stream_is_read_once_and_resumes_without_rereading():

@@ -72,13 +72,17 @@ def reference(tmp_path_factory):
         ("val", 15),  # validation's last batch
     ],
 )
-def test_preemption_saves_exits_75_and_resumes_bit_for_bit(tmp_path, reference, phase, batch, capfd):
+def test_preemption_saves_exits_75_and_resumes_bit_for_bit(
+    tmp_path, reference, phase, batch, capfd
+):
     signal_at = SignalAt(phase, batch)
     with pytest.raises(SystemExit) as exit:
         run(tmp_path, callbacks=[signal_at])
     assert exit.value.code == EXIT_CODE
-    assert re.search(r"SIGTERM received; checkpoint .* committed \d+\.\d+ s after the signal",
-                     capfd.readouterr().err)
+    assert re.search(
+        r"SIGTERM received; checkpoint .* committed \d+\.\d+ s after the signal",
+        capfd.readouterr().err,
+    )
     # The checkpoint is the signal's batch, not an earlier periodic one (none of these batches
     # is one: with accumulate=2 and checkpoint_every_steps=2 those are every 4th training batch).
     at_signal = signal_at.progress
@@ -99,10 +103,13 @@ def test_an_uninterrupted_rerun_of_a_finished_run_changes_nothing(tmp_path, refe
     _same_run(tmp_path, reference)
 
 
-@pytest.mark.parametrize("config", [
-    {"scheduler_interval": "epoch", "accumulate": 1, "scaler": False},
-    {"accumulate": 3, "checkpoint_every_steps": 1, "max_steps": 9},
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"scheduler_interval": "epoch", "accumulate": 1, "scaler": False},
+        {"accumulate": 3, "checkpoint_every_steps": 1, "max_steps": 9},
+    ],
+)
 def test_other_configurations_resume_bit_for_bit(tmp_path, config):
     reference = tmp_path / "reference"
     torch.save(run(reference, **config).state_dict(), reference / "final.pt")
@@ -141,8 +148,9 @@ def preempted(tmp_path_factory):
         ({"dataset_length": 40}, r"dataset_length=48.*dataset_length=40"),
     ],
 )
-def test_a_directory_from_another_configuration_is_a_clear_error(tmp_path, preempted, change,
-                                                                 match):
+def test_a_directory_from_another_configuration_is_a_clear_error(
+    tmp_path, preempted, change, match
+):
     shutil.copytree(preempted, tmp_path, dirs_exist_ok=True)
     with pytest.raises(ValueError, match=match):
         run(tmp_path, **change)
@@ -161,16 +169,22 @@ def _recorded_settings() -> list[str]:
 def test_a_checkpoint_records_every_setting_that_is_checked_on_resume(preempted):
     _, saved = _newest_checkpoint(preempted)
     assert sorted(saved["config"]) == sorted(CHANGED)
-    assert saved["config"] == {"seed": 0, "accumulate": 2, "clip_grad_norm": 0.5,
-                               "scheduler_interval": "step"}
+    assert saved["config"] == {
+        "seed": 0,
+        "accumulate": 2,
+        "clip_grad_norm": 0.5,
+        "scheduler_interval": "step",
+    }
 
 
 @pytest.mark.parametrize("field", sorted(set(CHANGED) | set(_recorded_settings())))
 def test_every_recorded_setting_is_checked_on_resume(tmp_path, preempted, field):
     """A changed value is a ValueError naming the field and both values, before any training."""
     if field not in CHANGED:
-        pytest.fail(f"Trainer records {field!r} in checkpoints: add it and a changed value to "
-                    "CHANGED (and to the README's \"Checked on resume\")")
+        pytest.fail(
+            f"Trainer records {field!r} in checkpoints: add it and a changed value to "
+            'CHANGED (and to the README\'s "Checked on resume")'
+        )
     shutil.copytree(preempted, tmp_path, dirs_exist_ok=True)
     _, saved = _newest_checkpoint(tmp_path)
     assert field in saved["config"], f"the checkpoint does not record {field}: {saved['config']}"
@@ -186,13 +200,16 @@ def test_every_recorded_setting_is_checked_on_resume(tmp_path, preempted, field)
     assert (tmp_path / "metrics.csv").read_text() == log  # nothing was trained or logged
 
 
-
-
 def test_a_fresh_start_empties_the_log_of_a_process_that_never_committed_a_checkpoint(
-        tmp_path, reference):
+    tmp_path, reference
+):
     with pytest.raises(Crash):
-        run(tmp_path, checkpoint_every_steps=None, checkpoint_every_seconds=None,
-            callbacks=[CrashAt(7)])
+        run(
+            tmp_path,
+            checkpoint_every_steps=None,
+            checkpoint_every_seconds=None,
+            callbacks=[CrashAt(7)],
+        )
     assert not list((tmp_path / "checkpoints").glob("step-*"))
     log = tmp_path / "metrics.csv"
     with log.open("a") as file:
@@ -210,13 +227,21 @@ def test_a_fresh_start_empties_the_log_of_a_process_that_never_committed_a_check
     _same_run(tmp_path, reference)
 
 
-@pytest.mark.parametrize("job, count", [
-    ({}, 20),
-    ({"combined": True, "epochs": 3}, 6),  # a CombinedLoader: a map-style and an iterable loader
-])
+@pytest.mark.parametrize(
+    "job, count",
+    [
+        ({}, 20),
+        (
+            {"combined": True, "epochs": 3},
+            6,
+        ),  # a CombinedLoader: a map-style and an iterable loader
+    ],
+)
 def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
     """Kill a real training process with SIGKILL `count` times; the finished run is bit-exact."""
-    config = json.dumps({"workers": 2, "epochs": 6, "checkpoint_every_steps": 1, "pace": 0.01, **job})
+    config = json.dumps(
+        {"workers": 2, "epochs": 6, "checkpoint_every_steps": 1, "pace": 0.01, **job}
+    )
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
     subprocess.run([sys.executable, str(JOB), str(reference), config], check=True)
     seed = kill_seed()  # printed: pytest shows it with a failure
@@ -232,7 +257,8 @@ def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
         while process.poll() is None:
             ran = int(status.read_text() or 0) if status.exists() else 0
             writing = checkpoints.exists() and any(
-                p.name.startswith(".tmp") for p in checkpoints.iterdir())
+                p.name.startswith(".tmp") for p in checkpoints.iterdir()
+            )
             if (aim_at_save and writing) or (not aim_at_save and ran >= batches):
                 process.send_signal(signal.SIGKILL)
                 kills += 1
@@ -241,12 +267,15 @@ def test_sigkill_at_random_moments_including_inside_saves(tmp_path, job, count):
             time.sleep(0.0005)
         if process.wait() == 0:
             break  # it finished before the kill it was meant to get
-        assert process.returncode == -signal.SIGKILL, (process.returncode,
-                                                       f"UNBROKEN_KILL_SEED={seed}")
+        assert process.returncode == -signal.SIGKILL, (
+            process.returncode,
+            f"UNBROKEN_KILL_SEED={seed}",
+        )
     subprocess.run([sys.executable, str(JOB), str(interrupted), config], check=True)
     assert kills == count, f"the run finished after {kills} kills (UNBROKEN_KILL_SEED={seed})"
-    assert inside_saves >= count // 6, (f"only {inside_saves} kills landed inside a checkpoint "
-                                        f"write (UNBROKEN_KILL_SEED={seed})")
+    assert inside_saves >= count // 6, (
+        f"only {inside_saves} kills landed inside a checkpoint write (UNBROKEN_KILL_SEED={seed})"
+    )
     _same_run(interrupted, reference)
 
 
@@ -265,7 +294,10 @@ def test_tensorboard_curves_of_a_resumed_run_equal_the_uninterrupted_ones(tmp_pa
     def curve(directory):
         events = accumulator.EventAccumulator(str(directory / "tensorboard"))
         events.Reload()
-        return [(e.step, e.value) for e in events.Scalars("train/loss") + events.Scalars("val/epoch_loss")]
+        return [
+            (e.step, e.value)
+            for e in events.Scalars("train/loss") + events.Scalars("val/epoch_loss")
+        ]
 
     with pytest.raises(SystemExit):
         run(tmp_path, callbacks=[SignalAt("train", 7)])

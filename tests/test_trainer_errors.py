@@ -40,29 +40,35 @@ def _caused_by(error: BaseException, kind: type) -> BaseException:
 # ------------------------------------------------------------------------------- Progress
 
 
-@pytest.mark.parametrize("field, other", [("seed", 1), ("accumulate", 3),
-                                          ("clip_grad_norm", None),
-                                          ("scheduler_interval", "epoch")])
+@pytest.mark.parametrize(
+    "field, other",
+    [("seed", 1), ("accumulate", 3), ("clip_grad_norm", None), ("scheduler_interval", "epoch")],
+)
 def test_another_configuration_is_a_state_mismatch_naming_the_setting(field, other):
     progress = Progress({**CONFIG, field: other})
     with pytest.raises(StateMismatch) as error:
         progress.load_state_dict(_saved())
     assert isinstance(error.value, ValueError)
     assert (error.value.field, error.value.saved, error.value.current) == (
-        field, CONFIG[field], other)
-    assert (f"{field}={CONFIG[field]!r}, but this Trainer has {field}={other!r}"
-            in str(error.value))
+        field,
+        CONFIG[field],
+        other,
+    )
+    assert f"{field}={CONFIG[field]!r}, but this Trainer has {field}={other!r}" in str(error.value)
     assert progress.batches == 0  # refused before anything changed
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"epoch": -1}, "epoch"),
-    ({"ticks": "3"}, "ticks"),
-    ({"micro": True}, "micro"),
-    ({"phase": "test"}, "phase"),
-    ({"loss_sum": "6.0"}, "loss_sum"),
-    ({"config": None}, "config"),
-])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"epoch": -1}, "epoch"),
+        ({"ticks": "3"}, "ticks"),
+        ({"micro": True}, "micro"),
+        ({"phase": "test"}, "phase"),
+        ({"loss_sum": "6.0"}, "loss_sum"),
+        ({"config": None}, "config"),
+    ],
+)
 def test_a_malformed_progress_state_is_corrupt_state(changes, field):
     progress = Progress(CONFIG)
     with pytest.raises(CorruptState, match=field) as error:
@@ -150,10 +156,22 @@ def _fit(directory, *, seed=0, val=True, callbacks=()):
         x, y = batch
         return nn.functional.mse_loss(model(x).squeeze(1), y)
 
-    trainer = unbroken.Trainer(directory, max_epochs=1, seed=seed, progress_bar=False,
-                               tensorboard=False, callbacks=callbacks)
-    trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, val_loader,
-                training_step=step, validation_step=step)
+    trainer = unbroken.Trainer(
+        directory,
+        max_epochs=1,
+        seed=seed,
+        progress_bar=False,
+        tensorboard=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader,
+        val_loader,
+        training_step=step,
+        validation_step=step,
+    )
 
 
 def test_fit_refuses_a_checkpoint_of_another_seed_with_a_state_mismatch(tmp_path):

@@ -32,8 +32,12 @@ def _same(directory: Path, reference: Path) -> None:
 
 
 def _job(directory: Path, config: dict, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(JOB), str(directory), json.dumps(config)],
-                            stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, str(JOB), str(directory), json.dumps(config)],
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def _ran(directory: Path) -> int:
@@ -53,14 +57,18 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind, signum", [
-    ("map", signal.SIGTERM),
-    ("map-forkserver", signal.SIGUSR1),
-    ("iterable", signal.SIGTERM),
-    ("combined", signal.SIGTERM),
-])
+@pytest.mark.parametrize(
+    "kind, signum",
+    [
+        ("map", signal.SIGTERM),
+        ("map-forkserver", signal.SIGUSR1),
+        ("iterable", signal.SIGTERM),
+        ("combined", signal.SIGTERM),
+    ],
+)
 def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly(
-        tmp_path, kind, signum):
+    tmp_path, kind, signum
+):
     """docker stop, systemd, Kubernetes and SLURM signal every process of the job, workers too."""
     config = {"workers": 2, "epochs": 2, "pace": 0.02, **KINDS[kind]}
     reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
@@ -83,20 +91,27 @@ def test_a_signal_to_the_whole_process_group_saves_exits_75_and_finishes_exactly
     _same(interrupted, reference)
 
 
-@pytest.mark.parametrize("when, signum", [
-    ("the Trainer is built", signal.SIGTERM),  # e.g. while the model is built after it
-    ("the checkpoint loads", signal.SIGUSR1),
-])
+@pytest.mark.parametrize(
+    "when, signum",
+    [
+        ("the Trainer is built", signal.SIGTERM),  # e.g. while the model is built after it
+        ("the checkpoint loads", signal.SIGUSR1),
+    ],
+)
 def test_a_signal_before_training_starts_exits_75_and_changes_nothing(
-        tmp_path, capfd, monkeypatch, when, signum):
+    tmp_path, capfd, monkeypatch, when, signum
+):
     with pytest.raises(SystemExit):  # a run with a checkpoint and a log
         run(tmp_path, callbacks=[SignalAt("train", 6)])
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     log = (tmp_path / "metrics.csv").read_text()
     capfd.readouterr()
     before = {s: signal.getsignal(s) for s in TEST_SIGNALS}
-    cls, method = ((unbroken.Trainer, "__init__") if when == "the Trainer is built"
-                   else (unbroken.Checkpointer, "load_latest"))
+    cls, method = (
+        (unbroken.Trainer, "__init__")
+        if when == "the Trainer is built"
+        else (unbroken.Checkpointer, "load_latest")
+    )
     original = getattr(cls, method)
 
     def then_signal(self, *args, **kwargs):
@@ -120,8 +135,12 @@ def test_every_signal_handler_is_put_back_after_fit(tmp_path, outcome):
     previous = {s: (lambda *_: None) for s in TEST_SIGNALS}
     originals = {s: signal.signal(s, handler) for s, handler in previous.items()}
     try:
-        callbacks = {"finishes": [], "raises": [CrashAt(3)], "preempted": [SignalAt("train", 3)],
-                     "refuses": []}[outcome]
+        callbacks = {
+            "finishes": [],
+            "raises": [CrashAt(3)],
+            "preempted": [SignalAt("train", 3)],
+            "refuses": [],
+        }[outcome]
         try:
             if outcome == "refuses":  # fit() rejects its arguments before it starts
                 unbroken.Trainer(tmp_path, max_epochs=1).fit(torch.nn.Linear(1, 1), None, [1])
@@ -142,7 +161,9 @@ def test_a_second_process_on_a_run_directory_is_refused_naming_the_first(tmp_pat
         assert first.poll() is None, first.communicate()[1]
         time.sleep(0.01)
     rows = (tmp_path / "metrics.csv").read_text()
-    with pytest.raises(DirectoryInUse, match=rf"in use by another training process \(pid {first.pid}\)"):
+    with pytest.raises(
+        DirectoryInUse, match=rf"in use by another training process \(pid {first.pid}\)"
+    ):
         run(tmp_path)
     assert (tmp_path / "metrics.csv").read_text().startswith(rows)  # not restarted by us
     first.kill()  # SIGKILL: no chance to clean up, and still no stale lock
@@ -179,8 +200,14 @@ def test_by_default_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monk
 
 
 def test_checkpoint_every_steps_counts_optimizer_steps(tmp_path):
-    run(tmp_path, accumulate=3, checkpoint_every_steps=2, epochs=1, keep=10,
-        checkpoint_every_seconds=None)
+    run(
+        tmp_path,
+        accumulate=3,
+        checkpoint_every_steps=2,
+        epochs=1,
+        keep=10,
+        checkpoint_every_seconds=None,
+    )
     names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
     # 48 samples in batches of 5: 10 batches, optimizer steps after batches 3, 6, 9 (and 10);
     # every 2nd step is batch 6; checkpoints are numbered by batches (training + validation),
@@ -195,8 +222,11 @@ def test_the_trainer_says_where_it_starts(tmp_path, capfd):
     with pytest.raises(SystemExit):
         run(tmp_path, callbacks=[SignalAt("train", 13)])
     err = capfd.readouterr().err
-    assert re.search(r"resumed from checkpoint \S+step-000000005 \(epoch 0, train batch 5, "
-                     r"optimizer step 2\)", err), err
+    assert re.search(
+        r"resumed from checkpoint \S+step-000000005 \(epoch 0, train batch 5, "
+        r"optimizer step 2\)",
+        err,
+    ), err
 
 
 def test_deterministic_turns_on_deterministic_kernels_during_fit_only(tmp_path, monkeypatch):
@@ -205,8 +235,13 @@ def test_deterministic_turns_on_deterministic_kernels_during_fit_only(tmp_path, 
 
     class Look:
         def on_train_batch_end(self, trainer, logs):
-            seen.append((torch.are_deterministic_algorithms_enabled(),
-                         torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+            seen.append(
+                (
+                    torch.are_deterministic_algorithms_enabled(),
+                    torch.backends.cudnn.benchmark,
+                    os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                )
+            )
 
     torch.backends.cudnn.benchmark = True
     try:

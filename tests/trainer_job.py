@@ -146,28 +146,59 @@ def _combined_step(step):
         x = torch.cat([batch["map"][0], batch["stream"][0]])
         y = torch.cat([batch["map"][1], batch["stream"][1]])
         return step(model, (x, y))
+
     return fn
 
 
-def run(directory, *, epochs=3, pace=None, combined=False, stream=False, workers=0, accumulate=2, checkpoint_every_steps=2, scaler=True,
-        scheduler_interval="step", seed=0, dataset_length=48, hidden=16, callbacks=(),
-        max_steps=None, context=None, clip_grad_norm=0.5, loader_seed=None,
-        **trainer_options) -> nn.Module:
+def run(
+    directory,
+    *,
+    epochs=3,
+    pace=None,
+    combined=False,
+    stream=False,
+    workers=0,
+    accumulate=2,
+    checkpoint_every_steps=2,
+    scaler=True,
+    scheduler_interval="step",
+    seed=0,
+    dataset_length=48,
+    hidden=16,
+    callbacks=(),
+    max_steps=None,
+    context=None,
+    clip_grad_norm=0.5,
+    loader_seed=None,
+    **trainer_options,
+) -> nn.Module:
     from torchmetrics.classification import MulticlassAccuracy
 
-    loader_seed = seed if loader_seed is None else loader_seed  # given: only the Trainer gets `seed`
+    loader_seed = (
+        seed if loader_seed is None else loader_seed
+    )  # given: only the Trainer gets `seed`
     torch.manual_seed(123)
     model = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Dropout(0.3), nn.Linear(hidden, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
-    train_loader = unbroken.DataLoader(Noisy(dataset_length), batch_size=5, shuffle=True,
-                                       num_workers=workers, persistent_workers=workers > 0, seed=loader_seed,
-                                       multiprocessing_context=context)
+    train_loader = unbroken.DataLoader(
+        Noisy(dataset_length),
+        batch_size=5,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        seed=loader_seed,
+        multiprocessing_context=context,
+    )
     val_loader = unbroken.DataLoader(Noisy(20), batch_size=4, seed=loader_seed)
     if stream:  # an iterable dataset with its own state, sharded over the workers
-        train_loader = unbroken.DataLoader(NoisyStream(60), batch_size=3, num_workers=workers, seed=loader_seed)
+        train_loader = unbroken.DataLoader(
+            NoisyStream(60), batch_size=3, num_workers=workers, seed=loader_seed
+        )
     if combined:  # a map-style and an iterable loader, Lightning's max_size_cycle
-        stream = unbroken.DataLoader(NoisyStream(), batch_size=3, num_workers=workers, seed=loader_seed)
+        stream = unbroken.DataLoader(
+            NoisyStream(), batch_size=3, num_workers=workers, seed=loader_seed
+        )
         train_loader = unbroken.CombinedLoader({"map": train_loader, "stream": stream})
     train_acc, val_acc = MulticlassAccuracy(3), MulticlassAccuracy(3)
 
@@ -177,19 +208,35 @@ def run(directory, *, epochs=3, pace=None, combined=False, stream=False, workers
             logits = model(x)
             metric.update(logits, y)
             return {"loss": nn.functional.cross_entropy(logits, y), "mean_logit": logits.mean()}
+
         return fn
 
     trainer = unbroken.Trainer(
-        directory, max_epochs=epochs, max_steps=max_steps, seed=seed,
-        checkpoint_every_steps=checkpoint_every_steps, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
-        scheduler_interval=scheduler_interval, callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
-        progress_bar=False, tensorboard_every=1, **trainer_options,
+        directory,
+        max_epochs=epochs,
+        max_steps=max_steps,
+        seed=seed,
+        checkpoint_every_steps=checkpoint_every_steps,
+        accumulate=accumulate,
+        clip_grad_norm=clip_grad_norm,
+        scheduler_interval=scheduler_interval,
+        callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
+        progress_bar=False,
+        tensorboard_every=1,
+        **trainer_options,
     )
-    trainer.fit(model, optimizer, train_loader, val_loader, scheduler=scheduler,
-                scaler=torch.amp.GradScaler("cpu") if scaler else None,
-                training_step=_combined_step(step(train_acc)) if combined else step(train_acc),
-                validation_step=step(val_acc),
-                train_metrics={"accuracy": train_acc}, val_metrics={"accuracy": val_acc})
+    trainer.fit(
+        model,
+        optimizer,
+        train_loader,
+        val_loader,
+        scheduler=scheduler,
+        scaler=torch.amp.GradScaler("cpu") if scaler else None,
+        training_step=_combined_step(step(train_acc)) if combined else step(train_acc),
+        validation_step=step(val_acc),
+        train_metrics={"accuracy": train_acc},
+        val_metrics={"accuracy": val_acc},
+    )
     return model
 
 

@@ -20,14 +20,14 @@ offers; the modules inside are internal and may move:
 
 from .checkpoint import Checkpointer, Restored
 from .data import (
-                   CombinedLoader,
-                   DataLoader,
-                   Resumable,
-                   ShuffleBuffer,
-                   resumable,
-                   sample_rng,
-                   sample_seed,
-                   shuffle_buffer,
+    CombinedLoader,
+    DataLoader,
+    Resumable,
+    ShuffleBuffer,
+    resumable,
+    sample_rng,
+    sample_seed,
+    shuffle_buffer,
 )
 from .errors import CorruptCheckpoint, CorruptState, DirectoryInUse, StateMismatch
 from .train import EXIT_CODE, GlobalRNG, Preemption, Trainer

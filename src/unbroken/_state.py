@@ -40,7 +40,8 @@ COUNT_LIMIT = (1 << 63) - 1
 def has_state(obj: Any) -> bool:
     """Whether ``obj`` follows torch's Stateful protocol (``state_dict``/``load_state_dict``)."""
     return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None))
+        getattr(obj, "load_state_dict", None)
+    )
 
 
 def to_jsonable(value: Any, path: str = "state") -> Any:
@@ -58,16 +59,23 @@ def to_jsonable(value: Any, path: str = "state") -> Any:
     if isinstance(value, np.floating):
         return to_jsonable(value.item(), path)
     if isinstance(value, torch.Tensor):
-        return {_TENSOR_TAG: _encode_array(value.detach().cpu().contiguous().numpy(), str(value.dtype))}
+        return {
+            _TENSOR_TAG: _encode_array(value.detach().cpu().contiguous().numpy(), str(value.dtype))
+        }
     if isinstance(value, np.ndarray):
         return {_NDARRAY_TAG: _encode_array(np.ascontiguousarray(value), str(value.dtype))}
     if isinstance(value, dict):
         # A dict with only str keys stays a dict, unless it would read back as a tag.
-        if all(isinstance(key, str) for key in value) and not (len(value) == 1 and
-                                                               next(iter(value)) in _TAGS):
+        if all(isinstance(key, str) for key in value) and not (
+            len(value) == 1 and next(iter(value)) in _TAGS
+        ):
             return {key: to_jsonable(item, f"{path}.{key}") for key, item in value.items()}
-        return {_ITEMS_TAG: [[_encode_key(key, path), to_jsonable(item, _key_path(path, key))]
-                             for key, item in value.items()]}
+        return {
+            _ITEMS_TAG: [
+                [_encode_key(key, path), to_jsonable(item, _key_path(path, key))]
+                for key, item in value.items()
+            ]
+        }
     if isinstance(value, (list, tuple)):
         return [to_jsonable(item, f"{path}[{i}]") for i, item in enumerate(value)]
     raise ValueError(
@@ -148,8 +156,12 @@ def encode_or_defer(value: Any, path: str, what: str) -> Any:
     should fail. It must be a dict, as in torch's Stateful protocol: a loaded state is checked
     to be one, so that a state that saved is a state that loads."""
     if not isinstance(value, dict):
-        return Unsaveable(ValueError(f"{what}: cannot save the state: {path} returned a "
-                                     f"{type(value).__name__}, expected a dict"))
+        return Unsaveable(
+            ValueError(
+                f"{what}: cannot save the state: {path} returned a "
+                f"{type(value).__name__}, expected a dict"
+            )
+        )
     try:
         return to_jsonable(value, path)
     except ValueError as error:
@@ -177,8 +189,9 @@ def check_user_state(value: Any, where: str) -> None:
     ``from_jsonable`` could not read back, at load time rather than when the object is restored,
     mid-iteration."""
     if not isinstance(value, dict):
-        raise CorruptState(f"{where}: expected the object's state_dict() (a dict), got "
-                           f"{value!r:.200}")
+        raise CorruptState(
+            f"{where}: expected the object's state_dict() (a dict), got {value!r:.200}"
+        )
     try:
         from_jsonable(value)
     except Exception as error:  # whatever a mangled tag makes numpy or base64 raise
@@ -220,13 +233,23 @@ class StateReader:
                 f"got a {type(state).__name__}"
             )
         if state.get("format") != fmt.name:
-            raise mismatch(what, "format", state.get("format"), fmt.name,
-                           f"This state does not come from {what}.state_dict().")
+            raise mismatch(
+                what,
+                "format",
+                state.get("format"),
+                fmt.name,
+                f"This state does not come from {what}.state_dict().",
+            )
         version = state.get("version")
         if not any(same(version, v) for v in (fmt.version, *fmt.readable)):
-            raise mismatch(what, "version", version, fmt.version,
-                           "This state comes from another version of unbroken; resume with "
-                           "the version that saved it.")
+            raise mismatch(
+                what,
+                "version",
+                version,
+                fmt.version,
+                "This state comes from another version of unbroken; resume with "
+                "the version that saved it.",
+            )
         try:
             json.dumps(state, allow_nan=False)
         except (TypeError, ValueError) as error:
@@ -248,8 +271,9 @@ class StateReader:
     def bool(self, field: str) -> bool:
         value = self.state[field]
         if not isinstance(value, bool):
-            raise CorruptState(f"{self.what} state field '{field}': expected a bool, got {value!r}",
-                               field)
+            raise CorruptState(
+                f"{self.what} state field '{field}': expected a bool, got {value!r}", field
+            )
         return value
 
     def dict(self, field: str) -> dict:
@@ -267,7 +291,9 @@ def check_int(value: Any, where: str, minimum: int = 0, maximum: int = COUNT_LIM
         upper, note = f" and <= {maximum}", ""
         if maximum == COUNT_LIMIT:
             upper, note = "", " (counters stay below 2**63)"
-        raise CorruptState(f"{where}: expected an int >= {minimum}{upper}, got {value!r:.100}{note}")
+        raise CorruptState(
+            f"{where}: expected an int >= {minimum}{upper}, got {value!r:.100}{note}"
+        )
     return value
 
 

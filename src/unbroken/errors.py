@@ -27,20 +27,32 @@ __all__ = ["CorruptCheckpoint", "CorruptState", "DirectoryInUse", "StateMismatch
 class StateMismatch(ValueError):
     """A saved state was taken with another configuration than the object loading it has."""
 
-    def __init__(self, what: str, field: str | None = None, saved: Any = None,
-                 current: Any = None, hint: str = "", holder: str = "loader",
-                 message: str | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        field: str | None = None,
+        saved: Any = None,
+        current: Any = None,
+        hint: str = "",
+        holder: str = "loader",
+        message: str | None = None,
+    ) -> None:
         self.what, self.field, self.saved, self.current = what, field, saved, current
         if field is None:  # StateMismatch(message): how torch re-raises a worker's error
             message = what
-        super().__init__(message or (
-            f"{what}: the state was saved with {field}={saved!r} but this {holder} has "
-            f"{field}={current!r}. {hint or 'Resume with the same setting, or start a new run.'}"
-        ))
+        super().__init__(
+            message
+            or (
+                f"{what}: the state was saved with {field}={saved!r} but this {holder} has "
+                f"{field}={current!r}. {hint or 'Resume with the same setting, or start a new run.'}"
+            )
+        )
 
     def __reduce__(self) -> Any:  # keeps field, saved and current across processes
-        return (type(self), (self.what, self.field, self.saved, self.current, "", "loader",
-                             str(self)))
+        return (
+            type(self),
+            (self.what, self.field, self.saved, self.current, "", "loader", str(self)),
+        )
 
 
 class CorruptState(ValueError):

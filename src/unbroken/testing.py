@@ -67,7 +67,9 @@ def _record(loader: Any, epochs: int) -> tuple[list, list[tuple[int, str, str]]]
             stream.append(batch)
             label = f"inside epoch {epoch} after its batch {i}"
             saved.append((len(stream), label, json.dumps(loader.state_dict())))
-        saved.append((len(stream), f"after epoch {epoch}'s loop ended", json.dumps(loader.state_dict())))
+        saved.append(
+            (len(stream), f"after epoch {epoch}'s loop ended", json.dumps(loader.state_dict()))
+        )
     return stream, saved
 
 

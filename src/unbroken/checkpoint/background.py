@@ -84,6 +84,7 @@ def _report_unseen() -> None:
             + "".join(traceback.format_exception(type(error), error, error.__traceback__))
             + f"The checkpoint was not written: load_latest resumes from the newest earlier "
             f"one in {save.final.parent}. Call checkpointer.close() before the script ends, "
-            "or use `with Checkpointer(...) as checkpointer:`, to have such a failure raised.\n")
+            "or use `with Checkpointer(...) as checkpointer:`, to have such a failure raised.\n"
+        )
         stream.flush()
     _unseen.clear()

@@ -17,7 +17,8 @@ there is none). Files are read with ``torch.load(weights_only=True)``, which run
 the file, so ``save`` refuses, naming its key path, any value that such a load could not
 rebuild: what saves, loads.
 
-The parts: ``weights_only`` (what save refuses), ``storage`` (the filesystem operations, as the
+The parts: ``layout`` (the names above, and cleaning up after killed writers),
+``weights_only`` (what save refuses), ``storage`` (the filesystem operations, as the
 protocol ``Storage``: hashed, fsynced writes, renames, listing), ``space`` (disk-full errors),
 ``manifest`` (the seal and its schema; reading a checkpoint), ``background`` (saves with
 ``blocking=False`` and their report at exit), ``restore`` (in place, and ``Restored``). The
@@ -35,8 +36,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
-import secrets
 import warnings
 from functools import partial
 from pathlib import Path
@@ -46,6 +45,7 @@ import torch
 
 from .._state import has_state
 from ..errors import CorruptCheckpoint
+from . import layout
 from .background import BackgroundSave
 from .manifest import FORMAT, MANIFEST, VERSION, ParamShapes, file_name, read, seal
 from .restore import Restored, restore
@@ -54,12 +54,6 @@ from .storage import Digest, LocalStorage, Storage, join
 from .weights_only import checked_copy
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "Restored"]
-
-_FINAL = re.compile(r"step-(\d+)")
-# A checkpoint moved aside while a save of the same step replaces it; it counts again if the
-# writer died before the replacement was renamed into place.
-_OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")
-_TMP, _DOOMED = ".tmp-", ".del-"
 
 
 class Checkpointer:
@@ -115,20 +109,22 @@ class Checkpointer:
             # A background write needs its own copy: training goes on changing the tensors.
             entries[name] = checked_copy(value, f"state[{name!r}]", clone=not blocking)
             if isinstance(obj, torch.optim.Optimizer):  # lets load name a parameter that changed
-                shapes[name] = [[list(p.shape) for p in group["params"]]
-                                for group in obj.param_groups]
+                shapes[name] = [
+                    [list(p.shape) for p in group["params"]] for group in obj.param_groups
+                ]
         newer = [Path(path).name for number, path in self._committed() if number > step]
         if newer:
             warnings.warn(
                 f"unbroken.Checkpointer: {newer} in {self.directory} have a larger step than "
                 f"{step} and will be removed once step {step} is saved, so that load_latest "
-                "resumes from this save", stacklevel=2)
-        final = self.directory / f"step-{step:09d}"
+                "resumes from this save",
+                stacklevel=2,
+            )
+        final = self.directory / layout.final_name(step)
         if blocking:
             self._write(step, final, entries, shapes)
         else:
-            self._pending = BackgroundSave(
-                final, lambda: self._write(step, final, entries, shapes))
+            self._pending = BackgroundSave(final, lambda: self._write(step, final, entries, shapes))
         return final
 
     def wait(self) -> None:
@@ -164,19 +160,22 @@ class Checkpointer:
         _check_names(state, "load_latest")
         self.wait()
         self._check_directory()
-        for step, where in reversed(self._candidates()):
+        for step, where in reversed(layout.candidates(self._storage, self._root)):
             path = Path(where)
             try:
                 manifest, saved = read(self._storage, where, step)
             except CorruptCheckpoint as why:
-                warnings.warn(f"unbroken.Checkpointer: skipping checkpoint {path}: {why}",
-                              stacklevel=2)
+                warnings.warn(
+                    f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=2
+                )
                 continue
             restore(state, saved, manifest["entries"], path)
             return Restored(
-                step=step, path=path,
+                step=step,
+                path=path,
                 values={name: saved[name] for name, obj in state.items() if not has_state(obj)},
-                unrequested={name: value for name, value in saved.items() if name not in state})
+                unrequested={name: value for name, value in saved.items() if name not in state},
+            )
         return None
 
     def _check_directory(self) -> None:
@@ -186,43 +185,59 @@ class Checkpointer:
         if storage.is_directory(self._root):
             return
         # Nothing there (the first save creates it), unless a file blocks the way to it.
-        blocker = next((p for p in reversed(self.directory.parents)
-                        if storage.exists(str(p)) and not storage.is_directory(str(p))), None)
+        blocker = next(
+            (
+                p
+                for p in reversed(self.directory.parents)
+                if storage.exists(str(p)) and not storage.is_directory(str(p))
+            ),
+            None,
+        )
         if blocker is not None or storage.exists(self._root):
             what = f"{blocker} is a file" if blocker else "it exists and is not a directory"
             raise NotADirectoryError(
                 errno.ENOTDIR,
                 f"the Checkpointer directory {self.directory} is not a directory: {what}, so no "
                 "checkpoint could be found or saved there. Pass the path of the directory that "
-                "holds the step-* checkpoints (it is created if it does not exist)")
+                "holds the step-* checkpoints (it is created if it does not exist)",
+            )
 
     # -------------------------------------------------------------------------------- writing
 
-    def _write(self, step: int, final: Path, entries: dict[str, Any],
-               shapes: dict[str, ParamShapes]) -> None:
+    def _write(
+        self, step: int, final: Path, entries: dict[str, Any], shapes: dict[str, ParamShapes]
+    ) -> None:
         try:
             self._commit(step, final, entries, shapes)
         except OSError as error:
             if error.errno not in FULL:
                 raise
-            raise disk_full(error, self._storage, self._root, step, entries, self.keep,
-                            [path for _, path in self._committed()]) from error
+            raise disk_full(
+                error,
+                self._storage,
+                self._root,
+                step,
+                entries,
+                self.keep,
+                [path for _, path in self._committed()],
+            ) from error
         committed = self._committed()
         doomed = [path for number, path in committed if number > step]
-        doomed += [path for number, path in committed if number <= step][:-self.keep]
+        doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
-            aside = join(self._root, f"{_DOOMED}{Path(path).name}-{secrets.token_hex(4)}")
+            aside = join(self._root, layout.doomed_name(Path(path).name))
             self._storage.rename(path, aside)
             self._storage.remove_tree(aside)
 
-    def _commit(self, step: int, final: Path, entries: dict[str, Any],
-                shapes: dict[str, ParamShapes]) -> None:
+    def _commit(
+        self, step: int, final: Path, entries: dict[str, Any], shapes: dict[str, ParamShapes]
+    ) -> None:
         """Write the checkpoint in a temporary directory and rename it to ``final``."""
         storage, root, target = self._storage, self._root, join(self._root, final.name)
         storage.make_directories(root)
-        self._clean()
-        tmp = join(root, f"{_TMP}step-{step:09d}-{os.getpid()}-{secrets.token_hex(4)}")
+        layout.clean(storage, root)
+        tmp = join(root, layout.temporary_name(step))
         storage.make_directory(tmp)
         old = None
         try:
@@ -241,7 +256,7 @@ class Checkpointer:
             storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
             storage.sync_directory(tmp)
             if storage.exists(target):  # a directory cannot be renamed over a non-empty one
-                old = join(root, f".old-{final.name}-{secrets.token_hex(4)}")
+                old = join(root, layout.aside_name(final.name))
                 storage.rename(target, old)
             storage.rename(tmp, target)  # the commit
             storage.sync_directory(root)
@@ -253,40 +268,16 @@ class Checkpointer:
         if old is not None:
             storage.remove_tree(old)
 
-    def _clean(self) -> None:
-        """Remove what killed writers left: temporary and half-deleted directories."""
-        storage, root = self._storage, self._root
-        for entry in storage.list_directory(root):
-            old = _OLD.fullmatch(entry.name)
-            final = join(root, f"step-{old.group(1)}") if old else ""
-            if old and not storage.exists(final):
-                storage.rename(join(root, entry.name), final)
-            elif old or entry.name.startswith((_TMP, _DOOMED)):
-                storage.remove_tree(join(root, entry.name))
-
     def _committed(self) -> list[tuple[int, str]]:
-        """``(step, path)`` of every committed checkpoint directory, oldest step first."""
-        if not self._storage.is_directory(self._root):
-            return []
-        found = [(int(m.group(1)), join(self._root, entry.name))
-                 for entry in self._storage.list_directory(self._root)
-                 if (m := _FINAL.fullmatch(entry.name)) and entry.is_directory]
-        return sorted(found)
-
-    def _candidates(self) -> list[tuple[int, str]]:
-        found = dict(self._committed())
-        if self._storage.is_directory(self._root):
-            for entry in self._storage.list_directory(self._root):
-                old = _OLD.fullmatch(entry.name)
-                if old:  # the writer died between moving it aside and renaming its replacement
-                    found.setdefault(int(old.group(1)), join(self._root, entry.name))
-        return sorted(found.items())
+        return layout.committed(self._storage, self._root)
 
 
 def _check_names(state: Any, method: str) -> None:
     if not isinstance(state, dict):
-        raise ValueError(f"{method} expects a dict of name -> object, got a "
-                         f"{type(state).__name__}; wrap it, e.g. {{'model': model}}")
+        raise ValueError(
+            f"{method} expects a dict of name -> object, got a "
+            f"{type(state).__name__}; wrap it, e.g. {{'model': model}}"
+        )
     for name in state:
         if not isinstance(name, str):
             raise ValueError(f"state key {name!r} is a {type(name).__name__}; names must be str")

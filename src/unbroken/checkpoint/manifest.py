@@ -70,17 +70,27 @@ def file_name(index: int, name: str) -> str:
     return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}.pt"
 
 
-def seal(step: int, entries: dict[str, str], files: dict[str, Digest],
-         param_shapes: dict[str, ParamShapes]) -> bytes:
+def seal(
+    step: int,
+    entries: dict[str, str],
+    files: dict[str, Digest],
+    param_shapes: dict[str, ParamShapes],
+) -> bytes:
     """The manifest of checkpoint ``step``, whose ``entries`` (name -> file) were written as
     ``files`` (file -> digest); ``param_shapes`` has an item for each optimizer."""
     specs = {name: EntrySpec(file=file) for name, file in entries.items()}
     for name, shapes in param_shapes.items():
         specs[name]["param_shapes"] = shapes
     manifest = Manifest(
-        format=FORMAT, version=VERSION, step=step, torch=torch.__version__, entries=specs,
-        files={file: FileSpec(sha256=digest.sha256, size=digest.size)
-               for file, digest in files.items()})
+        format=FORMAT,
+        version=VERSION,
+        step=step,
+        torch=torch.__version__,
+        entries=specs,
+        files={
+            file: FileSpec(sha256=digest.sha256, size=digest.size) for file, digest in files.items()
+        },
+    )
     return json.dumps({**manifest, SEAL: _digest(manifest)}, indent=1).encode()
 
 
@@ -100,7 +110,8 @@ def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, An
             actual = storage.size(join(path, file))
             if actual != spec["size"]:
                 raise CorruptCheckpoint(
-                    f"{file} has {actual} bytes, the manifest says {spec['size']}")
+                    f"{file} has {actual} bytes, the manifest says {spec['size']}"
+                )
             if sha256(storage, join(path, file)) != spec["sha256"]:
                 raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
         except OSError as error:
@@ -115,8 +126,10 @@ def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, An
             lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
             reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
             reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here
-            raise CorruptCheckpoint(f"{file} does not load with torch.load(weights_only=True): "
-                                    f"{type(error).__name__}: {reason}") from None
+            raise CorruptCheckpoint(
+                f"{file} does not load with torch.load(weights_only=True): "
+                f"{type(error).__name__}: {reason}"
+            ) from None
         if "param_shapes" in entry:
             _check_param_shapes(name, entry["param_shapes"], saved[name], file)
     return manifest, saved
@@ -144,23 +157,32 @@ def validate(data: bytes, step: int, path: str) -> Manifest:
     version = _get(manifest, "version", int, "an int")
     if version != VERSION:  # whole, but not ours to read: never skip past it
         raise StateMismatch(
-            f"checkpoint {path}", "version", version, VERSION, message=(
+            f"checkpoint {path}",
+            "version",
+            version,
+            VERSION,
+            message=(
                 f"checkpoint {path} has format version {version!r}; this unbroken reads version "
-                f"{VERSION}. Resume with the unbroken version that saved it."))
+                f"{VERSION}. Resume with the unbroken version that saved it."
+            ),
+        )
     if _count(manifest, "step") != step:
         raise CorruptCheckpoint(f"{MANIFEST} says step {manifest['step']!r}, its directory {step}")
     _get(manifest, "torch", str, "a str")
     files = _get(manifest, "files", dict, "a dict")
     for file in files:
         if not _FILE.fullmatch(file):
-            raise _malformed(f"manifest['files'] has an invalid file name {file!r}, expected "
-                             "one like '000-model.pt'")
+            raise _malformed(
+                f"manifest['files'] has an invalid file name {file!r}, expected "
+                "one like '000-model.pt'"
+            )
         spec = _get(files, file, dict, "a dict", "manifest['files']")
         where = f"manifest['files'][{file!r}]"
         _count(spec, "size", where)
         if not _SHA256.fullmatch(_get(spec, "sha256", str, "64 lowercase hex digits", where)):
-            raise _malformed(f"{where}['sha256'] is {spec['sha256']!r}, expected 64 lowercase "
-                             "hex digits")
+            raise _malformed(
+                f"{where}['sha256'] is {spec['sha256']!r}, expected 64 lowercase hex digits"
+            )
     entries = _get(manifest, "entries", dict, "a dict")
     for name in entries:
         entry = _get(entries, name, dict, "a dict", "manifest['entries']")
@@ -185,14 +207,17 @@ def _check_param_shapes(name: str, shapes: ParamShapes, saved: Any, file: str) -
     try:
         sizes = [len(group["params"]) for group in saved["param_groups"]]
     except (KeyError, TypeError):
-        raise _malformed(f"manifest['entries'][{name!r}] has 'param_shapes', but {file} holds "
-                         "no optimizer state_dict (no 'param_groups' with 'params')") from None
+        raise _malformed(
+            f"manifest['entries'][{name!r}] has 'param_shapes', but {file} holds "
+            "no optimizer state_dict (no 'param_groups' with 'params')"
+        ) from None
     listed = [len(group) for group in shapes]
     if listed != sizes:
         raise _malformed(
             f"manifest['entries'][{name!r}]['param_shapes'] lists {len(listed)} parameter groups "
             f"of sizes {listed}, the optimizer state_dict in {file} has {len(sizes)} of sizes "
-            f"{sizes}")
+            f"{sizes}"
+        )
 
 
 def _malformed(problem: str) -> CorruptCheckpoint:

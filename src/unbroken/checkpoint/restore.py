@@ -48,9 +48,11 @@ class Restored:
         return True
 
     def __repr__(self) -> str:
-        return (f"Restored(step={self.step}, path={str(self.path)!r}, "
-                f"values={_SHORT.repr(self.values)}, "
-                f"unrequested={_SHORT.repr(self.unrequested)})")
+        return (
+            f"Restored(step={self.step}, path={str(self.path)!r}, "
+            f"values={_SHORT.repr(self.values)}, "
+            f"unrequested={_SHORT.repr(self.unrequested)})"
+        )
 
 
 class _Short(reprlib.Repr):
@@ -66,24 +68,33 @@ class _Short(reprlib.Repr):
             return "{}"
         if level <= 0:
             return "{...}"
-        items = [f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}"
-                 for key, value in itertools.islice(x.items(), self.maxdict)]
+        items = [
+            f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}"
+            for key, value in itertools.islice(x.items(), self.maxdict)
+        ]
         return "{" + ", ".join(items + ["..."] * (len(x) > self.maxdict)) + "}"
 
 
 _SHORT = _Short()
 
 
-def restore(state: dict[str, Any], saved: dict[str, Any], entries: dict[str, EntrySpec],
-            path: Path) -> None:
+def restore(
+    state: dict[str, Any], saved: dict[str, Any], entries: dict[str, EntrySpec], path: Path
+) -> None:
     """Give each object of ``state`` with ``load_state_dict`` its entry of ``saved``."""
     missing = [name for name in state if name not in saved]
     if missing:
         raise StateMismatch(
-            f"checkpoint {path}", "entries", sorted(saved), list(state), message=(
+            f"checkpoint {path}",
+            "entries",
+            sorted(saved),
+            list(state),
+            message=(
                 f"checkpoint {path} has no entry {', '.join(map(repr, missing))} (it holds "
                 f"{sorted(saved)}); ask for the names that were saved, or leave these out of the "
-                "state given to load_latest"))
+                "state given to load_latest"
+            ),
+        )
     # Everything that can be checked is checked first: a mismatch changes nothing.
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
@@ -95,12 +106,19 @@ def restore(state: dict[str, Any], saved: dict[str, Any], entries: dict[str, Ent
         try:
             obj.load_state_dict(saved[name])
         except Exception as error:
-            partly = (f" {done} were restored already, so the state is now partly restored: "
-                      "do not train on with it." if done else "")
+            partly = (
+                f" {done} were restored already, so the state is now partly restored: "
+                "do not train on with it."
+                if done
+                else ""
+            )
             raise _rejected(
-                error, f"state[{name!r}]", f"state[{name!r}]: {type(obj).__qualname__}."
+                error,
+                f"state[{name!r}]",
+                f"state[{name!r}]: {type(obj).__qualname__}."
                 f"load_state_dict rejected the entry saved in {path}: "
-                f"{str(error).rstrip('.')}.{partly}") from error
+                f"{str(error).rstrip('.')}.{partly}",
+            ) from error
         done.append(name)
 
 
@@ -123,17 +141,30 @@ def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
     what = f"state[{name!r}]"
     if not isinstance(saved, dict):
         raise StateMismatch(
-            what, "type", type(saved).__name__, type(module).__qualname__, message=(
+            what,
+            "type",
+            type(saved).__name__,
+            type(module).__qualname__,
+            message=(
                 f"{what}: the checkpoint holds a {type(saved).__name__}, not the state_dict "
-                f"of a {type(module).__qualname__}"))
+                f"of a {type(module).__qualname__}"
+            ),
+        )
     current = module.state_dict()
     params = {key for key, _ in module.named_parameters(remove_duplicate=False)}
-    differ = [key for key, now in current.items()
-              if key in saved and isinstance(now, torch.Tensor)
-              and isinstance(saved[key], torch.Tensor) and saved[key].shape != now.shape]
+    differ = [
+        key
+        for key, now in current.items()
+        if key in saved
+        and isinstance(now, torch.Tensor)
+        and isinstance(saved[key], torch.Tensor)
+        and saved[key].shape != now.shape
+    ]
     problems = [
         f"{'parameter' if key in params else 'buffer'} {key!r} has shape {_shape(saved[key])} "
-        f"in the checkpoint and {_shape(current[key])} now" for key in differ]
+        f"in the checkpoint and {_shape(current[key])} now"
+        for key in differ
+    ]
     if len(problems) > 5:  # a changed width touches every layer: the first few say enough
         problems[5:] = [f"{len(problems) - 5} more tensors differ in shape"]
     absent = [key for key in current if key not in saved]
@@ -146,10 +177,16 @@ def _check_module(name: str, module: torch.nn.Module, saved: Any) -> None:
         # saved and current: the shape of each key that differs (None where it is absent).
         keys = [*differ, *absent, *extra]
         raise StateMismatch(
-            what, "state_dict", {key: _shape_of(saved, key) for key in keys},
-            {key: _shape_of(current, key) for key in keys}, message=(
+            what,
+            "state_dict",
+            {key: _shape_of(saved, key) for key in keys},
+            {key: _shape_of(current, key) for key in keys},
+            message=(
                 f"{what}: the checkpoint does not fit this {type(module).__qualname__}: "
-                + "; ".join(problems) + ". Build the model as the run that saved it did."))
+                + "; ".join(problems)
+                + ". Build the model as the run that saved it did."
+            ),
+        )
 
 
 def _shape_of(state_dict: dict, key: str) -> tuple[int, ...] | None:
@@ -157,26 +194,46 @@ def _shape_of(state_dict: dict, key: str) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, saved: Any,
-                     shapes: ParamShapes | None) -> None:
+def _check_optimizer(
+    name: str, optimizer: torch.optim.Optimizer, saved: Any, shapes: ParamShapes | None
+) -> None:
     what = f"state[{name!r}]"
     now = [len(group["params"]) for group in optimizer.param_groups]
     try:
         sizes = [len(group["params"]) for group in saved["param_groups"]]
     except (KeyError, TypeError):
-        raise StateMismatch(what, "param_groups", None, now, message=(
-            f"{what}: the checkpoint does not hold an optimizer's state_dict (no "
-            "'param_groups' with 'params')")) from None
+        raise StateMismatch(
+            what,
+            "param_groups",
+            None,
+            now,
+            message=(
+                f"{what}: the checkpoint does not hold an optimizer's state_dict (no "
+                "'param_groups' with 'params')"
+            ),
+        ) from None
     if sizes != now:
-        raise StateMismatch(what, "param_groups", sizes, now, message=(
-            f"{what}: the checkpoint has {len(sizes)} parameter groups of sizes {sizes}, this "
-            f"optimizer has {len(now)} of sizes {now}; build it over the same parameters"))
+        raise StateMismatch(
+            what,
+            "param_groups",
+            sizes,
+            now,
+            message=(
+                f"{what}: the checkpoint has {len(sizes)} parameter groups of sizes {sizes}, this "
+                f"optimizer has {len(now)} of sizes {now}; build it over the same parameters"
+            ),
+        )
     for g, group in enumerate(optimizer.param_groups if shapes else ()):
         for i, param in enumerate(group["params"]):
             if shapes is not None and list(param.shape) != shapes[g][i]:
                 raise StateMismatch(
-                    what, f"param_groups[{g}]['params'][{i}].shape", tuple(shapes[g][i]),
-                    tuple(param.shape), message=(
+                    what,
+                    f"param_groups[{g}]['params'][{i}].shape",
+                    tuple(shapes[g][i]),
+                    tuple(param.shape),
+                    message=(
                         f"{what}: parameter {i} of group {g} has shape {tuple(shapes[g][i])} in "
                         f"the checkpoint and {_shape(param)} now; build the model as the run "
-                        "that saved it did"))
+                        "that saved it did"
+                    ),
+                )

@@ -19,8 +19,15 @@ from .storage import Storage, join
 FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def disk_full(error: OSError, storage: Storage, directory: str, step: int, entries: dict,
-              keep: int, kept: list[str]) -> OSError:
+def disk_full(
+    error: OSError,
+    storage: Storage,
+    directory: str,
+    step: int,
+    entries: dict,
+    keep: int,
+    kept: list[str],
+) -> OSError:
     """``error`` (ENOSPC or EDQUOT) as an ``OSError`` that says what to do; call it after the
     temporary directory is removed, so that what is free is what a new save would have."""
     assert error.errno is not None  # FULL holds it
@@ -32,18 +39,26 @@ def disk_full(error: OSError, storage: Storage, directory: str, step: int, entri
     except OSError:
         free = None
     used = sum(_du(storage, path) for path in kept)
-    where = (f"the disk holding {directory} is full" if error.errno == errno.ENOSPC else
-             f"the disk quota that holds {directory} is used up")
+    where = (
+        f"the disk holding {directory} is full"
+        if error.errno == errno.ENOSPC
+        else f"the disk quota that holds {directory} is used up"
+    )
     message = (
         f"{os.strerror(error.errno)}: checkpoint step {step} was not saved, as {where}. It "
         f"needs about {_human(needed)} ({needed} bytes, an estimate from the sizes of its "
-        "tensors and values)" +
-        (f" and {_human(free)} ({free} bytes) are free there" if free is not None else "") +
-        (f"; the {len(kept)} checkpoint{'s' * (len(kept) > 1)} kept there take"
-         f"{'s' * (len(kept) == 1)} {_human(used)}" if kept else "") +
-        f". Free space on that disk or give the Checkpointer a directory on a larger one (it "
+        "tensors and values)"
+        + (f" and {_human(free)} ({free} bytes) are free there" if free is not None else "")
+        + (
+            f"; the {len(kept)} checkpoint{'s' * (len(kept) > 1)} kept there take"
+            f"{'s' * (len(kept) == 1)} {_human(used)}"
+            if kept
+            else ""
+        )
+        + f". Free space on that disk or give the Checkpointer a directory on a larger one (it "
         f"needs room for keep={keep} checkpoints plus the one being written). Nothing was "
-        "changed: the earlier checkpoints are as they were.")
+        "changed: the earlier checkpoints are as they were."
+    )
     return OSError(error.errno, message)
 
 
@@ -62,8 +77,7 @@ def estimate_size(value: Any, seen: set | None = None) -> int:
         except (NotImplementedError, RuntimeError):  # sparse and others: an upper bound
             return value.numel() * value.element_size() + 400
     if isinstance(value, dict):
-        return 16 + sum(estimate_size(k, seen) + estimate_size(v, seen)
-                        for k, v in value.items())
+        return 16 + sum(estimate_size(k, seen) + estimate_size(v, seen) for k, v in value.items())
     if isinstance(value, (list, tuple, set, frozenset)):
         return 16 + sum(estimate_size(item, seen) for item in value)
     if isinstance(value, (str, bytes, bytearray)):
@@ -74,8 +88,11 @@ def estimate_size(value: Any, seen: set | None = None) -> int:
 def _du(storage: Storage, directory: str) -> int:
     """The bytes of the files directly in ``directory`` (a checkpoint has no subdirectories)."""
     try:
-        return sum(storage.size(join(directory, entry.name))
-                   for entry in storage.list_directory(directory) if not entry.is_directory)
+        return sum(
+            storage.size(join(directory, entry.name))
+            for entry in storage.list_directory(directory)
+            if not entry.is_directory
+        )
     except OSError:
         return 0
 

@@ -25,12 +25,30 @@ import torch
 # (1000) would stop the save with a RecursionError instead of a message naming the path.
 MAX_DEPTH = 100
 # Layouts whose tensors weights_only rebuilds (mkldnn tensors cannot even be pickled).
-_LAYOUTS = {torch.strided, torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
-            torch.sparse_bsc}
+_LAYOUTS = {
+    torch.strided,
+    torch.sparse_coo,
+    torch.sparse_csr,
+    torch.sparse_csc,
+    torch.sparse_bsr,
+    torch.sparse_bsc,
+}
 # What torch.load(weights_only=True) rebuilds, by exact type: subclasses such as IntEnum,
 # numpy.float64 or defaultdict pickle as their own class, which it refuses.
-_ATOMS = {type(None), bool, int, float, str, torch.Size, torch.device, torch.dtype, bytes,
-          bytearray, complex, torch.layout}  # the last four if _PROBED says so
+_ATOMS = {
+    type(None),
+    bool,
+    int,
+    float,
+    str,
+    torch.Size,
+    torch.device,
+    torch.dtype,
+    bytes,
+    bytearray,
+    complex,
+    torch.layout,
+}  # the last four if _PROBED says so
 _MAPPINGS = {dict, OrderedDict, Counter}
 _SEQUENCES = {list, tuple, set, frozenset}
 # Types that only some torch versions load (sets since 2.6; bytes never when empty, as that
@@ -54,13 +72,17 @@ def checked_copy(value: Any, path: str, clone: bool, active: frozenset = frozens
     """
     kind = type(value)
     if kind in _PROBED and kind not in _loadable():
-        raise ValueError(f"{path}: a {kind.__name__} does not load with torch.load(weights_only="
-                         f"True) in torch {torch.__version__}; use {_PROBED[kind][1]} instead")
+        raise ValueError(
+            f"{path}: a {kind.__name__} does not load with torch.load(weights_only="
+            f"True) in torch {torch.__version__}; use {_PROBED[kind][1]} instead"
+        )
     if kind is int:
         _check_int(value, path)
     if kind is torch.dtype and not _round_trips(value):
-        raise ValueError(f"{path}: the dtype {value} does not load with torch.load(weights_only="
-                         f"True) in torch {torch.__version__}; save its name as a str instead")
+        raise ValueError(
+            f"{path}: the dtype {value} does not load with torch.load(weights_only="
+            f"True) in torch {torch.__version__}; save its name as a str instead"
+        )
     if kind in _ATOMS:
         return bytearray(value) if clone and kind is bytearray else value
     if kind in (torch.Tensor, torch.nn.Parameter):
@@ -69,13 +91,16 @@ def checked_copy(value: Any, path: str, clone: bool, active: frozenset = frozens
         raise ValueError(
             f"{path}: a {kind.__module__}.{kind.__qualname__} (a tensor subclass) does not load "
             "with torch.load(weights_only=True), which rebuilds only torch.Tensor and "
-            "nn.Parameter; save value.as_subclass(torch.Tensor), or the plain tensors it wraps")
+            "nn.Parameter; save value.as_subclass(torch.Tensor), or the plain tensors it wraps"
+        )
     if kind in _MAPPINGS or kind in _SEQUENCES:
         if id(value) in active:
             raise ValueError(f"{path}: this {kind.__name__} contains itself")
         if len(active) >= MAX_DEPTH:
-            raise ValueError(f"{path}: containers nested more than {MAX_DEPTH} deep cannot be "
-                             "checkpointed (pickling recurses once per level); flatten it")
+            raise ValueError(
+                f"{path}: containers nested more than {MAX_DEPTH} deep cannot be "
+                "checkpointed (pickling recurses once per level); flatten it"
+            )
         active = active | {id(value)}
         if kind in _SEQUENCES:
             return kind(checked_copy(v, f"{path}[{i}]", clone, active) for i, v in enumerate(value))
@@ -89,12 +114,14 @@ def checked_copy(value: Any, path: str, clone: bool, active: frozenset = frozens
     if isinstance(value, (np.ndarray, np.generic)):
         raise ValueError(
             f"{path}: a numpy {kind.__name__} does not load with torch.load(weights_only=True); "
-            "return torch.from_numpy(array) or scalar.item() from state_dict() instead")
+            "return torch.from_numpy(array) or scalar.item() from state_dict() instead"
+        )
     raise ValueError(
         f"{path}: a {kind.__module__}.{kind.__qualname__} cannot be checkpointed. Checkpoints "
         "are loaded with torch.load(weights_only=True), which runs no code and so rebuilds only "
         "plain data (dicts, lists, tuples, str, int, float, bool, None) and tensors; give the "
-        "object state_dict()/load_state_dict() methods that return those, or leave it out")
+        "object state_dict()/load_state_dict() methods that return those, or leave it out"
+    )
 
 
 def _tensor(value: torch.Tensor, path: str, clone: bool) -> torch.Tensor:
@@ -102,24 +129,33 @@ def _tensor(value: torch.Tensor, path: str, clone: bool) -> torch.Tensor:
         raise ValueError(
             f"{path}: a tensor on the meta device (shape {tuple(value.shape)}) has no data, so "
             "it would load as an empty meta tensor that no load_state_dict accepts; give it "
-            "values first (module.to_empty(device=...), then initialize or load weights)")
+            "values first (module.to_empty(device=...), then initialize or load weights)"
+        )
     if value.layout not in _LAYOUTS:
-        raise ValueError(f"{path}: a tensor with layout {value.layout} cannot be saved and "
-                         "loaded with torch.load(weights_only=True); convert it to a dense one "
-                         "(.to_dense()) in state_dict()")
+        raise ValueError(
+            f"{path}: a tensor with layout {value.layout} cannot be saved and "
+            "loaded with torch.load(weights_only=True); convert it to a dense one "
+            "(.to_dense()) in state_dict()"
+        )
     if vars(value):
-        raise ValueError(f"{path}: this tensor carries Python attributes {sorted(vars(value))},"
-                         " which a weights_only load refuses; save a plain tensor")
+        raise ValueError(
+            f"{path}: this tensor carries Python attributes {sorted(vars(value))},"
+            " which a weights_only load refuses; save a plain tensor"
+        )
     if not _round_trips(value.dtype, tensor=True):
-        raise ValueError(f"{path}: a tensor of dtype {value.dtype} does not load with torch.load("
-                         f"weights_only=True) in torch {torch.__version__}; convert it with .to()")
+        raise ValueError(
+            f"{path}: a tensor of dtype {value.dtype} does not load with torch.load("
+            f"weights_only=True) in torch {torch.__version__}; convert it with .to()"
+        )
     if not clone:
         return value
     try:
         copy = value.detach().to("cpu", copy=True)
     except Exception as error:  # whatever torch refuses, say which tensor
-        raise ValueError(f"{path}: this tensor could not be copied to CPU memory for the "
-                         f"background save: {type(error).__name__}: {error}") from error
+        raise ValueError(
+            f"{path}: this tensor could not be copied to CPU memory for the "
+            f"background save: {type(error).__name__}: {error}"
+        ) from error
     if type(value) is torch.nn.Parameter:
         return torch.nn.Parameter(copy, value.requires_grad)
     return copy
@@ -131,16 +167,17 @@ def _check_int(value: int, path: str) -> None:
         raise ValueError(
             f"{path}: this int has {value.bit_length()} bits; torch.load(weights_only=True) in "
             f"torch {torch.__version__} rebuilds only ints from -2**{bits} to 2**{bits} - 1. "
-            "Save it as hex(n) and read it back with int(s, 16)")
+            "Save it as hex(n) and read it back with int(s, 16)"
+        )
 
 
 @functools.cache
 def _int_range() -> tuple[int | None, int, int]:
     """``(bits, -2**bits, 2**bits - 1)``: the ints that load; ``bits`` is None if all do."""
-    if _round_trips(2**2039) and _round_trips(-2**2039 - 1):  # pickle's LONG4 too
+    if _round_trips(2**2039) and _round_trips(-(2**2039) - 1):  # pickle's LONG4 too
         return None, 0, 0
-    bits = 2039 if _round_trips(2**2039 - 1) and _round_trips(-2**2039) else 31  # LONG1, BININT
-    return bits, -2**bits, 2**bits - 1
+    bits = 2039 if _round_trips(2**2039 - 1) and _round_trips(-(2**2039)) else 31  # LONG1, BININT
+    return bits, -(2**bits), 2**bits - 1
 
 
 @functools.cache
@@ -157,7 +194,8 @@ def _round_trips(sample: Any, tensor: bool = False) -> bool:
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=True)
         return type(loaded) is type(sample) and (
-            loaded.dtype == sample.dtype if tensor else loaded == sample)
+            loaded.dtype == sample.dtype if tensor else loaded == sample
+        )
     except Exception:  # refused, in whichever way this torch refuses
         return False
 

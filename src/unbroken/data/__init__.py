@@ -16,5 +16,13 @@ from .loader import DataLoader
 from .rng import sample_rng, sample_seed
 from .shuffling import ShuffleBuffer, shuffle_buffer
 
-__all__ = ["CombinedLoader", "DataLoader", "Resumable", "ShuffleBuffer", "resumable",
-           "sample_rng", "sample_seed", "shuffle_buffer"]
+__all__ = [
+    "CombinedLoader",
+    "DataLoader",
+    "Resumable",
+    "ShuffleBuffer",
+    "resumable",
+    "sample_rng",
+    "sample_seed",
+    "shuffle_buffer",
+]

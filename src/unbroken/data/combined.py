@@ -31,7 +31,7 @@ from typing import Any
 
 from .._state import StateReader, mismatch, same
 from ..errors import CorruptState, prefixed
-from .combined_checks import check_entry, check_progress
+from .combined_checks import check_child, check_entry, check_progress, sets_epochs
 from .epochs import EpochIterable, check_epoch
 from .states import COMBINED, CombinedState
 
@@ -65,31 +65,37 @@ class CombinedLoader(EpochIterable[_Progress]):
     nothing starts nothing.
     """
 
-    def __init__(self, loaders: Mapping[str, Any] | list | tuple,
-                 mode: str = "max_size_cycle") -> None:
+    def __init__(
+        self, loaders: Mapping[str, Any] | list | tuple, mode: str = "max_size_cycle"
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(loaders, Mapping):
             bad = [key for key in loaders if not isinstance(key, str)]
             if bad:
-                raise TypeError(f"CombinedLoader dict keys must be str (they name the loaders in "
-                                f"the saved state), got {bad[0]!r}")
+                raise TypeError(
+                    f"CombinedLoader dict keys must be str (they name the loaders in "
+                    f"the saved state), got {bad[0]!r}"
+                )
             self._keys: list[Any] = list(loaders)
             children = list(loaders.values())
         elif isinstance(loaders, (list, tuple)):
             self._keys, children = list(range(len(loaders))), list(loaders)  # keys: indices
         else:
-            raise TypeError(f"CombinedLoader takes a dict or a list of loaders, got a "
-                            f"{type(loaders).__name__}")
+            raise TypeError(
+                f"CombinedLoader takes a dict or a list of loaders, got a {type(loaders).__name__}"
+            )
         if not children:
             raise ValueError("CombinedLoader needs at least one loader")
         for key, child in zip(self._keys, children):
-            _check_child(key, child, mode)
+            check_child(key, child, mode)
         for i, child in enumerate(children):
             for j in range(i):
                 if children[j] is child:
-                    raise ValueError(f"CombinedLoader: the same loader is passed as "
-                                     f"{self._keys[j]!r} and {self._keys[i]!r}; pass two loaders")
+                    raise ValueError(
+                        f"CombinedLoader: the same loader is passed as "
+                        f"{self._keys[j]!r} and {self._keys[i]!r}; pass two loaders"
+                    )
         self.loaders, self.mode, self._children = loaders, mode, children
         self._init_epochs()
 
@@ -200,7 +206,7 @@ class CombinedLoader(EpochIterable[_Progress]):
                 iterator = ended.iters[i]
                 if inspect.isgenerator(iterator):
                     iterator.close()
-                if cut_short is not None and _sets_epochs(child):
+                if cut_short is not None and sets_epochs(child):
                     child.set_epoch(cut_short + 1)
                 # else (max_size, sequential): the child was iterated in this process, and its
                 # next iter() starts its next epoch by itself, as torch's DataLoader does.
@@ -217,8 +223,12 @@ class CombinedLoader(EpochIterable[_Progress]):
             "batches": pos.batches,
             "current": pos.current if self.mode == "sequential" else None,
             "loaders": [
-                {"state": self._children[i].state_dict(), "batches": pos.child_batches[i],
-                 "exhausted": pos.exhausted[i], "open": pos.child_open[i]}
+                {
+                    "state": self._children[i].state_dict(),
+                    "batches": pos.child_batches[i],
+                    "exhausted": pos.exhausted[i],
+                    "open": pos.child_open[i],
+                }
                 for i in range(n)
             ],
         }
@@ -239,14 +249,22 @@ class CombinedLoader(EpochIterable[_Progress]):
         if not same(state["mode"], self.mode):
             raise mismatch(_WHAT, "mode", state["mode"], self.mode)
         if not same(state["keys"], self._saved_keys()):  # strictly: a count of True is not 1
-            raise mismatch(_WHAT, "keys", state["keys"], self._saved_keys(),
-                           "A state resumes the same loaders under the same keys.")
+            raise mismatch(
+                _WHAT,
+                "keys",
+                state["keys"],
+                self._saved_keys(),
+                "A state resumes the same loaders under the same keys.",
+            )
         epoch, batches = reader.int("epoch"), reader.int("batches")
         entries = state["loaders"]
         n = len(self._children)
         if not isinstance(entries, list) or len(entries) != n:
-            raise CorruptState(f"{_WHAT} state field 'loaders': expected a list of {n} entries, "
-                               f"got {entries!r:.200}", "loaders")
+            raise CorruptState(
+                f"{_WHAT} state field 'loaders': expected a list of {n} entries, "
+                f"got {entries!r:.200}",
+                "loaders",
+            )
         for key, entry in zip(self._keys, entries):
             check_entry(key, entry)
         current = state["current"]
@@ -274,25 +292,3 @@ class CombinedLoader(EpochIterable[_Progress]):
         pos.exhausted = [entry["exhausted"] for entry in entries]
         pos.child_open = [entry["open"] for entry in entries]
         self._move(epoch, pos)
-
-
-def _check_child(key: Any, child: Any, mode: str) -> None:
-    name = f"{type(child).__module__}.{type(child).__qualname__}"
-    needed = ("__iter__", "state_dict", "load_state_dict")
-    if not all(callable(getattr(child, method, None)) for method in needed):
-        raise TypeError(
-            f"CombinedLoader: loader {key!r} (a {name}) needs __iter__, state_dict() and "
-            "load_state_dict(): without them a resume would silently restart it. Use "
-            "unbroken.DataLoader (or any loader that saves its position)."
-        )
-    if mode in ("min_size", "max_size_cycle") and not _sets_epochs(child):
-        raise TypeError(
-            f"CombinedLoader(mode={mode!r}): loader {key!r} (a {name}) needs `epoch` and "
-            "set_epoch(): this mode ends children's epochs early and moves them to their next "
-            "epoch with child.set_epoch(child.epoch + 1). Use unbroken.DataLoader, or "
-            "mode='max_size' or 'sequential'."
-        )
-
-
-def _sets_epochs(child: Any) -> bool:
-    return callable(getattr(child, "set_epoch", None)) and hasattr(child, "epoch")

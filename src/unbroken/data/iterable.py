@@ -56,7 +56,9 @@ _END = object()
 
 
 def resumable(
-    make_iterable: Callable[..., Iterable] | Iterable, *, name: str | None = None,
+    make_iterable: Callable[..., Iterable] | Iterable,
+    *,
+    name: str | None = None,
     progress: bool = True,
 ) -> Resumable:
     """Make ``make_iterable``'s stream resumable: see ``Resumable``."""
@@ -101,7 +103,10 @@ class Resumable(EpochIterable[_ItemPosition]):
     """
 
     def __init__(
-        self, make_iterable: Callable[..., Iterable] | Iterable, *, name: str | None = None,
+        self,
+        make_iterable: Callable[..., Iterable] | Iterable,
+        *,
+        name: str | None = None,
         progress: bool = True,
     ) -> None:
         if name is not None and not isinstance(name, str):
@@ -143,10 +148,17 @@ class Resumable(EpochIterable[_ItemPosition]):
         obj = self._object(epoch)
         if pos.inner is not None:
             if not has_state(obj):
-                raise StateMismatch(self._what, "inner", "a state", None, message=(
-                    f"{self._what}: the state holds the state of the epoch's iterable, but the "
-                    f"{type(obj).__qualname__} made now has no load_state_dict(); make the "
-                    "same kind of iterable that saved it"))
+                raise StateMismatch(
+                    self._what,
+                    "inner",
+                    "a state",
+                    None,
+                    message=(
+                        f"{self._what}: the state holds the state of the epoch's iterable, but the "
+                        f"{type(obj).__qualname__} made now has no load_state_dict(); make the "
+                        "same kind of iterable that saved it"
+                    ),
+                )
             obj.load_state_dict(from_jsonable(pos.inner))
             return obj, iter(obj)
         items = iter(obj)
@@ -174,18 +186,30 @@ class Resumable(EpochIterable[_ItemPosition]):
             )
         from tqdm import tqdm  # imported here: only a long skip needs it
 
-        bar = tqdm(total=count, desc=f"{self._what}: skipping", unit="item", leave=False,
-                   disable=None if self.progress and count > _PROGRESS_AFTER else True)
+        bar = tqdm(
+            total=count,
+            desc=f"{self._what}: skipping",
+            unit="item",
+            leave=False,
+            disable=None if self.progress and count > _PROGRESS_AFTER else True,
+        )
         skipped = 0
         with bar:
             for _ in itertools.islice(items, count):
                 skipped += 1
                 bar.update()
         if skipped < count:
-            raise StateMismatch(self._what, "items", count, skipped, message=(
-                f"{self._what}: the state says {count} items of epoch {self._epoch} were "
-                f"received, but the re-made {kind} yields only {skipped}; the iterable is not "
-                "deterministic, or shorter than the one that saved the state"))
+            raise StateMismatch(
+                self._what,
+                "items",
+                count,
+                skipped,
+                message=(
+                    f"{self._what}: the state says {count} items of epoch {self._epoch} were "
+                    f"received, but the re-made {kind} yields only {skipped}; the iterable is not "
+                    "deterministic, or shorter than the one that saved the state"
+                ),
+            )
 
     def state_dict(self) -> ResumableState:
         """What the loop has received so far: JSON-serializable (``json.dumps`` works).
@@ -196,8 +220,13 @@ class Resumable(EpochIterable[_ItemPosition]):
         pos = self._pos
         raise_if_unsaveable(pos.inner)
         return {
-            "format": RESUMABLE.name, "version": RESUMABLE.version, "name": self.name, "epoch": self._epoch,
-            "items": pos.items, "end": pos.end, "inner": pos.inner,
+            "format": RESUMABLE.name,
+            "version": RESUMABLE.version,
+            "name": self.name,
+            "epoch": self._epoch,
+            "items": pos.items,
+            "end": pos.end,
+            "inner": pos.inner,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -211,8 +240,13 @@ class Resumable(EpochIterable[_ItemPosition]):
         """
         reader = StateReader(state, self._what, RESUMABLE)
         if not same(state["name"], self.name):
-            raise mismatch(self._what, "name", state["name"], self.name,
-                           "Load the state saved by the stream of this name.")
+            raise mismatch(
+                self._what,
+                "name",
+                state["name"],
+                self.name,
+                "Load the state saved by the stream of this name.",
+            )
         epoch, items, end = reader.int("epoch"), reader.int("items"), reader.bool("end")
         inner = state["inner"]
         if inner is not None:

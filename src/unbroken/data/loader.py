@@ -98,8 +98,9 @@ class DataLoader(EpochIterable[Cursor]):
         self.seed = _check_seed(seed, generator)
         self._seed_given = seed is not None or generator is not None
         self.sampler, self.batch_sampler = sampler, batch_sampler
-        self._source = make_source(dataset, batch_size, shuffle, sampler, batch_sampler,
-                                   drop_last, num_workers)
+        self._source = make_source(
+            dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers
+        )
         if isinstance(self._source, StreamSource):
             persistent_workers = False  # each epoch starts every worker from another state
 
@@ -107,8 +108,9 @@ class DataLoader(EpochIterable[Cursor]):
         # torch's global one, so iterating a loader leaves the training process's RNG untouched.
         self._worker_seeds = torch.Generator()
         self._user_worker_init = worker_init_fn
-        inner_dataset, batching = self._source.torch_dataset(dataset, collate_fn, batch_size,
-                                                              self.global_rngs)
+        inner_dataset, batching = self._source.torch_dataset(
+            dataset, collate_fn, batch_size, self.global_rngs
+        )
         self._inner = torch.utils.data.DataLoader(
             inner_dataset,
             **batching,
@@ -183,26 +185,42 @@ class DataLoader(EpochIterable[Cursor]):
         what = "unbroken.DataLoader"
         reader = StateReader(state, what, LOADER)
         if reader.version == 1 and isinstance(self._source, PerWorkerStream):
-            raise StateMismatch(what, "version", 1, LOADER.version, message=(
-                f"{what}: the state was saved with version=1, whose iterable-dataset workers "
-                "seeded their items from other keys than this version does, so the rest of the "
-                "epoch would draw other random numbers than the run that saved it. Finish that "
-                "run with unbroken 0.1.0, or start a new one."))
+            raise StateMismatch(
+                what,
+                "version",
+                1,
+                LOADER.version,
+                message=(
+                    f"{what}: the state was saved with version=1, whose iterable-dataset workers "
+                    "seeded their items from other keys than this version does, so the rest of the "
+                    "epoch would draw other random numbers than the run that saved it. Finish that "
+                    "run with unbroken 0.1.0, or start a new one."
+                ),
+            )
         saved_seed = reader.int("seed", 0, _SEED_LIMIT - 1)
         if self._seed_given and saved_seed != self.seed:
-            raise mismatch(what, "seed", saved_seed, self.seed,
-                           "Pass the saved seed, or seed=None to adopt it.")
+            raise mismatch(
+                what,
+                "seed",
+                saved_seed,
+                self.seed,
+                "Pass the saved seed, or seed=None to adopt it.",
+            )
         saved_print = reader.dict("fingerprint")
         current_print = self._fingerprint()
         for field, current in current_print.items():
             if field not in saved_print:
-                raise CorruptState(f"{what} state is malformed: fingerprint lacks '{field}'",
-                                   "fingerprint")
+                raise CorruptState(
+                    f"{what} state is malformed: fingerprint lacks '{field}'", "fingerprint"
+                )
             if not same(saved_print[field], current):  # strictly: True is not 1
                 raise mismatch(what, field, saved_print[field], current)
         if set(saved_print) != set(current_print):
-            raise CorruptState(f"{what} state field 'fingerprint': unexpected fields "
-                               f"{sorted(set(saved_print) - set(current_print))}", "fingerprint")
+            raise CorruptState(
+                f"{what} state field 'fingerprint': unexpected fields "
+                f"{sorted(set(saved_print) - set(current_print))}",
+                "fingerprint",
+            )
         cursor = Cursor(reader.int("samples"), reader.int("batches"), state["source"])
         self._source.check_cursor(cursor, what)
         epoch = reader.int("epoch")
@@ -237,8 +255,15 @@ def _check_seed(seed: int | None, generator: torch.Generator | None) -> int:
     return seed
 
 
-def make_source(dataset: Any, batch_size: int | None, shuffle: bool | None, sampler: Any,
-                batch_sampler: Any, drop_last: bool, num_workers: int) -> BatchSource:
+def make_source(
+    dataset: Any,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: Any,
+    batch_sampler: Any,
+    drop_last: bool,
+    num_workers: int,
+) -> BatchSource:
     """The source of the loader's batches, from torch's arguments (and torch's checks)."""
     _check_batch_size(batch_size)
     if is_stream(dataset):
@@ -266,6 +291,7 @@ def make_source(dataset: Any, batch_size: int | None, shuffle: bool | None, samp
 
 
 def _check_batch_size(batch_size: Any) -> None:
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size <= 0):
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0
+    ):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")

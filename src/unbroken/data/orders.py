@@ -48,8 +48,9 @@ class IndexSource(BatchSource):
         """The epoch's batches from ``cursor``; before yielding one, append to ``done`` the
         ``(samples, source)`` the cursor holds once that batch is received."""
 
-    def torch_dataset(self, dataset: Any, collate_fn: Any, batch_size: int | None,
-                      global_rngs: tuple[str, ...]) -> tuple[Dataset, dict[str, Any]]:
+    def torch_dataset(
+        self, dataset: Any, collate_fn: Any, batch_size: int | None, global_rngs: tuple[str, ...]
+    ) -> tuple[Dataset, dict[str, Any]]:
         plan = _EpochPlan(self)
         auto_batch = batch_size is not None or self.batched_by_user
         return SeededDataset(dataset, global_rngs), {
@@ -104,8 +105,11 @@ class NativeOrder(IndexSource):
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
         if cursor.source is not None:
-            raise CorruptState(f"{what} state field 'source': expected null (unbroken's own order "
-                               f"keeps no sampler state), got {cursor.source!r:.200}", "source")
+            raise CorruptState(
+                f"{what} state field 'source': expected null (unbroken's own order "
+                f"keeps no sampler state), got {cursor.source!r:.200}",
+                "source",
+            )
         step = self.batch_size or 1
         expected = min(cursor.batches * step, self.epoch_samples)
         if cursor.samples != expected or cursor.batches > len(self):

@@ -58,8 +58,15 @@ class StatefulStream(PerWorkerStream):
                 pass
         return self._initial
 
-    def open(self, plan: dict, saved: WorkerPosition, worker: int,
-             seed: Callable[[int], None], key: int, global_rngs: tuple[str, ...]) -> Opened:
+    def open(
+        self,
+        plan: dict,
+        saved: WorkerPosition,
+        worker: int,
+        seed: Callable[[int], None],
+        key: int,
+        global_rngs: tuple[str, ...],
+    ) -> Opened:
         dataset, epoch = self.dataset, plan["epoch"]
         if saved["state"] is None:
             # A fresh epoch: the state as it was before the loader first iterated the dataset
@@ -80,16 +87,19 @@ class StatefulStream(PerWorkerStream):
                 dataset.load_state_dict(state)
                 items = iter(dataset)
         # Refused only when the user asks for the state, never while iterating.
-        return items, lambda: encode_or_defer(dataset.state_dict(), "dataset.state_dict()",
-                                              "unbroken.DataLoader")
+        return items, lambda: encode_or_defer(
+            dataset.state_dict(), "dataset.state_dict()", "unbroken.DataLoader"
+        )
 
     def check_state(self, state: Any, items: int, where: str) -> None:
         if state is not None:
             check_user_state(state, where)
         if (state is None) != (items == 0):
-            raise CorruptState(f"{where}: expected null before the worker's first item, then the "
-                               f"dataset's state_dict() with items={items}, got {state!r:.200}",
-                               "source")
+            raise CorruptState(
+                f"{where}: expected null before the worker's first item, then the "
+                f"dataset's state_dict() with items={items}, got {state!r:.200}",
+                "source",
+            )
 
 
 class _CountingIterator:
@@ -112,8 +122,15 @@ class SamplerPatternStream(PerWorkerStream):
 
     tag = "sampler"
 
-    def open(self, plan: dict, saved: WorkerPosition, worker: int,
-             seed: Callable[[int], None], key: int, global_rngs: tuple[str, ...]) -> Opened:
+    def open(
+        self,
+        plan: dict,
+        saved: WorkerPosition,
+        worker: int,
+        seed: Callable[[int], None],
+        key: int,
+        global_rngs: tuple[str, ...],
+    ) -> Opened:
         dataset = self.dataset
         set_epoch(dataset, plan["epoch"])
         items = iter(dataset)
@@ -125,15 +142,24 @@ class SamplerPatternStream(PerWorkerStream):
         return items, lambda: {"sampler_indices": counter.count}
 
     def check_state(self, state: Any, items: int, where: str) -> None:
-        ok = state is None if items == 0 else (
-            isinstance(state, dict) and set(state) == {"sampler_indices"}
-            and not isinstance(state["sampler_indices"], bool)
-            and isinstance(state["sampler_indices"], int)
-            and 0 <= state["sampler_indices"] <= COUNT_LIMIT)
+        ok = (
+            state is None
+            if items == 0
+            else (
+                isinstance(state, dict)
+                and set(state) == {"sampler_indices"}
+                and not isinstance(state["sampler_indices"], bool)
+                and isinstance(state["sampler_indices"], int)
+                and 0 <= state["sampler_indices"] <= COUNT_LIMIT
+            )
+        )
         if not ok:
-            raise CorruptState(f"{where}: expected null before the worker's first item, then "
-                               f"{{'sampler_indices': int}} with items={items}, got "
-                               f"{state!r:.200}", "source")
+            raise CorruptState(
+                f"{where}: expected null before the worker's first item, then "
+                f"{{'sampler_indices': int}} with items={items}, got "
+                f"{state!r:.200}",
+                "source",
+            )
 
 
 class ReplayStream(PerWorkerStream):
@@ -141,8 +167,15 @@ class ReplayStream(PerWorkerStream):
 
     tag = "replay"
 
-    def open(self, plan: dict, saved: WorkerPosition, worker: int,
-             seed: Callable[[int], None], key: int, global_rngs: tuple[str, ...]) -> Opened:
+    def open(
+        self,
+        plan: dict,
+        saved: WorkerPosition,
+        worker: int,
+        seed: Callable[[int], None],
+        key: int,
+        global_rngs: tuple[str, ...],
+    ) -> Opened:
         set_epoch(self.dataset, plan["epoch"])
         items, count = iter(self.dataset), saved["items"]
         saved_rng = keep_main_torch_rng(global_rngs)
@@ -155,8 +188,11 @@ class ReplayStream(PerWorkerStream):
 
     def check_state(self, state: Any, items: int, where: str) -> None:
         if state is not None:
-            raise CorruptState(f"{where}: expected null (the dataset has no state) with "
-                               f"items={items}, got {state!r:.200}", "source")
+            raise CorruptState(
+                f"{where}: expected null (the dataset has no state) with "
+                f"items={items}, got {state!r:.200}",
+                "source",
+            )
 
     def warn_resume(self) -> None:
         warnings.warn(
@@ -168,8 +204,9 @@ class ReplayStream(PerWorkerStream):
         )
 
 
-def stream_source(dataset: Any, batch_size: int | None, drop_last: bool,
-                  num_workers: int) -> StreamSource:
+def stream_source(
+    dataset: Any, batch_size: int | None, drop_last: bool, num_workers: int
+) -> StreamSource:
     """The source for an iterable dataset, by what it offers to resume with."""
     kind: type[StreamSource]
     if callable(getattr(dataset, "read_range", None)):

@@ -52,16 +52,25 @@ class _UserOrder(IndexSource):
         saved, samples, batches = cursor.source, cursor.samples, cursor.batches
         # Before the epoch's first batch there is no sampler state; after it, always one entry.
         started = batches > 0
-        well_formed = saved is None if not started else (
-            isinstance(saved, dict) and set(saved) == {"state", "end"}
-            and isinstance(saved["end"], bool)
+        well_formed = (
+            saved is None
+            if not started
+            else (
+                isinstance(saved, dict)
+                and set(saved) == {"state", "end"}
+                and isinstance(saved["end"], bool)
+            )
         )
         if not well_formed:
-            expected = "null at the start of an epoch" if not started else \
-                "{'state': ..., 'end': bool} after a batch"
+            expected = (
+                "null at the start of an epoch"
+                if not started
+                else "{'state': ..., 'end': bool} after a batch"
+            )
             raise CorruptState(
                 f"{what} state field 'source': expected {expected} (batches={batches}), "
-                f"got {saved!r:.200}", "source"
+                f"got {saved!r:.200}",
+                "source",
             )
         if samples < batches or (samples > 0) != started:
             raise CorruptState(
@@ -71,11 +80,17 @@ class _UserOrder(IndexSource):
         self._check_counts(cursor, what)
         if saved is not None and saved["state"] is not None:
             if not self.stateful:
-                raise StateMismatch(what, "source.state", "a sampler state", None, message=(
-                    f"{what} state field 'source.state': {type(self.sampler).__qualname__} has no "
-                    f"state_dict(), so the saved sampler state must be null, got "
-                    f"{saved['state']!r:.200}"
-                ))
+                raise StateMismatch(
+                    what,
+                    "source.state",
+                    "a sampler state",
+                    None,
+                    message=(
+                        f"{what} state field 'source.state': {type(self.sampler).__qualname__} has no "
+                        f"state_dict(), so the saved sampler state must be null, got "
+                        f"{saved['state']!r:.200}"
+                    ),
+                )
             check_user_state(saved["state"], f"{what} state field 'source.state'")
         # The sampler's length is not checked against the counters: it is the user's, not in the
         # fingerprint, and one that now yields less is a clear error when the resume skips.
@@ -107,8 +122,9 @@ class _UserOrder(IndexSource):
         JSON cannot hold is refused by the loader's ``state_dict()``, not here, mid-iteration."""
         if not self.stateful:
             return None
-        return encode_or_defer(self.sampler.state_dict(), "sampler.state_dict()",
-                               "unbroken.DataLoader")
+        return encode_or_defer(
+            self.sampler.state_dict(), "sampler.state_dict()", "unbroken.DataLoader"
+        )
 
     def _skip(self, iterator: Iterator, count: int, unit: str) -> None:
         if count == 0:
@@ -116,11 +132,17 @@ class _UserOrder(IndexSource):
         self._warn_skip(count, unit)
         skipped = sum(1 for _ in itertools.islice(iterator, count))
         if skipped < count:
-            raise StateMismatch("unbroken.DataLoader", unit, count, skipped, message=(
-                f"unbroken: the state says {count} {unit} of {type(self.sampler).__qualname__} "
-                f"were consumed this epoch, but it yields only {skipped}; was the state saved "
-                "with a different sampler?"
-            ))
+            raise StateMismatch(
+                "unbroken.DataLoader",
+                unit,
+                count,
+                skipped,
+                message=(
+                    f"unbroken: the state says {count} {unit} of {type(self.sampler).__qualname__} "
+                    f"were consumed this epoch, but it yields only {skipped}; was the state saved "
+                    "with a different sampler?"
+                ),
+            )
 
     def _warn_skip(self, count: int, unit: str) -> None:
         if not self._warned:

@@ -69,8 +69,9 @@ class _WindowPosition:
 
     __slots__ = ("after", "emitted", "end", "upstream", "window")
 
-    def __init__(self, window: int = 0, emitted: int = 0, end: bool = False,
-                 upstream: Any = _LIVE) -> None:
+    def __init__(
+        self, window: int = 0, emitted: int = 0, end: bool = False, upstream: Any = _LIVE
+    ) -> None:
         self.window, self.emitted, self.end, self.upstream = window, emitted, end, upstream
         self.after: Any = _NEXT
 
@@ -112,8 +113,10 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
         """Make the next ``iter()`` start ``epoch`` from its first item (needs the upstream's
         ``set_epoch``, which ``unbroken.resumable`` and ``unbroken.DataLoader`` have)."""
         if not callable(getattr(self.upstream, "set_epoch", None)):
-            raise TypeError(f"{_WHAT}.set_epoch needs an upstream with set_epoch(); "
-                            f"a {type(self.upstream).__qualname__} has none")
+            raise TypeError(
+                f"{_WHAT}.set_epoch needs an upstream with set_epoch(); "
+                f"a {type(self.upstream).__qualname__} has none"
+            )
         self.upstream.set_epoch(epoch)
         super().set_epoch(epoch)
 
@@ -155,18 +158,26 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
                 pos.after = self._after_break(upstream_items)
             raise
 
-    def _windows(self, pos: _WindowPosition, epoch: int, size: int,
-                 upstream_items: Iterator) -> Generator[Any, None, Any]:
+    def _windows(
+        self, pos: _WindowPosition, epoch: int, size: int, upstream_items: Iterator
+    ) -> Generator[Any, None, Any]:
         """Emit the epoch's windows from ``pos``; return the upstream's state after its end."""
         window, skip = pos.window, pos.emitted
         while True:
             items = list(itertools.islice(upstream_items, size))
             after = take_state(self.upstream, _WHAT)
             if skip and len(items) <= skip:
-                raise StateMismatch(_WHAT, "emitted", skip, len(items), message=(
-                    f"{_WHAT}: the state says {skip} items of window {window} of epoch "
-                    f"{epoch} were emitted, but the upstream now yields {len(items)} for "
-                    "it; the upstream is not deterministic, or not the one that saved it"))
+                raise StateMismatch(
+                    _WHAT,
+                    "emitted",
+                    skip,
+                    len(items),
+                    message=(
+                        f"{_WHAT}: the state says {skip} items of window {window} of epoch "
+                        f"{epoch} were emitted, but the upstream now yields {len(items)} for "
+                        "it; the upstream is not deterministic, or not the one that saved it"
+                    ),
+                )
             if not items:
                 return after
             count = len(items)
@@ -224,8 +235,14 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
         upstream = self._upstream_state()
         raise_if_unsaveable(upstream)
         return {
-            "format": SHUFFLE_BUFFER.name, "version": SHUFFLE_BUFFER.version, "size": self.size, "seed": self.seed,
-            "epoch": self._epoch, "window": pos.window, "emitted": pos.emitted, "end": pos.end,
+            "format": SHUFFLE_BUFFER.name,
+            "version": SHUFFLE_BUFFER.version,
+            "size": self.size,
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "window": pos.window,
+            "emitted": pos.emitted,
+            "end": pos.end,
             "upstream": upstream,
         }
 
@@ -242,8 +259,13 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
         reader = StateReader(state, _WHAT, SHUFFLE_BUFFER)
         for field in ("size", "seed"):
             if not same(state[field], getattr(self, field)):
-                raise mismatch(_WHAT, field, state[field], getattr(self, field),
-                               "Build the buffer with the saved setting, or start a new run.")
+                raise mismatch(
+                    _WHAT,
+                    field,
+                    state[field],
+                    getattr(self, field),
+                    "Build the buffer with the saved setting, or start a new run.",
+                )
         end = reader.bool("end")
         epoch = reader.int("epoch")
         window = reader.int("window", 0, COUNT_LIMIT // self.size)

@@ -88,8 +88,9 @@ class BatchSource(ABC):
         return None  # sources that hold no user state have nothing to refuse
 
     @abstractmethod
-    def torch_dataset(self, dataset: Any, collate_fn: Any, batch_size: int | None,
-                      global_rngs: tuple[str, ...]) -> tuple[Dataset, dict[str, Any]]:
+    def torch_dataset(
+        self, dataset: Any, collate_fn: Any, batch_size: int | None, global_rngs: tuple[str, ...]
+    ) -> tuple[Dataset, dict[str, Any]]:
         """What the inner torch loader iterates, and its batching arguments
         (``batch_size``, ``sampler``, ``batch_sampler``, ``collate_fn``)."""
 

@@ -63,8 +63,11 @@ def _pin(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _pin(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_pin(item) for item in value) if not hasattr(value, "_fields") else \
-            type(value)(*(_pin(item) for item in value))
+        return (
+            type(value)(_pin(item) for item in value)
+            if not hasattr(value, "_fields")
+            else type(value)(*(_pin(item) for item in value))
+        )
     return value
 
 
@@ -73,8 +76,9 @@ def is_stream(dataset: Any) -> bool:
     ``shuffle_buffer``): torch would treat the latter as map-style, so unbroken says so."""
     if isinstance(dataset, IterableDataset):
         return True
-    return callable(getattr(dataset, "__iter__", None)) and \
-        not callable(getattr(dataset, "__getitem__", None))
+    return callable(getattr(dataset, "__iter__", None)) and not callable(
+        getattr(dataset, "__getitem__", None)
+    )
 
 
 def set_epoch(dataset: Any, epoch: int) -> None:
@@ -86,8 +90,14 @@ def identity(batch: Any) -> Any:
     return batch
 
 
-def read_items(items: Iterator, count: int, seed: Callable[[int], None], key: int,
-               position: int, global_rngs: tuple[str, ...]) -> list:
+def read_items(
+    items: Iterator,
+    count: int,
+    seed: Callable[[int], None],
+    key: int,
+    position: int,
+    global_rngs: tuple[str, ...],
+) -> list:
     """Up to ``count`` items, each read with the RNGs seeded for its position; in the training
     process itself, torch's generator is put back afterwards (see ``keep_main_torch_rng``)."""
     batch: list = []
@@ -105,11 +115,17 @@ def read_items(items: Iterator, count: int, seed: Callable[[int], None], key: in
 class StreamWorker(IterableDataset):
     """What the inner torch loader iterates: the source's batches, read in each worker."""
 
-    def __init__(self, source: StreamSource, collate_fn: Any, batch_size: int | None,
-                 global_rngs: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        source: StreamSource,
+        collate_fn: Any,
+        batch_size: int | None,
+        global_rngs: tuple[str, ...],
+    ) -> None:
         self.source, self.batch_size, self.global_rngs = source, batch_size, global_rngs
-        self.collate_fn = collate_fn or (default_collate if batch_size is not None
-                                         else default_convert)
+        self.collate_fn = collate_fn or (
+            default_collate if batch_size is not None else default_convert
+        )
         self.plan: dict = {}  # set by the main process before each iter(): seed, epoch, ...
 
     def collate(self, batch: list) -> Any:
@@ -129,8 +145,9 @@ class StreamSource(BatchSource):
 
     tag: str  # saved in the fingerprint: how the stream resumes
 
-    def __init__(self, dataset: Any, batch_size: int | None, drop_last: bool,
-                 num_workers: int) -> None:
+    def __init__(
+        self, dataset: Any, batch_size: int | None, drop_last: bool, num_workers: int
+    ) -> None:
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.workers = max(1, num_workers)
         self._worker: StreamWorker | None = None
@@ -142,8 +159,9 @@ class StreamSource(BatchSource):
         n, step = len(self.dataset), self.batch_size or 1
         return n // step if self.drop_last else math.ceil(n / step)
 
-    def torch_dataset(self, dataset: Any, collate_fn: Any, batch_size: int | None,
-                      global_rngs: tuple[str, ...]) -> tuple[Dataset, dict[str, Any]]:
+    def torch_dataset(
+        self, dataset: Any, collate_fn: Any, batch_size: int | None, global_rngs: tuple[str, ...]
+    ) -> tuple[Dataset, dict[str, Any]]:
         self._worker = StreamWorker(self, collate_fn, batch_size, global_rngs)
         return self._worker, {"batch_size": None, "collate_fn": identity}  # workers batch
 

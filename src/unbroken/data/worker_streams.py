@@ -15,22 +15,13 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._state import (
-    Unsaveable,
-    check_int,
-)
+from .._state import Unsaveable, check_int
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .rng import make_seeder
 from .sources import SKIP, Cursor
 from .states import WorkerPosition, WorkersPosition
-from .streams import (
-    PLACEHOLDER,
-    StreamSource,
-    StreamWorker,
-    Tagged,
-    read_items,
-)
+from .streams import PLACEHOLDER, StreamSource, StreamWorker, Tagged, read_items
 
 Opened = tuple[Iterator, Callable[[], Any]]  # the worker's items, and its state after a batch
 
@@ -44,8 +35,15 @@ class PerWorkerStream(StreamSource):
 
     # How a replica resumes: the worker side (``open``) and the check of its saved state.
     @abstractmethod
-    def open(self, plan: dict, saved: WorkerPosition, worker: int,
-             seed: Callable[[int], None], key: int, global_rngs: tuple[str, ...]) -> Opened:
+    def open(
+        self,
+        plan: dict,
+        saved: WorkerPosition,
+        worker: int,
+        seed: Callable[[int], None],
+        key: int,
+        global_rngs: tuple[str, ...],
+    ) -> Opened:
         """Set the epoch and the replica's saved position on the dataset; return its items
         (continuing after the saved ones) and what gives its state after each batch."""
 
@@ -58,8 +56,13 @@ class PerWorkerStream(StreamSource):
 
     def plan(self, seed: int, epoch: int, cursor: Cursor) -> dict:
         source = cursor.source
-        return {"seed": seed, "epoch": epoch, "workers": source["workers"],
-                "next": source["next"], "initial": self.initial_state()}
+        return {
+            "seed": seed,
+            "epoch": epoch,
+            "workers": source["workers"],
+            "next": source["next"],
+            "initial": self.initial_state(),
+        }
 
     def read(self, out: StreamWorker, worker: int, workers: int) -> Iterator[Tagged]:
         plan = out.plan
@@ -80,11 +83,18 @@ class PerWorkerStream(StreamSource):
             yield Tagged(out.collate(batch), worker, count, state())
 
     def shorter(self, worker: int, count: int, unit: str, found: int) -> StateMismatch:
-        return StateMismatch("unbroken.DataLoader", unit, count, found, message=(
-            f"unbroken: the state says worker {worker} of {type(self.dataset).__qualname__} had "
-            f"{'drawn' if unit != 'items' else 'yielded'} {count} {unit} this epoch, but it now "
-            f"yields only {found}; the dataset is not deterministic, or shorter than the one that "
-            "saved the state"))
+        return StateMismatch(
+            "unbroken.DataLoader",
+            unit,
+            count,
+            found,
+            message=(
+                f"unbroken: the state says worker {worker} of {type(self.dataset).__qualname__} had "
+                f"{'drawn' if unit != 'items' else 'yielded'} {count} {unit} this epoch, but it now "
+                f"yields only {found}; the dataset is not deterministic, or shorter than the one that "
+                "saved the state"
+            ),
+        )
 
     # The main-process side.
     def receive(self, cursor: Cursor, tagged: Tagged) -> Any:
@@ -116,36 +126,54 @@ class PerWorkerStream(StreamSource):
     def check_cursor(self, cursor: Cursor, what: str) -> None:
         source, step = cursor.source, self.batch_size or 1
         field = f"{what} state field 'source"
-        if not isinstance(source, dict) or set(source) != set(WorkersPosition.__annotations__) \
-                or not isinstance(source["workers"], list):
-            raise CorruptState(f"{field}': expected {{'workers': [...], 'next': int}}, "
-                               f"got {source!r:.200}", "source")
+        if (
+            not isinstance(source, dict)
+            or set(source) != set(WorkersPosition.__annotations__)
+            or not isinstance(source["workers"], list)
+        ):
+            raise CorruptState(
+                f"{field}': expected {{'workers': [...], 'next': int}}, got {source!r:.200}",
+                "source",
+            )
         workers = source["workers"]
         if len(workers) != self.workers:
             saved = len(workers) if len(workers) > 1 else 0
-            raise StateMismatch(what, "num_workers", saved, self.workers, message=(
-                f"{what}: the state was saved with num_workers={saved} ({len(workers)} dataset "
-                f"replicas) but this loader has {self.workers}. An iterable dataset's state is "
-                "per worker replica and cannot be redistributed: resume with the same "
-                "num_workers."))
+            raise StateMismatch(
+                what,
+                "num_workers",
+                saved,
+                self.workers,
+                message=(
+                    f"{what}: the state was saved with num_workers={saved} ({len(workers)} dataset "
+                    f"replicas) but this loader has {self.workers}. An iterable dataset's state is "
+                    "per worker replica and cannot be redistributed: resume with the same "
+                    "num_workers."
+                ),
+            )
         following = check_int(source["next"], f"{field}.next'", 0, len(workers) - 1)
         for i, entry in enumerate(workers):
             where = f"{field}.workers[{i}]"
             if not isinstance(entry, dict) or set(entry) != set(WorkerPosition.__annotations__):
-                raise CorruptState(f"{where}': expected {{'state', 'items', 'exhausted'}}, "
-                                   f"got {entry!r:.200}", "source")
+                raise CorruptState(
+                    f"{where}': expected {{'state', 'items', 'exhausted'}}, got {entry!r:.200}",
+                    "source",
+                )
             count = check_int(entry["items"], f"{where}.items'")
             if not isinstance(entry["exhausted"], bool):
-                raise CorruptState(f"{where}.exhausted': expected a bool, "
-                                   f"got {entry['exhausted']!r:.100}", "source")
+                raise CorruptState(
+                    f"{where}.exhausted': expected a bool, got {entry['exhausted']!r:.100}",
+                    "source",
+                )
             self.check_state(entry["state"], count, f"{where}.state'")
         items = [entry["items"] for entry in workers]
         # Only a worker's last batch may be partial, and drop_last drops it: its batches are
         # its items in batches of `step`, rounded up.
         counts = [-(-n // step) for n in items]
         if self.drop_last and any(n % step for n in items):
-            raise CorruptState(f"{what} state is inconsistent: with drop_last, every worker's "
-                               f"items {items} are whole batches of {step}; the state is corrupt")
+            raise CorruptState(
+                f"{what} state is inconsistent: with drop_last, every worker's "
+                f"items {items} are whole batches of {step}; the state is corrupt"
+            )
         if cursor.samples != sum(items) or cursor.batches != sum(counts):
             raise CorruptState(
                 f"{what} state is inconsistent: samples={cursor.samples} and "
@@ -176,5 +204,6 @@ def _check_round_robin(workers: list, counts: list, following: int, where: str) 
         raise CorruptState(
             f"{where}: next={following}, the workers' batches {counts} and exhausted "
             f"{exhausted} are not a position of torch's round-robin over workers; the state "
-            "is corrupt", "source"
+            "is corrupt",
+            "source",
         )

@@ -45,12 +45,20 @@ def worker_init(user_init: Callable[[int], None] | None) -> Callable[[int], None
     return functools.partial(_init, signals, os.getpid(), user_init)
 
 
-def _init(signals: tuple[int, ...], trainer_pid: int,
-          user_init: Callable[[int], None] | None, worker_id: int) -> None:
+def _init(
+    signals: tuple[int, ...],
+    trainer_pid: int,
+    user_init: Callable[[int], None] | None,
+    worker_id: int,
+) -> None:
     if _POSIX and signals:
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)  # this thread and those it starts
-        threading.Thread(target=_drop_signals, args=(signals, trainer_pid), daemon=True,
-                         name="unbroken-worker-signals").start()
+        threading.Thread(
+            target=_drop_signals,
+            args=(signals, trainer_pid),
+            daemon=True,
+            name="unbroken-worker-signals",
+        ).start()
     if user_init is not None:
         user_init(worker_id)
 

@@ -78,8 +78,10 @@ class Gradients:
         self.model = model
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
-        return {name: (None if p.grad is None else p.grad.detach().clone())
-                for name, p in self.model.named_parameters()}
+        return {
+            name: (None if p.grad is None else p.grad.detach().clone())
+            for name, p in self.model.named_parameters()
+        }
 
     def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
         for name, p in self.model.named_parameters():
@@ -107,12 +109,14 @@ class MetricState:
     def load_state_dict(self, state: Any) -> None:
         if not isinstance(state, dict) or not isinstance(state.get("states"), dict):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise CorruptState(f"metric state: expected {{'states': dict, 'updates': int}}, "
-                               f"got {got}")
+            raise CorruptState(
+                f"metric state: expected {{'states': dict, 'updates': int}}, got {got}"
+            )
         updates = state.get("updates")
         if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
-            raise CorruptState(f"metric state: updates must be an int >= 0, got {updates!r}",
-                               field="updates")
+            raise CorruptState(
+                f"metric state: updates must be an int >= 0, got {updates!r}", field="updates"
+            )
         self.metric.load_state_dict(state["states"])
         # torchmetrics has no public setter for its update count; it only gates the "compute
         # before update" warning and distributed mean reduction, and must match the saved run.
@@ -141,13 +145,20 @@ class SaveSchedule:
 
     def due(self, progress: Progress) -> bool:
         every_steps, every_seconds = self.every_steps, self.every_seconds
-        return bool((every_steps and progress.phase == "train" and progress.micro == 0
-                     and progress.steps % every_steps == 0) or (
-                     every_seconds and _clock() - self.last_save >= every_seconds))
+        return bool(
+            (
+                every_steps
+                and progress.phase == "train"
+                and progress.micro == 0
+                and progress.steps % every_steps == 0
+            )
+            or (every_seconds and _clock() - self.last_save >= every_seconds)
+        )
 
 
-def resume(checkpointer: Checkpointer, entries: dict[str, Any],
-           val_loader: Iterable | None) -> Restored | None:
+def resume(
+    checkpointer: Checkpointer, entries: dict[str, Any], val_loader: Iterable | None
+) -> Restored | None:
     """Restore ``entries`` from the newest valid checkpoint, if any, and say where the run starts.
 
     Refuses (before any training) a checkpoint taken inside the validation phase when this
@@ -157,9 +168,14 @@ def resume(checkpointer: Checkpointer, entries: dict[str, Any],
     progress = entries[PROGRESS]
     if progress.phase == "val" and val_loader is None:
         raise StateMismatch(
-            "unbroken.Trainer", "val_loader", "a loader", None, holder="Trainer",
+            "unbroken.Trainer",
+            "val_loader",
+            "a loader",
+            None,
+            holder="Trainer",
             hint="The checkpoint was taken inside the validation phase: pass the same "
-                 "val_loader to fit() again to finish it.")
+            "val_loader to fit() again to finish it.",
+        )
     if restored is None:
         say(f"no checkpoint in {checkpointer.directory}: starting fresh")
     else:

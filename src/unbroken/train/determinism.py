@@ -26,21 +26,30 @@ CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
 def determinism(wanted: bool | None, model: torch.nn.Module) -> Iterator[None]:
     if not wanted:
         if wanted is None and any(p.is_cuda for p in model.parameters()):
-            print("unbroken: the model is on CUDA and Trainer(deterministic=None): CUDA kernels "
-                  "may vary from run to run, so a resumed run may differ from an uninterrupted "
-                  "one in the last bits; pass deterministic=True for bit-exact resume",
-                  file=sys.stderr, flush=True)
+            print(
+                "unbroken: the model is on CUDA and Trainer(deterministic=None): CUDA kernels "
+                "may vary from run to run, so a resumed run may differ from an uninterrupted "
+                "one in the last bits; pass deterministic=True for bit-exact resume",
+                file=sys.stderr,
+                flush=True,
+            )
         yield
         return
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    )
     if CUBLAS not in os.environ:
         if torch.cuda.is_initialized():
             # cuBLAS reads it when a handle is created; handles made already keep their setting.
-            print(f"unbroken: deterministic=True set {CUBLAS}=:4096:8 after CUDA started; set "
-                  "it before the first CUDA call (e.g. in the environment) to be sure it holds",
-                  file=sys.stderr, flush=True)
+            print(
+                f"unbroken: deterministic=True set {CUBLAS}=:4096:8 after CUDA started; set "
+                "it before the first CUDA call (e.g. in the environment) to be sure it holds",
+                file=sys.stderr,
+                flush=True,
+            )
         os.environ[CUBLAS] = ":4096:8"
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True

@@ -54,22 +54,32 @@ class GlobalRNG:
         numpy_state, random_state, cuda = state["numpy"], state["random"], state["cuda"]
         if cuda and len(cuda) != torch.cuda.device_count():
             raise StateMismatch(
-                "GlobalRNG", "CUDA devices", len(cuda), torch.cuda.device_count(), message=(
+                "GlobalRNG",
+                "CUDA devices",
+                len(cuda),
+                torch.cuda.device_count(),
+                message=(
                     f"GlobalRNG state holds {len(cuda)} CUDA generator states but this process "
-                    f"sees {torch.cuda.device_count()} CUDA devices; resume on the same devices"))
+                    f"sees {torch.cuda.device_count()} CUDA devices; resume on the same devices"
+                ),
+            )
         torch.set_rng_state(state["torch"])
-        np.random.set_state((
-            numpy_state["kind"],
-            numpy_state["keys"].numpy().astype(np.uint32),
-            numpy_state["position"],
-            numpy_state["has_gauss"],
-            numpy_state["cached_gaussian"],
-        ))
-        random.setstate((
-            random_state["version"],
-            tuple(random_state["words"].tolist()),
-            random_state["gauss_next"],
-        ))
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["position"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
+        random.setstate(
+            (
+                random_state["version"],
+                tuple(random_state["words"].tolist()),
+                random_state["gauss_next"],
+            )
+        )
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
 

@@ -38,7 +38,8 @@ class DirectoryLock:
         if key in _held:
             raise DirectoryInUse(
                 f"{self.path.parent} is in use by another Trainer.fit in this process (pid "
-                f"{os.getpid()}); train in another directory, or let that fit() return first.")
+                f"{os.getpid()}); train in another directory, or let that fit() return first."
+            )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -50,7 +51,8 @@ class DirectoryLock:
             raise DirectoryInUse(
                 f"{self.path.parent} is in use by another training process (pid {holder}): two "
                 "processes writing one run directory would duplicate its checkpoints and log "
-                "rows. Stop that process first, or train in another directory.") from None
+                "rows. Stop that process first, or train in another directory."
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd, _held[key] = fd, fd

@@ -14,41 +14,51 @@ from .._state import has_state
 SCHEDULER_INTERVALS = ("step", "epoch")
 
 
-def check_arguments(
-    *,
-    max_epochs: int,
-    max_steps: int | None,
-    checkpoint_every_seconds: float | None,
-    checkpoint_every_steps: int | None,
-    accumulate: int,
-    scheduler_interval: str,
-    tensorboard_every: int,
-    deterministic: bool | None,
-) -> None:
-    """Raise ``ValueError`` for a ``Trainer`` argument out of its range."""
+def check_arguments(trainer: Any) -> None:
+    """Raise ``ValueError`` for a ``Trainer`` argument out of its range (read from the
+    Trainer's attributes, before it installs anything)."""
+    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+    checkpoint_every_seconds = trainer.checkpoint_every_seconds
+    checkpoint_every_steps = trainer.checkpoint_every_steps
+    accumulate, deterministic = trainer.accumulate, trainer.deterministic
+    scheduler_interval, tensorboard_every = trainer.scheduler_interval, trainer.tensorboard_every
     positive("max_epochs", max_epochs)
-    for name, value in (("max_steps", max_steps),
-                        ("checkpoint_every_steps", checkpoint_every_steps)):
+    for name, value in (
+        ("max_steps", max_steps),
+        ("checkpoint_every_steps", checkpoint_every_steps),
+    ):
         if value is not None:
             positive(name, value)
     if checkpoint_every_seconds is not None and (
-            isinstance(checkpoint_every_seconds, bool)
-            or not isinstance(checkpoint_every_seconds, (int, float))
-            or not checkpoint_every_seconds > 0):
-        raise ValueError("checkpoint_every_seconds must be a number > 0 or None, got "
-                         f"{checkpoint_every_seconds!r}")
+        isinstance(checkpoint_every_seconds, bool)
+        or not isinstance(checkpoint_every_seconds, (int, float))
+        or not checkpoint_every_seconds > 0
+    ):
+        raise ValueError(
+            "checkpoint_every_seconds must be a number > 0 or None, got "
+            f"{checkpoint_every_seconds!r}"
+        )
     if deterministic not in (None, True, False):
         raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
     positive("accumulate", accumulate)
     if scheduler_interval not in SCHEDULER_INTERVALS:
         raise ValueError(
-            f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}")
+            f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}"
+        )
     positive("tensorboard_every", tensorboard_every)
 
 
 def positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def call_hooks(callbacks: Iterable[Any], hook: str, trainer: Any, *args: Any) -> None:
+    """Call ``hook(trainer, *args)`` on every callback that has it (duck-typed, in order)."""
+    for callback in callbacks:
+        method = getattr(callback, hook, None)
+        if callable(method):
+            method(trainer, *args)
 
 
 def check_loaders(train_loader: Iterable, val_loader: Iterable | None) -> None:

@@ -105,9 +105,16 @@ class Progress:
 
     def state_dict(self) -> ProgressState:
         return ProgressState(
-            epoch=self.epoch, batches=self.batches, steps=self.steps, micro=self.micro,
-            epoch_batches=self.epoch_batches, val_batches=self.val_batches, ticks=self.ticks,
-            count=self.count, phase=self.phase, loss_sum=self.loss_sum,
+            epoch=self.epoch,
+            batches=self.batches,
+            steps=self.steps,
+            micro=self.micro,
+            epoch_batches=self.epoch_batches,
+            val_batches=self.val_batches,
+            ticks=self.ticks,
+            count=self.count,
+            phase=self.phase,
+            loss_sum=self.loss_sum,
             config=cast(TrainerConfig, dict(self.config)),
         )
 
@@ -125,20 +132,25 @@ def _checked(state: Any, config: TrainerConfig) -> ProgressState:
         raise CorruptState(f"Progress state: expected a dict, got {type(state).__name__}")
     missing = [key for key in ProgressState.__required_keys__ if key not in state]
     if missing:
-        raise CorruptState(f"Progress state: missing {sorted(missing)} (it holds {sorted(state)})",
-                           field=sorted(missing)[0])
+        raise CorruptState(
+            f"Progress state: missing {sorted(missing)} (it holds {sorted(state)})",
+            field=sorted(missing)[0],
+        )
     for name in COUNTERS:
         value = state[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CorruptState(f"Progress state: {name} must be an int >= 0, got {value!r}",
-                               field=name)
+            raise CorruptState(
+                f"Progress state: {name} must be an int >= 0, got {value!r}", field=name
+            )
     if state["phase"] not in PHASES:
-        raise CorruptState(f"Progress state: phase must be one of {PHASES}, got "
-                           f"{state['phase']!r}", field="phase")
+        raise CorruptState(
+            f"Progress state: phase must be one of {PHASES}, got {state['phase']!r}", field="phase"
+        )
     loss_sum = state["loss_sum"]
     if isinstance(loss_sum, bool) or not isinstance(loss_sum, (int, float)):
-        raise CorruptState(f"Progress state: loss_sum must be a float, got {loss_sum!r}",
-                           field="loss_sum")
+        raise CorruptState(
+            f"Progress state: loss_sum must be a float, got {loss_sum!r}", field="loss_sum"
+        )
     saved = state["config"]
     if not isinstance(saved, dict):
         raise CorruptState(f"Progress state: config must be a dict, got {saved!r}", field="config")
@@ -150,12 +162,16 @@ def _checked(state: Any, config: TrainerConfig) -> ProgressState:
 
 def _mismatch(field: str, saved: Any, current: Any) -> StateMismatch:
     return StateMismatch(
-        "unbroken.Trainer", field, saved, current, holder="Trainer",
+        "unbroken.Trainer",
+        field,
+        saved,
+        current,
+        holder="Trainer",
         message=f"unbroken.Trainer: the checkpoint was saved by a run with {field}={saved!r}, "
-                f"but this Trainer has {field}={current!r}. The checkpoint directory belongs "
-                f"to a run with other settings: pass {field}={saved!r} again, or train in a "
-                "new directory.")
-
+        f"but this Trainer has {field}={current!r}. The checkpoint directory belongs "
+        f"to a run with other settings: pass {field}={saved!r} again, or train in a "
+        "new directory.",
+    )
 
 
 def say(message: str) -> None:
@@ -182,8 +198,12 @@ class _Bar:
         if self._bar.disable:
             return
         rate = self._seen / max(time.perf_counter() - self._started, 1e-9)
-        self._bar.set_postfix(step=self._progress.steps, loss=f"{loss:.4f}",
-                              batches_per_s=f"{rate:.1f}", refresh=False)
+        self._bar.set_postfix(
+            step=self._progress.steps,
+            loss=f"{loss:.4f}",
+            batches_per_s=f"{rate:.1f}",
+            refresh=False,
+        )
 
 
 @contextmanager
@@ -196,8 +216,14 @@ def bar(enabled: bool, loader: Any, progress: Progress, phase: str) -> Iterator[
         total = len(loader)
     except TypeError:
         total = None
-    display = tqdm(total=total, initial=done, disable=not enabled or None, leave=False,
-                   desc=f"epoch {progress.epoch} {phase}", dynamic_ncols=True)
+    display = tqdm(
+        total=total,
+        initial=done,
+        disable=not enabled or None,
+        leave=False,
+        desc=f"epoch {progress.epoch} {phase}",
+        dynamic_ncols=True,
+    )
     try:
         yield _Bar(display, loader, progress)
     finally:

@@ -29,8 +29,11 @@ def loss_and_logs(output: Any) -> tuple[torch.Tensor, dict[str, float]]:
     if isinstance(output, torch.Tensor):
         return output, {}
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        logs = {k: float(v.detach() if isinstance(v, torch.Tensor) else v)
-                for k, v in output.items() if k != "loss"}
+        logs = {
+            k: float(v.detach() if isinstance(v, torch.Tensor) else v)
+            for k, v in output.items()
+            if k != "loss"
+        }
         return output["loss"], logs
     raise TypeError(
         "a step function must return the loss tensor or a dict with a 'loss' tensor and other "
@@ -38,8 +41,14 @@ def loss_and_logs(output: Any) -> tuple[torch.Tensor, dict[str, float]]:
     )
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, scaler: Any,
-                   scheduler: Any, clip_grad_norm: float | None) -> None:
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scaler: Any,
+    scheduler: Any,
+    clip_grad_norm: float | None,
+) -> None:
     """Step ``optimizer`` on the accumulated gradients; ``scheduler``: a per-step one, or None."""
     if clip_grad_norm is not None:
         if scaler is not None:

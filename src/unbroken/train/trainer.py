@@ -28,11 +28,11 @@ import torch
 
 from ..checkpoint.manager import Checkpointer
 from .checkpointing import SaveSchedule, checkpoint_entries, compute_metrics, reset_metrics, resume
-from .csvlog import CSVLog, open_tensorboard
+from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
 from .lock import DirectoryLock
-from .options import check_arguments, check_loaders
+from .options import call_hooks, check_arguments, check_loaders
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, TrainerConfig, bar, say
 from .steps import StepFn, loss_and_logs, optimizer_step, step_function
@@ -73,20 +73,26 @@ class Trainer:
     """
 
     def __init__(
-        self, directory: str | Path, *, max_epochs: int, max_steps: int | None = None,
-        seed: int = 0, checkpoint_every_seconds: float | None = 600.0,
-        checkpoint_every_steps: int | None = None, keep: int = 2, accumulate: int = 1,
-        clip_grad_norm: float | None = None, scheduler_interval: str = "step",
-        callbacks: Iterable[Any] = (), progress_bar: bool = True,
-        signals: Iterable[int] = DEFAULT_SIGNALS, async_save: bool = False,
-        tensorboard: bool | None = None, tensorboard_every: int = 50,
+        self,
+        directory: str | Path,
+        *,
+        max_epochs: int,
+        max_steps: int | None = None,
+        seed: int = 0,
+        checkpoint_every_seconds: float | None = 600.0,
+        checkpoint_every_steps: int | None = None,
+        keep: int = 2,
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        scheduler_interval: str = "step",
+        callbacks: Iterable[Any] = (),
+        progress_bar: bool = True,
+        signals: Iterable[int] = DEFAULT_SIGNALS,
+        async_save: bool = False,
+        tensorboard: bool | None = None,
+        tensorboard_every: int = 50,
         deterministic: bool | None = None,
     ) -> None:
-        check_arguments(max_epochs=max_epochs, max_steps=max_steps, accumulate=accumulate,
-                        checkpoint_every_seconds=checkpoint_every_seconds,
-                        checkpoint_every_steps=checkpoint_every_steps,
-                        scheduler_interval=scheduler_interval,
-                        tensorboard_every=tensorboard_every, deterministic=deterministic)
         self.directory = Path(directory)
         self.max_epochs, self.max_steps = max_epochs, max_steps
         self.checkpoint_every_seconds = checkpoint_every_seconds
@@ -96,17 +102,18 @@ class Trainer:
         self.scheduler_interval = scheduler_interval
         self.callbacks = list(callbacks)
         self.progress_bar, self.signals = progress_bar, tuple(signals)
-        # What shapes the computation: saved with the loop's counters, checked on resume.
-        self.progress = Progress(config=TrainerConfig(
-            seed=seed, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
-            scheduler_interval=scheduler_interval,
-        ))
         self.seed = seed
         self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
-        # TensorBoard's writer costs ~40 us a value without TensorFlow (a pure-Python CRC), so
-        # per-batch values go there every `tensorboard_every` batches; the CSV gets every one.
         self.tensorboard_every = tensorboard_every
-        self.board: Any = None
+        check_arguments(self)
+        # What shapes the computation: saved with the loop's counters, checked on resume.
+        config = TrainerConfig(
+            seed=seed,
+            accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm,
+            scheduler_interval=scheduler_interval,
+        )
+        self.progress = Progress(config=config)
         self.logs: dict[str, float] = {}  # the latest value of everything logged
         # Handled from now on, so a signal while the model is built or a checkpoint is read
         # ends the run with EXIT_CODE (to be requeued) instead of killing it.
@@ -115,11 +122,18 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
 
     def fit(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-        train_loader: Iterable, val_loader: Iterable | None = None, *,
-        scheduler: Any = None, scaler: Any = None,
-        training_step: StepFn | None = None, validation_step: StepFn | None = None,
-        train_metrics: dict[str, Any] | None = None, val_metrics: dict[str, Any] | None = None,
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_loader: Iterable,
+        val_loader: Iterable | None = None,
+        *,
+        scheduler: Any = None,
+        scaler: Any = None,
+        training_step: StepFn | None = None,
+        validation_step: StepFn | None = None,
+        train_metrics: dict[str, Any] | None = None,
+        val_metrics: dict[str, Any] | None = None,
     ) -> dict[str, float]:
         """Train (resuming from the newest checkpoint in ``directory`` if any); return the logs.
 
@@ -134,7 +148,8 @@ class Trainer:
             self.scheduler, self.scaler = scheduler, scaler
             self.training_step = training_step or step_function(model, "training_step")
             self.validation_step = validation_step or (
-                step_function(model, "validation_step") if val_loader is not None else None)
+                step_function(model, "validation_step") if val_loader is not None else None
+            )
             self.train_metrics = dict(train_metrics or {})
             self.val_metrics = dict(val_metrics or {})
             check_loaders(train_loader, val_loader)
@@ -145,30 +160,35 @@ class Trainer:
                     self._fit(train_loader, val_loader)
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
-        self._call("on_fit_end")
+        call_hooks(self.callbacks, "on_fit_end", self)
         return self.logs
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
-        self.log_file = CSVLog(self.directory / "metrics.csv")
+        self.run_log = RunLog(self.directory, self.tensorboard, self.tensorboard_every, self.logs)
         self.checkpointer = Checkpointer(self.directory / "checkpoints", keep=self.keep)
         self.entries = checkpoint_entries(
-            progress=self.progress, model=self.model, optimizer=self.optimizer,
-            train_loader=train_loader, val_loader=val_loader, scheduler=self.scheduler,
-            scaler=self.scaler, log=self.log_file, callbacks=self.callbacks,
-            metrics={"train": self.train_metrics, "val": self.val_metrics})
+            progress=self.progress,
+            model=self.model,
+            optimizer=self.optimizer,
+            train_loader=train_loader,
+            val_loader=val_loader,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            log=self.run_log.csv,
+            callbacks=self.callbacks,
+            metrics={"train": self.train_metrics, "val": self.val_metrics},
+        )
         progress = self.progress
         try:
             restored = resume(self.checkpointer, self.entries, val_loader)
             self._exit_if_preempted_before_training()
             if restored is None:
-                self.log_file.restart()
+                self.run_log.csv.restart()
                 seed_everything(self.seed)
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
-            self.board = open_tensorboard(self.tensorboard, self.directory / "tensorboard",
-                                          purge_from=progress.ticks + 1)
-            self.schedule = SaveSchedule(self.checkpoint_every_steps,
-                                         self.checkpoint_every_seconds)
-            self._call("on_fit_start")
+            self.run_log.open_board(purge_from=progress.ticks + 1)
+            self.schedule = SaveSchedule(self.checkpoint_every_steps, self.checkpoint_every_seconds)
+            call_hooks(self.callbacks, "on_fit_start", self)
             while progress.epoch < self.max_epochs and not self._max_steps_reached():
                 if progress.phase == "train":
                     self._train_epoch(train_loader)
@@ -176,14 +196,12 @@ class Trainer:
                 if progress.phase == "val" and val_loader is not None:
                     self._validate(val_loader)
                     progress.phase = "end"
-                self._call("on_epoch_end", self.logs)
+                call_hooks(self.callbacks, "on_epoch_end", self, self.logs)
                 progress.next_epoch()
             self._save()
         finally:
             self.checkpointer.close()
-            self.log_file.close()
-            if self.board is not None:
-                self.board.close()
+            self.run_log.close()
 
     def _train_epoch(self, loader: Iterable) -> None:
         progress, model = self.progress, self.model
@@ -202,7 +220,7 @@ class Trainer:
                     self._optimizer_step()
                 self.log({"loss": loss.item(), **logs}, "train", per_batch=True)
                 batches.show(loss.item())
-                self._call("on_train_batch_end", self.logs)
+                call_hooks(self.callbacks, "on_train_batch_end", self, self.logs)
                 if self._max_steps_reached():
                     break
                 self._after_batch()
@@ -214,8 +232,13 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         per_step = self.scheduler if self.scheduler_interval == "step" else None
-        optimizer_step(self.model, self.optimizer, scaler=self.scaler, scheduler=per_step,
-                       clip_grad_norm=self.clip_grad_norm)
+        optimizer_step(
+            self.model,
+            self.optimizer,
+            scaler=self.scaler,
+            scheduler=per_step,
+            clip_grad_norm=self.clip_grad_norm,
+        )
         self.progress.optimizer_step_done()
 
     @torch.no_grad()
@@ -232,7 +255,7 @@ class Trainer:
                 progress.val_batch_done(loss.item())
                 self.log({"loss": loss.item(), **logs}, "val", per_batch=True)
                 batches.show(loss.item())
-                self._call("on_validation_batch_end", self.logs)
+                call_hooks(self.callbacks, "on_validation_batch_end", self, self.logs)
                 self._after_batch()
         self.log({"epoch_loss": progress.phase_mean(), **compute_metrics(self.val_metrics)}, "val")
         model.train()
@@ -243,17 +266,21 @@ class Trainer:
         if received is not None:
             self._save(blocking=True)
             seconds = self.preemption.seconds_since_signal()
-            say(f"{received.name} received; checkpoint at {progress.where()} committed "
-                 f"{seconds:.3f} s after the signal; exiting with {EXIT_CODE} to be requeued")
-            self._call("on_preempted", seconds)
+            say(
+                f"{received.name} received; checkpoint at {progress.where()} committed "
+                f"{seconds:.3f} s after the signal; exiting with {EXIT_CODE} to be requeued"
+            )
+            call_hooks(self.callbacks, "on_preempted", self, seconds)
             raise SystemExit(EXIT_CODE)
         if self.schedule.due(progress):
             self._save(blocking=not self.async_save)
 
     def _exit_if_preempted_before_training(self) -> None:
         if (received := self.preemption.received) is not None:
-            say(f"{received.name} received before training started: nothing new to save; "
-                 f"exiting with {EXIT_CODE} to be requeued")
+            say(
+                f"{received.name} received before training started: nothing new to save; "
+                f"exiting with {EXIT_CODE} to be requeued"
+            )
             raise SystemExit(EXIT_CODE)
 
     def _save(self, blocking: bool = True) -> None:
@@ -261,9 +288,8 @@ class Trainer:
             return  # nothing happened since the last checkpoint
         self.progress.saved_at = self.progress.ticks
         self.schedule.saved()
-        if self.board is not None:
-            self.board.flush()  # what the checkpoint says was logged must be on disk
-        self._call("on_save_start")
+        self.run_log.flush_board()
+        call_hooks(self.callbacks, "on_save_start", self)
         self.checkpointer.save(self.progress.ticks, self.entries, blocking=blocking)
 
     def _max_steps_reached(self) -> bool:
@@ -271,8 +297,9 @@ class Trainer:
 
     # -- logging and callbacks --------------------------------------------------------------
 
-    def log(self, values: dict[str, float], phase: str = "train", *,
-            per_batch: bool = False) -> None:
+    def log(
+        self, values: dict[str, float], phase: str = "train", *, per_batch: bool = False
+    ) -> None:
         """Log scalars at the current step (for callbacks): CSV, TensorBoard, ``logs``.
 
         ``per_batch=True`` (the loss of each batch) reaches TensorBoard every
@@ -280,17 +307,4 @@ class Trainer:
         """
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
-        board = self.board if not per_batch or step % self.tensorboard_every == 0 else None
-        for name, value in values.items():
-            self.log_file.log(step, progress.epoch, phase, name, value)
-            self.logs[f"{phase}/{name}"] = float(value)
-            if board is not None:
-                board.add_scalar(f"{phase}/{name}", float(value), global_step=progress.ticks)
-
-    def _call(self, hook: str, *args: Any) -> None:
-        """Call ``hook(self, *args)`` on every callback that has it (duck-typed, in order)."""
-        for callback in self.callbacks:
-            method = getattr(callback, hook, None)
-            if callable(method):
-                method(self, *args)
-
+        self.run_log.log(values, phase, step, progress.epoch, progress.ticks, per_batch)

@@ -1,0 +1,73 @@
+"""The names inside a checkpoint directory, and what they say after a writer was killed.
+
+- ``step-000000123``: a committed checkpoint (renamed into place whole).
+- ``.tmp-step-000000123-<pid>-<hex>``: a save in progress, or a killed one: removed.
+- ``.old-step-000000123-<hex>``: a checkpoint moved aside while a save of the same step replaces
+  it; it counts again if the writer died before the replacement was renamed into place.
+- ``.del-step-000000123-<hex>``: renamed before deletion, so that a writer killed mid-delete
+  leaves no half checkpoint in view: removed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+
+from .storage import Storage, join
+
+_FINAL = re.compile(r"step-(\d+)")
+_OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")
+_TMP, _DOOMED = ".tmp-", ".del-"
+
+
+def final_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def temporary_name(step: int) -> str:
+    return f"{_TMP}{final_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def aside_name(name: str) -> str:
+    """Where a committed checkpoint goes while a save of the same step replaces it."""
+    return f".old-{name}-{secrets.token_hex(4)}"
+
+
+def doomed_name(name: str) -> str:
+    return f"{_DOOMED}{name}-{secrets.token_hex(4)}"
+
+
+def clean(storage: Storage, root: str) -> None:
+    """Remove what killed writers left: temporary and half-deleted directories; put back a
+    checkpoint moved aside whose replacement never arrived."""
+    for entry in storage.list_directory(root):
+        old = _OLD.fullmatch(entry.name)
+        final = join(root, f"step-{old.group(1)}") if old else ""
+        if old and not storage.exists(final):
+            storage.rename(join(root, entry.name), final)
+        elif old or entry.name.startswith((_TMP, _DOOMED)):
+            storage.remove_tree(join(root, entry.name))
+
+
+def committed(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every committed checkpoint directory, oldest step first."""
+    if not storage.is_directory(root):
+        return []
+    found = [
+        (int(m.group(1)), join(root, entry.name))
+        for entry in storage.list_directory(root)
+        if (m := _FINAL.fullmatch(entry.name)) and entry.is_directory
+    ]
+    return sorted(found)
+
+
+def candidates(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """What ``load_latest`` may read: the committed ones and any moved aside."""
+    found = dict(committed(storage, root))
+    if storage.is_directory(root):
+        for entry in storage.list_directory(root):
+            old = _OLD.fullmatch(entry.name)
+            if old:  # the writer died between moving it aside and renaming its replacement
+                found.setdefault(int(old.group(1)), join(root, entry.name))
+    return sorted(found.items())
