@@ -204,6 +204,7 @@ def test_an_error_raised_in_a_worker_keeps_its_type():
         resumed.load_state_dict(state)
     with pytest.raises(StateMismatch, match="yields only 2"):
         list(resumed)
+    assert str(StateMismatch("the whole message")) == "the whole message"
     error = StateMismatch("unbroken.DataLoader", "seed", 1, 2)
     copy = pickle.loads(pickle.dumps(error))
     assert (type(copy), copy.field, copy.saved, copy.current, str(copy)) == (
