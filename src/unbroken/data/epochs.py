@@ -87,16 +87,12 @@ class EpochIterable(Generic[P]):
 
     def _iterate(self, position: P, epoch: int) -> Iterator[Any]:
         items = self._run(position, epoch)
-        held: list = []  # the item passes through a list so that no frame keeps it once yielded
         try:
-            while True:
-                try:
-                    held.append(next(items))
-                except StopIteration:
-                    break
+            for item in items:
                 if position is self._pos:
                     self._open = True
-                yield held.pop()
+                yield item
+                del item  # released before the next item is fetched (peak memory: one item)
         except GeneratorExit:
             items.close()  # the subclass's own clean-up first (it may record how the epoch ended)
             if position is self._pos and self._open:

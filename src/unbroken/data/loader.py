@@ -150,6 +150,7 @@ class DataLoader(EpochIterable[Cursor]):
                 continue
             cursor.batches += 1
             yield batch
+            del batch  # released before the next batch is fetched
 
     def state_dict(self) -> LoaderState:
         """What the user has received so far: JSON-serializable (``json.dumps`` works).
