@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from .._state import COUNT_LIMIT, check_user_state, encode_or_defer, from_jsonable, has_state
 from ..errors import CorruptState
 from .rng import clear_sample, keep_main_torch_rng, sample_seed_at
-from .states import WorkerPosition
 from .streams import RangeStream, StreamSource, set_epoch
-from .worker_streams import Opened, PerWorkerStream
+from .worker_streams import Opened, PerWorkerStream, ReplicaStart
 
 _END = object()
 
@@ -58,15 +57,8 @@ class StatefulStream(PerWorkerStream):
                 pass
         return self._initial
 
-    def open(
-        self,
-        plan: dict,
-        saved: WorkerPosition,
-        worker: int,
-        seed: Callable[[int], None],
-        key: int,
-        global_rngs: tuple[str, ...],
-    ) -> Opened:
+    def open(self, start: ReplicaStart) -> Opened:
+        plan, saved = start.plan, start.saved
         dataset, epoch = self.dataset, plan["epoch"]
         if saved["state"] is None:
             # A fresh epoch: the state as it was before the loader first iterated the dataset
@@ -122,15 +114,8 @@ class SamplerPatternStream(PerWorkerStream):
 
     tag = "sampler"
 
-    def open(
-        self,
-        plan: dict,
-        saved: WorkerPosition,
-        worker: int,
-        seed: Callable[[int], None],
-        key: int,
-        global_rngs: tuple[str, ...],
-    ) -> Opened:
+    def open(self, start: ReplicaStart) -> Opened:
+        plan, saved, worker = start.plan, start.saved, start.worker
         dataset = self.dataset
         set_epoch(dataset, plan["epoch"])
         items = iter(dataset)
@@ -167,15 +152,8 @@ class ReplayStream(PerWorkerStream):
 
     tag = "replay"
 
-    def open(
-        self,
-        plan: dict,
-        saved: WorkerPosition,
-        worker: int,
-        seed: Callable[[int], None],
-        key: int,
-        global_rngs: tuple[str, ...],
-    ) -> Opened:
+    def open(self, start: ReplicaStart) -> Opened:
+        plan, saved, worker, seed, key, global_rngs = start
         set_epoch(self.dataset, plan["epoch"])
         items, count = iter(self.dataset), saved["items"]
         saved_rng = keep_main_torch_rng(global_rngs)

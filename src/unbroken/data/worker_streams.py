@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._state import Unsaveable, check_int
 from ..errors import CorruptState, StateMismatch
@@ -23,7 +23,18 @@ from .sources import SKIP, Cursor
 from .states import WorkerPosition, WorkersPosition
 from .streams import PLACEHOLDER, StreamSource, StreamWorker, Tagged, read_items
 
-Opened = tuple[Iterator, Callable[[], Any]]  # the worker's items, and its state after a batch
+Opened = tuple[Iterator, Callable[[], Any]]
+
+
+class ReplicaStart(NamedTuple):
+    """What a worker knows when it starts its replica's epoch."""
+
+    plan: dict  # the epoch's plan (seed, epoch, every worker's saved position, ...)
+    saved: WorkerPosition  # this worker's saved position
+    worker: int
+    seed: Callable[[int], None]  # seeds the global RNGs for one item
+    key: int  # the key of this worker's per-item seeds
+    global_rngs: tuple[str, ...]  # the worker's items, and its state after a batch
 
 
 class PerWorkerStream(StreamSource):
@@ -35,15 +46,7 @@ class PerWorkerStream(StreamSource):
 
     # How a replica resumes: the worker side (``open``) and the check of its saved state.
     @abstractmethod
-    def open(
-        self,
-        plan: dict,
-        saved: WorkerPosition,
-        worker: int,
-        seed: Callable[[int], None],
-        key: int,
-        global_rngs: tuple[str, ...],
-    ) -> Opened:
+    def open(self, start: ReplicaStart) -> Opened:
         """Set the epoch and the replica's saved position on the dataset; return its items
         (continuing after the saved ones) and what gives its state after each batch."""
 
@@ -73,7 +76,7 @@ class PerWorkerStream(StreamSource):
             yield Tagged(None, worker, PLACEHOLDER, None)  # its turn in this cycle already came
         seed = make_seeder(out.global_rngs)
         key = keys.stream_worker(plan["seed"], plan["epoch"], worker)
-        items, state = self.open(plan, saved, worker, seed, key, out.global_rngs)
+        items, state = self.open(ReplicaStart(plan, saved, worker, seed, key, out.global_rngs))
         count, step = saved["items"], self.batch_size or 1
         while True:
             batch = read_items(items, step, seed, key, count, out.global_rngs)
