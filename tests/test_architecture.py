@@ -225,3 +225,27 @@ def test_set_epoch_on_a_combined_loader_moves_children_left_mid_epoch():
     combined.set_epoch(5)
     assert combined.epoch == 5 and combined.state_dict()["batches"] == 0
     assert [child.epoch for child in children] == [1, 1]  # as at the end of a combined epoch
+
+
+@pytest.mark.parametrize("make", ["loader", "combined"])
+def test_a_batch_the_user_dropped_is_freed_at_once(make):
+    import weakref
+
+    class Box:
+        pass
+
+    refs = []
+
+    def collate(samples):
+        box = Box()
+        refs.append(weakref.ref(box))
+        return box
+
+    loader = unbroken.DataLoader(list(range(6)), batch_size=2, collate_fn=collate, seed=1)
+    iterable = loader if make == "loader" else unbroken.CombinedLoader([loader], "max_size")
+    iterator = iter(iterable)
+    first = next(iterator)
+    assert refs[0]() is not None
+    del first
+    assert refs[0]() is None  # neither the loader nor the epoch machinery holds it
+    next(iterator)

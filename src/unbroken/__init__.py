@@ -12,7 +12,7 @@ offers; the modules inside are internal and may move:
   returns a ``Restored``).
 - ``unbroken.train``: ``Trainer`` (a loop that resumes bit for bit), ``Preemption`` (signals
   as a flag), ``GlobalRNG`` (the process's RNGs as a checkpoint entry).
-- ``unbroken.distributed``: the place for data parallelism (next).
+- ``unbroken.distributed``: data parallelism (``DataLoader(rank=, world_size=)``, or torchrun).
 - ``unbroken.errors``: ``StateMismatch``, ``CorruptState``, ``CorruptCheckpoint`` (all
   ``ValueError``) and ``DirectoryInUse``.
 - ``unbroken.testing``: ``assert_resumes_exactly`` for checking a pipeline.

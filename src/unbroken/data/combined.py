@@ -122,13 +122,13 @@ class CombinedLoader(EpochIterable[_Progress]):
         return _Progress(len(self._children))
 
     def _run(self, pos: _Progress, epoch: int) -> Generator[Any, None, Any]:
-        step = getattr(self, "_step_" + self.mode)
+        step, held = getattr(self, "_step_" + self.mode), []
         while pos is self._pos:  # a set_epoch, iter() or load_state_dict since: this one is stale
-            item = step(pos)
-            if item is _END:
+            held.append(step(pos))
+            if held[0] is _END:
                 return
             pos.batches += 1
-            yield item
+            yield held.pop()  # no reference kept to a batch the user drops (see EpochIterable)
 
     def _next(self, pos: _Progress, i: int) -> Any:
         """The child's next batch, or ``_END`` (its epoch ended: marked exhausted)."""

@@ -87,12 +87,16 @@ class EpochIterable(Generic[P]):
 
     def _iterate(self, position: P, epoch: int) -> Iterator[Any]:
         items = self._run(position, epoch)
+        held: list = []
         try:
             for item in items:
                 if position is self._pos:
                     self._open = True
-                yield item
-                del item  # released before the next item is fetched (peak memory: one item)
+                # Yielded through a list, so that this frame holds no reference while the user
+                # has the item: one that the user drops is freed at once.
+                held.append(item)
+                del item
+                yield held.pop()
         except GeneratorExit:
             items.close()  # the subclass's own clean-up first (it may record how the epoch ended)
             if position is self._pos and self._open:

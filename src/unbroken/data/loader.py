@@ -23,19 +23,17 @@ from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
-from torch.utils.data import SequentialSampler
 
 from .._state import StateReader, mismatch, same
+from ..distributed.sharding import world_of
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .epochs import EpochIterable
-from .orders import NativeOrder
-from .replicas import stream_source
 from .rng import GLOBAL_RNGS, check_global_rngs
-from .samplers import UserBatchSampler, UserSampler
-from .sources import SKIP, BatchSource, Cursor
+from .select import make_source
+from .sources import SKIP, Cursor
 from .states import LOADER, LoaderState
-from .streams import StreamSource, is_stream, warn_if_buffer_shuffled
+from .streams import StreamSource
 from .worker_streams import PerWorkerStream
 from .workers import signals_blocked, worker_init
 
@@ -57,6 +55,12 @@ class DataLoader(EpochIterable[Cursor]):
       ``random``; the README's "Randomness" section) but makes draws from it inside
       ``__getitem__`` depend on the worker, so they no longer repeat after a resume;
       ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay exact either way.
+    - ``rank``, ``world_size``: data parallelism (``unbroken.distributed.sharding``). Taken
+      from the initialized ``torch.distributed`` process group when left out. A map-style
+      dataset in unbroken's own order then gives each rank its share of every global batch of
+      one global order; the state is the global cursor, the same on every rank, and resumes on
+      any number of ranks. ``seed`` must be given when there is more than one rank. (Iterable
+      datasets and user samplers are not split by unbroken yet: each rank iterates its own.)
 
     ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
     the next epoch (the first is epoch 0).
@@ -84,6 +88,8 @@ class DataLoader(EpochIterable[Cursor]):
         in_order: bool = True,
         seed: int | None = None,
         global_rngs: Iterable[str] = GLOBAL_RNGS,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         if not in_order:
             raise ValueError(
@@ -98,8 +104,15 @@ class DataLoader(EpochIterable[Cursor]):
         self.seed = _check_seed(seed, generator)
         self._seed_given = seed is not None or generator is not None
         self.sampler, self.batch_sampler = sampler, batch_sampler
+        ranks = world_of(rank, world_size)
+        if ranks is not None and ranks[1] > 1 and not self._seed_given:
+            raise ValueError(
+                f"unbroken.DataLoader on {ranks[1]} ranks needs seed=: every rank derives the same "
+                "global order from it (a random seed would differ between ranks)"
+            )
+        self.rank, self.world_size = ranks if ranks is not None else (0, 1)
         self._source = make_source(
-            dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers
+            dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers, ranks
         )
         if isinstance(self._source, StreamSource):
             persistent_workers = False  # each epoch starts every worker from another state
@@ -144,13 +157,15 @@ class DataLoader(EpochIterable[Cursor]):
             self._inner.worker_init_fn = worker_init(self._user_worker_init)
             with signals_blocked():
                 batches = iter(self._inner)
+        held: list = []  # as in EpochIterable: no frame keeps a batch the user has dropped
         for batch in batches:
             batch = receive(cursor, batch)  # the cursor moves when the user receives the batch
             if batch is SKIP:
                 continue
             cursor.batches += 1
-            yield batch
-            del batch  # released before the next batch is fetched
+            held.append(batch)
+            del batch
+            yield held.pop()
 
     def state_dict(self) -> LoaderState:
         """What the user has received so far: JSON-serializable (``json.dumps`` works).
@@ -254,45 +269,3 @@ def _check_seed(seed: int | None, generator: torch.Generator | None) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
     return seed
-
-
-def make_source(
-    dataset: Any,
-    batch_size: int | None,
-    shuffle: bool | None,
-    sampler: Any,
-    batch_sampler: Any,
-    drop_last: bool,
-    num_workers: int,
-) -> BatchSource:
-    """The source of the loader's batches, from torch's arguments (and torch's checks)."""
-    _check_batch_size(batch_size)
-    if is_stream(dataset):
-        if shuffle or sampler is not None or batch_sampler is not None:
-            raise ValueError(
-                "an IterableDataset orders itself: shuffle, sampler and batch_sampler must be left "
-                "unset (for an exact shuffle of a stream, see unbroken.shuffle_buffer)"
-            )
-        warn_if_buffer_shuffled(dataset)
-        return stream_source(dataset, batch_size, drop_last, num_workers)
-    if batch_sampler is not None:
-        if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError(
-                "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, "
-                "and drop_last"
-            )
-        return UserBatchSampler(batch_sampler)
-    if sampler is not None:
-        if shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-        if isinstance(sampler, SequentialSampler) and sampler.data_source is dataset:
-            return NativeOrder(len(dataset), batch_size, drop_last, shuffle=False)
-        return UserSampler(sampler, batch_size, drop_last)
-    return NativeOrder(len(dataset), batch_size, drop_last, shuffle=bool(shuffle))
-
-
-def _check_batch_size(batch_size: Any) -> None:
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0
-    ):
-        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")

@@ -7,6 +7,7 @@ with the dataset and its options is the *source*, chosen once at construction:
 source                       for                                            module
 ===========================  =============================================  ================
 ``NativeOrder``              map-style, ``shuffle`` on or off                ``orders``
+``ShardedOrder``             the same, one rank's share of it                ``distributed``
 ``UserSampler``              map-style with a ``sampler``                    ``samplers``
 ``UserBatchSampler``         map-style with a ``batch_sampler``              ``samplers``
 ``RangeStream``              an iterable with ``read_range`` (global cursor)  ``streams``

@@ -1,7 +1,11 @@
-"""Data parallelism on ``torch.distributed`` (torchrun): rank-aware orders and sharded state.
+"""Data parallelism on ``torch.distributed`` (torchrun).
 
-Empty for now: this is where the distributed pieces go (issue 10), so that ``data``,
-``checkpoint`` and ``train`` keep one concern each.
+- ``sharding``: each rank's share of one global order for a map-style dataset, resumable on
+  any number of ranks (``unbroken.DataLoader(..., rank=, world_size=)``, or the ranks of the
+  initialized process group).
+
+Still to come here (issue 10): rank-aware iterable datasets, checkpoints with a part per rank,
+agreement on preemption across ranks, the Trainer under torchrun.
 """
 
 __all__: list[str] = []

@@ -1,0 +1,131 @@
+"""Data parallelism for map-style datasets: each rank's share of one global order.
+
+Every rank derives the same global order from (seed, epoch), as a single process would (the
+same shuffle, the same per-sample seeds). Global batch k is positions
+[k * B * W, (k + 1) * B * W) of that order for ``batch_size`` B and W ranks; rank r receives
+positions [k * B * W + r * B, k * B * W + (r + 1) * B). The loader's state is the *global*
+cursor (samples and global batches received), identical on every rank, so any rank's state
+resumes any rank, and on any number of ranks: a job saved on W ranks continues on W' ranks at
+the same global position, with global batches of B * W' from there on. Over the epoch no
+sample is repeated or skipped (apart from the padding below), whatever W was at each moment.
+
+Stays fixed across a resume: ``batch_size`` per rank, the dataset, ``seed``, ``shuffle``,
+``drop_last``. Changes with W: the global batch size (so what a step averages over) and, with
+more than one rank, the order in which gradients are reduced, so weights after a resume on
+another world size are not bit for bit those of an uninterrupted run; the samples and their
+randomness are.
+
+The epoch's tail, as ``DistributedSampler`` does it, so that every rank yields the same number
+of batches and none waits alone in a collective: with ``drop_last=True`` the last incomplete
+global batch is dropped; otherwise it is split evenly, ``ceil(rest / W)`` samples per rank, and
+ranks past the end repeat samples of that last global batch (their own seeds derive from
+positions past the end, so a repeated sample is augmented anew).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from ..data import keys
+from ..data.fetch import Keys
+from ..data.orders import IndexSource
+from ..data.shuffle import IndexShuffle
+from ..data.sources import Cursor
+from ..errors import CorruptState
+
+_BLOCK = 4096  # positions per numpy call, as in NativeOrder
+
+
+def world_of(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """``(rank, world_size)``: as given, else from an initialized default process group, else
+    None (a single process)."""
+    if rank is None and world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return None
+    if rank is None or world_size is None:
+        raise ValueError(
+            f"pass both rank= and world_size= (or neither, to take them from the initialized "
+            f"process group), got rank={rank!r}, world_size={world_size!r}"
+        )
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size, got rank={rank}, world_size={world_size}")
+    return rank, world_size
+
+
+class ShardedOrder(IndexSource):
+    """Rank ``rank`` of ``world``'s share of the sequential or shuffled global order."""
+
+    def __init__(
+        self, n: int, batch_size: int | None, drop_last: bool, shuffle: bool, rank: int, world: int
+    ) -> None:
+        super().__init__()
+        self.n, self.batch_size, self.drop_last, self.shuffle = n, batch_size, drop_last, shuffle
+        self.rank, self.world = rank, world
+        self.global_batch = (batch_size or 1) * world
+        self.epoch_samples = n - n % self.global_batch if drop_last else n
+
+    def fingerprint(self) -> dict[str, Any]:
+        # As NativeOrder's: a single process's state resumes on ranks, and the other way round.
+        return {"sampler": "unbroken", "shuffle": self.shuffle}
+
+    def __len__(self) -> int:
+        return math.ceil(self.epoch_samples / self.global_batch)
+
+    def check_cursor(self, cursor: Cursor, what: str) -> None:
+        """Global batches may have had other sizes (another world size saved the state), so the
+        counters are checked against the epoch, not against this world's batch size."""
+        if cursor.source is not None:
+            raise CorruptState(
+                f"{what} state field 'source': expected null (unbroken's own order keeps no "
+                f"sampler state), got {cursor.source!r:.200}",
+                "source",
+            )
+        ok = cursor.samples <= self.n and cursor.batches <= cursor.samples
+        if not ok or (cursor.batches == 0) != (cursor.samples == 0):
+            raise CorruptState(
+                f"{what} state is inconsistent: samples={cursor.samples} and "
+                f"batches={cursor.batches} do not describe a position of an epoch of {self.n} "
+                "samples in batches of at least one sample; the state is corrupt"
+            )
+
+    def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
+        epoch_key = keys.samples(seed, epoch)
+        shuffle = IndexShuffle(self.n, keys.shuffle(seed, epoch)) if self.shuffle else None
+        step, size = self.batch_size or 1, self.global_batch
+        start, end = cursor.samples, self.epoch_samples
+        if start >= end or (self.drop_last and end - start < size):
+            return  # saved at the epoch's end, or, with another world size, past what it drops
+        whole = (end - start) // size  # whole global batches left
+        per_block = max(1, _BLOCK // step)
+        for block in range(0, whole, per_block):
+            count = min(per_block, whole - block)
+            firsts = start + (block + np.arange(count)) * size + self.rank * step
+            positions = (firsts[:, None] + np.arange(step)).reshape(-1)
+            indices = self._indices(positions, shuffle)
+            for j in range(count):
+                done.append((start + (block + j + 1) * size, None))
+                yield Keys(indices[j * step : (j + 1) * step], epoch_key, int(firsts[j]))
+        first = start + whole * size
+        rest = end - first
+        if rest and not self.drop_last:  # the last, incomplete global batch, split evenly
+            share = -(-rest // self.world)
+            positions = first + self.rank * share + np.arange(share)
+            real = first + (positions - first) % rest  # past the end: repeat the batch's own
+            indices = self._indices(real, shuffle)
+            done.append((end, None))
+            yield Keys(indices, epoch_key, int(positions[0]))
+
+    def _indices(self, positions: np.ndarray, shuffle: IndexShuffle | None) -> list[int]:
+        if shuffle is None:
+            return positions.tolist()
+        return shuffle.at(positions).tolist()

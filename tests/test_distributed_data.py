@@ -1,0 +1,216 @@
+"""Data parallelism: every rank's share of one global order, checked against a global order
+computed here; the state is the same on every rank; a job resumes on another world size with
+every sample seen exactly once; torchrun (gloo) finds the ranks by itself."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unbroken
+from unbroken.data.rng import sample_seed_at
+from unbroken.data.shuffle import IndexShuffle, derive_key
+
+
+class Probe(torch.utils.data.Dataset):
+    """Returns (index, the sample's seed as two 32-bit halves)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        seed = unbroken.sample_seed()
+        return torch.tensor([index, seed >> 32, seed & 0xFFFFFFFF])
+
+
+def _loaders(n, batch_size, world, shuffle=True, drop_last=False, seed=9):
+    return [
+        unbroken.DataLoader(
+            Probe(n),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            seed=seed,
+            rank=rank,
+            world_size=world,
+        )
+        for rank in range(world)
+    ]
+
+
+def _global_order(n, seed, epoch, shuffle):
+    return IndexShuffle(n, derive_key(seed, epoch, 1)).range(0, n) if shuffle else list(range(n))
+
+
+@given(
+    n=st.integers(1, 40),
+    batch_size=st.integers(1, 4),
+    world=st.integers(1, 4),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_each_rank_gets_its_share_of_every_global_batch(n, batch_size, world, shuffle, drop_last):
+    loaders = _loaders(n, batch_size, world, shuffle, drop_last)
+    order = _global_order(n, 9, 0, shuffle)
+    size = batch_size * world
+    per_rank = [list(loader) for loader in loaders]
+    assert len({len(batches) for batches in per_rank}) == 1  # no rank waits alone
+    whole, rest = divmod(n, size)
+    for k in range(whole):
+        for rank in range(world):
+            positions = range(k * size + rank * batch_size, k * size + (rank + 1) * batch_size)
+            batch = per_rank[rank][k]
+            assert batch[:, 0].tolist() == [order[p] for p in positions]
+            seeds = [(int(h) << 32) | int(lo) for h, lo in batch[:, 1:].tolist()]
+            assert seeds == [sample_seed_at(derive_key(9, 0), p) for p in positions]
+    if drop_last or not rest:
+        assert len(per_rank[0]) == whole
+    else:  # the tail split evenly; ranks past the end repeat samples of the last global batch
+        share, first = -(-rest // world), whole * size
+        for rank in range(world):  # positions past the end wrap to the last global batch's start
+            wrapped = [first + (rank * share + i) % rest for i in range(share)]
+            assert per_rank[rank][whole][:, 0].tolist() == [order[p] for p in wrapped]
+
+
+def test_every_rank_saves_the_same_state_and_any_rank_resumes_any_other():
+    loaders = _loaders(23, 2, 3)
+    iterators = [iter(loader) for loader in loaders]
+    for _ in range(2):
+        for iterator in iterators:
+            next(iterator)
+        states = [json.dumps(loader.state_dict()) for loader in loaders]
+        assert len(set(states)) == 1
+    expected = [list(iterator) for iterator in iterators]
+    for rank in range(3):  # rank 0's state resumes rank 2, and so on
+        resumed = _loaders(23, 2, 3)[rank]
+        resumed.load_state_dict(json.loads(states[(rank + 1) % 3]))
+        assert all(torch.equal(a, b) for a, b in zip(list(resumed), expected[rank], strict=True))
+
+
+@pytest.mark.parametrize("worlds", [(2, 1, 3), (3, 2, 1), (1, 4, 2)])
+def test_a_job_resumed_on_other_world_sizes_sees_every_sample_exactly_once(worlds):
+    n, batch_size, seen, state = 60, 2, collections.Counter(), None
+    steps_per_world = (4, 5)  # then the last world size runs to the end of the epoch
+    for i, world in enumerate(worlds):
+        loaders = _loaders(n, batch_size, world)
+        if state is not None:
+            for loader in loaders:
+                loader.load_state_dict(state)
+        iterators = [iter(loader) for loader in loaders]
+        steps = steps_per_world[i] if i < len(worlds) - 1 else None
+        taken = 0
+        while steps is None or taken < steps:
+            batches = [next(iterator, None) for iterator in iterators]
+            if batches[0] is None:
+                break
+            seen.update(i for batch in batches for i in batch[:, 0].tolist())
+            taken += 1
+        state = loaders[0].state_dict()
+    assert set(seen) == set(range(n))  # nothing skipped
+    extra = sum(seen.values()) - n  # repeats only from padding the last global batch
+    assert 0 <= extra < worlds[-1] * batch_size
+    assert state["epoch"] == 1 and state["samples"] == 0
+
+
+def test_the_global_order_does_not_depend_on_the_world_size():
+    def flat(world):
+        per_rank = [list(loader) for loader in _loaders(24, 2, world)]
+        out = []
+        for k in range(len(per_rank[0])):
+            for rank in range(world):
+                out.append(per_rank[rank][k])
+        return torch.cat(out)
+
+    one = flat(1)
+    for world in (2, 3, 4):
+        assert torch.equal(flat(world), one)  # the same samples, the same seeds, in order
+
+
+def test_a_single_process_state_resumes_on_ranks_and_back():
+    single = unbroken.DataLoader(Probe(20), batch_size=2, shuffle=True, seed=9)
+    iterator = iter(single)
+    for _ in range(3):
+        next(iterator)
+    state = single.state_dict()
+    rest = torch.cat(list(iterator))
+    loaders = _loaders(20, 2, 2)
+    for loader in loaders:
+        loader.load_state_dict(state)
+    interleaved = torch.cat([b for pair in zip(*map(list, loaders), strict=True) for b in pair])
+    assert torch.equal(interleaved, rest)
+    # and back: two ranks' state, after 2 global batches, resumes one process of a world of one
+    # (a plain loader refuses it: its counters are checked against its own batch size)
+    loaders = _loaders(20, 2, 2)
+    iterators = [iter(loader) for loader in loaders]
+    for _ in range(2):
+        for it in iterators:
+            next(it)
+    plain = unbroken.DataLoader(Probe(20), batch_size=2, shuffle=True, seed=9)
+    with pytest.raises(unbroken.CorruptState, match="samples=8 and batches=2"):
+        plain.load_state_dict(loaders[1].state_dict())
+    (single,) = _loaders(20, 2, 1)
+    single.load_state_dict(loaders[1].state_dict())
+    reference = unbroken.DataLoader(Probe(20), batch_size=2, shuffle=True, seed=9)
+    assert torch.equal(torch.cat(list(single)), torch.cat(list(reference))[8:])
+
+
+def test_bad_rank_arguments_and_a_missing_seed_are_refused():
+    with pytest.raises(ValueError, match="needs seed="):
+        unbroken.DataLoader(Probe(4), rank=0, world_size=2)
+    with pytest.raises(ValueError, match="pass both rank= and world_size="):
+        unbroken.DataLoader(Probe(4), rank=0, seed=1)
+    with pytest.raises(ValueError, match="rank must be < world_size"):
+        unbroken.DataLoader(Probe(4), rank=2, world_size=2, seed=1)
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        unbroken.DataLoader(Probe(4), rank=0, world_size=0, seed=1)
+
+
+TORCHRUN_JOB = """
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import unbroken
+from test_distributed_data import Probe
+dist.init_process_group("gloo")
+loader = unbroken.DataLoader(Probe(17), batch_size=2, shuffle=True, seed=9, num_workers=1)
+iterator = iter(loader)
+ids = [next(iterator)[:, 0].tolist() for _ in range(3)]
+states = [None] * dist.get_world_size()
+dist.all_gather_object(states, loader.state_dict())
+rest = [batch[:, 0].tolist() for batch in iterator]
+out = {{"rank": dist.get_rank(), "world": dist.get_world_size(), "ids": ids, "rest": rest,
+       "states": states}}
+with open({out!r} + f"/rank{{dist.get_rank()}}.json", "w") as f:
+    json.dump(out, f)
+dist.destroy_process_group()
+"""
+
+
+def test_under_torchrun_the_ranks_come_from_the_process_group(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_JOB.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert ranks[0]["states"][0] == ranks[0]["states"][1]  # the same state on both ranks
+    seen = collections.Counter(i for r in ranks for batch in r["ids"] + r["rest"] for i in batch)
+    assert set(seen) == set(range(17)) and sum(seen.values()) == 18  # one padded repeat
