@@ -104,12 +104,7 @@ class NativeOrder(IndexSource):
         return math.ceil(self.epoch_samples / (self.batch_size or 1))
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
-        if cursor.source is not None:
-            raise CorruptState(
-                f"{what} state field 'source': expected null (unbroken's own order "
-                f"keeps no sampler state), got {cursor.source!r:.200}",
-                "source",
-            )
+        self._check_no_source(cursor, what)
         step = self.batch_size or 1
         expected = min(cursor.batches * step, self.epoch_samples)
         if cursor.samples != expected or cursor.batches > len(self):
@@ -117,6 +112,15 @@ class NativeOrder(IndexSource):
                 f"{what} state is inconsistent: samples={cursor.samples} and "
                 f"batches={cursor.batches} do not describe a position of an epoch of "
                 f"{self.epoch_samples} samples in batches of {step}; the state is corrupt"
+            )
+
+    @staticmethod
+    def _check_no_source(cursor: Cursor, what: str) -> None:
+        if cursor.source is not None:
+            raise CorruptState(
+                f"{what} state field 'source': expected null (unbroken's own order "
+                f"keeps no sampler state), got {cursor.source!r:.200}",
+                "source",
             )
 
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:

@@ -27,14 +27,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
 from ..data import keys
 from ..data.fetch import Keys
-from ..data.orders import IndexSource
+from ..data.orders import NativeOrder
 from ..data.shuffle import IndexShuffle
 from ..data.sources import Cursor
 from ..errors import CorruptState
@@ -62,21 +61,17 @@ def world_of(rank: int | None, world_size: int | None) -> tuple[int, int] | None
     return rank, world_size
 
 
-class ShardedOrder(IndexSource):
-    """Rank ``rank`` of ``world``'s share of the sequential or shuffled global order."""
+class ShardedOrder(NativeOrder):
+    """Rank ``rank`` of ``world``'s share of the sequential or shuffled global order. Its
+    fingerprint is NativeOrder's: a single process's state resumes on ranks, and back."""
 
     def __init__(
         self, n: int, batch_size: int | None, drop_last: bool, shuffle: bool, rank: int, world: int
     ) -> None:
-        super().__init__()
-        self.n, self.batch_size, self.drop_last, self.shuffle = n, batch_size, drop_last, shuffle
+        super().__init__(n, batch_size, drop_last, shuffle)
         self.rank, self.world = rank, world
         self.global_batch = (batch_size or 1) * world
         self.epoch_samples = n - n % self.global_batch if drop_last else n
-
-    def fingerprint(self) -> dict[str, Any]:
-        # As NativeOrder's: a single process's state resumes on ranks, and the other way round.
-        return {"sampler": "unbroken", "shuffle": self.shuffle}
 
     def __len__(self) -> int:
         return math.ceil(self.epoch_samples / self.global_batch)
@@ -84,12 +79,7 @@ class ShardedOrder(IndexSource):
     def check_cursor(self, cursor: Cursor, what: str) -> None:
         """Global batches may have had other sizes (another world size saved the state), so the
         counters are checked against the epoch, not against this world's batch size."""
-        if cursor.source is not None:
-            raise CorruptState(
-                f"{what} state field 'source': expected null (unbroken's own order keeps no "
-                f"sampler state), got {cursor.source!r:.200}",
-                "source",
-            )
+        self._check_no_source(cursor, what)
         ok = cursor.samples <= self.n and cursor.batches <= cursor.samples
         if not ok or (cursor.batches == 0) != (cursor.samples == 0):
             raise CorruptState(
