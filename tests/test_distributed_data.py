@@ -214,3 +214,81 @@ def test_under_torchrun_the_ranks_come_from_the_process_group(tmp_path):
     assert ranks[0]["states"][0] == ranks[0]["states"][1]  # the same state on both ranks
     seen = collections.Counter(i for r in ranks for batch in r["ids"] + r["rest"] for i in batch)
     assert set(seen) == set(range(17)) and sum(seen.values()) == 18  # one padded repeat
+
+
+class RangedProbe(torch.utils.data.IterableDataset):
+    """A global-cursor stream of n items (index, the item's seed halves), with len()."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return self.read_range(0, self.n)
+
+    def read_range(self, start, stop):
+        for index in range(start, min(stop, self.n)):
+            seed = unbroken.sample_seed()
+            yield torch.tensor([index, seed >> 32, seed & 0xFFFFFFFF])
+
+
+def _stream_loaders(n, batch_size, world, workers=0, drop_last=False):
+    return [
+        unbroken.DataLoader(
+            RangedProbe(n),
+            batch_size=batch_size,
+            num_workers=workers,
+            drop_last=drop_last,
+            seed=9,
+            rank=rank,
+            world_size=world,
+        )
+        for rank in range(world)
+    ]
+
+
+@given(
+    n=st.integers(1, 30),
+    batch_size=st.integers(1, 4),
+    world=st.integers(1, 3),
+    drop_last=st.booleans(),
+)
+@settings(max_examples=30, deadline=None)
+def test_a_global_cursor_stream_is_split_like_a_map_style_dataset(n, batch_size, world, drop_last):
+    streamed = [list(loader) for loader in _stream_loaders(n, batch_size, world, 0, drop_last)]
+    mapped = [list(loader) for loader in _loaders(n, batch_size, world, False, drop_last)]
+    assert len({len(batches) for batches in streamed}) == 1
+    for rank in range(world):  # the same samples, the same positions' seeds, the same padding
+        assert len(streamed[rank]) == len(mapped[rank])
+        for a, b in zip(streamed[rank], mapped[rank], strict=True):
+            assert torch.equal(torch.stack(list(a)) if isinstance(a, list) else a, b)
+
+
+@pytest.mark.parametrize("worlds", [(2, 1, 3), (3, 2, 1)])
+def test_a_global_cursor_stream_resumes_on_other_world_sizes(worlds):
+    n, batch_size, seen, state = 40, 2, collections.Counter(), None
+    for i, world in enumerate(worlds):
+        loaders = _stream_loaders(n, batch_size, world, workers=2 if world == 2 else 0)
+        if state is not None:
+            for loader in loaders:
+                loader.load_state_dict(state)
+        iterators = [iter(loader) for loader in loaders]
+        for _ in range(3 if i < len(worlds) - 1 else 10**6):
+            batches = [next(iterator, None) for iterator in iterators]
+            if batches[0] is None:
+                break
+            seen.update(i for batch in batches for i in batch[:, 0].tolist())
+        state = loaders[0].state_dict() if i < len(worlds) - 1 else None
+        del iterators
+    assert set(seen) == set(range(n))
+    assert 0 <= sum(seen.values()) - n < worlds[-1] * batch_size
+
+
+def test_a_global_cursor_stream_without_len_is_refused_on_several_ranks():
+    class NoLen(RangedProbe):
+        __len__ = None
+
+    with pytest.raises(ValueError, match="needs len"):
+        unbroken.DataLoader(NoLen(4), batch_size=2, seed=1, rank=0, world_size=2)

@@ -59,8 +59,9 @@ class DataLoader(EpochIterable[Cursor]):
       from the initialized ``torch.distributed`` process group when left out. A map-style
       dataset in unbroken's own order then gives each rank its share of every global batch of
       one global order; the state is the global cursor, the same on every rank, and resumes on
-      any number of ranks. ``seed`` must be given when there is more than one rank. (Iterable
-      datasets and user samplers are not split by unbroken yet: each rank iterates its own.)
+      any number of ranks. ``seed`` must be given when there is more than one rank. A
+      global-cursor stream with ``len()`` is split too; other iterable datasets and user
+      samplers are not split by unbroken yet: each rank iterates its own.
 
     ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
     the next epoch (the first is epoch 0).

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.utils.data import SequentialSampler
 
-from ..distributed.sharding import ShardedOrder
+from ..distributed.sharding import ShardedOrder, ShardedRangeStream
 from .orders import NativeOrder
 from .replicas import stream_source
 from .samplers import UserBatchSampler, UserSampler
@@ -34,6 +34,8 @@ def make_source(
                 "unset (for an exact shuffle of a stream, see unbroken.shuffle_buffer)"
             )
         warn_if_buffer_shuffled(dataset)
+        if ranks is not None and callable(getattr(dataset, "read_range", None)):
+            return ShardedRangeStream(dataset, batch_size, drop_last, num_workers, *ranks)
         return stream_source(dataset, batch_size, drop_last, num_workers)
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:

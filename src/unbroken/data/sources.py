@@ -8,6 +8,7 @@ source                       for                                            modu
 ===========================  =============================================  ================
 ``NativeOrder``              map-style, ``shuffle`` on or off                ``orders``
 ``ShardedOrder``             the same, one rank's share of it                ``distributed``
+``ShardedRangeStream``       a ``read_range`` stream, one rank's share       ``distributed``
 ``UserSampler``              map-style with a ``sampler``                    ``samplers``
 ``UserBatchSampler``         map-style with a ``batch_sampler``              ``samplers``
 ``RangeStream``              an iterable with ``read_range`` (global cursor)  ``streams``

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -34,8 +35,10 @@ import torch.distributed as dist
 from ..data import keys
 from ..data.fetch import Keys
 from ..data.orders import NativeOrder
+from ..data.rng import make_seeder
 from ..data.shuffle import IndexShuffle
 from ..data.sources import Cursor
+from ..data.streams import RangeStream, StreamWorker, Tagged, read_items, set_epoch
 from ..errors import CorruptState
 
 _BLOCK = 4096  # positions per numpy call, as in NativeOrder
@@ -61,6 +64,19 @@ def world_of(rank: int | None, world_size: int | None) -> tuple[int, int] | None
     return rank, world_size
 
 
+def check_global_cursor(cursor: Cursor, n: int, what: str) -> None:
+    """Global batches may have had other sizes (another world size saved the state), so the
+    counters are checked against the epoch, not against this world's batch size."""
+    NativeOrder._check_no_source(cursor, what)
+    ok = cursor.samples <= n and cursor.batches <= cursor.samples
+    if not ok or (cursor.batches == 0) != (cursor.samples == 0):
+        raise CorruptState(
+            f"{what} state is inconsistent: samples={cursor.samples} and "
+            f"batches={cursor.batches} do not describe a position of an epoch of {n} "
+            "samples in batches of at least one sample; the state is corrupt"
+        )
+
+
 class ShardedOrder(NativeOrder):
     """Rank ``rank`` of ``world``'s share of the sequential or shuffled global order. Its
     fingerprint is NativeOrder's: a single process's state resumes on ranks, and back."""
@@ -77,16 +93,7 @@ class ShardedOrder(NativeOrder):
         return math.ceil(self.epoch_samples / self.global_batch)
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
-        """Global batches may have had other sizes (another world size saved the state), so the
-        counters are checked against the epoch, not against this world's batch size."""
-        self._check_no_source(cursor, what)
-        ok = cursor.samples <= self.n and cursor.batches <= cursor.samples
-        if not ok or (cursor.batches == 0) != (cursor.samples == 0):
-            raise CorruptState(
-                f"{what} state is inconsistent: samples={cursor.samples} and "
-                f"batches={cursor.batches} do not describe a position of an epoch of {self.n} "
-                "samples in batches of at least one sample; the state is corrupt"
-            )
+        check_global_cursor(cursor, self.n, what)
 
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         epoch_key = keys.samples(seed, epoch)
@@ -119,3 +126,74 @@ class ShardedOrder(NativeOrder):
         if shuffle is None:
             return positions.tolist()
         return shuffle.at(positions).tolist()
+
+
+class ShardedRangeStream(RangeStream):
+    """Rank ``rank`` of ``world``'s share of a global-cursor stream (``read_range`` and
+    ``len()``): global batch k is items ``[c + k * B * W, c + (k + 1) * B * W)`` from the saved
+    global cursor c, split over the ranks as ``ShardedOrder`` splits an epoch; within a rank,
+    worker w reads global batches w, w + N, ... The length is needed so that every rank knows
+    where the epoch's last global batch is and yields as many batches as the others."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None,
+        drop_last: bool,
+        num_workers: int,
+        rank: int,
+        world: int,
+    ) -> None:
+        super().__init__(dataset, batch_size, drop_last, num_workers)
+        try:
+            self.n = len(dataset)
+        except TypeError:
+            raise ValueError(
+                f"a global-cursor stream on {world} ranks needs len(): every rank must know where "
+                f"the epoch ends to yield as many batches as the others; give "
+                f"{type(dataset).__qualname__} a __len__"
+            ) from None
+        self.rank, self.world = rank, world
+        self.global_batch = (batch_size or 1) * world
+        self.epoch_samples = self.n - self.n % self.global_batch if drop_last else self.n
+
+    def __len__(self) -> int:
+        return math.ceil(self.epoch_samples / self.global_batch)
+
+    def check_cursor(self, cursor: Cursor, what: str) -> None:
+        check_global_cursor(cursor, self.n, what)
+
+    def plan(self, seed: int, epoch: int, cursor: Cursor) -> dict:
+        return {"seed": seed, "epoch": epoch, "start": cursor.samples}
+
+    def read(self, out: StreamWorker, worker: int, workers: int) -> Iterator[Tagged]:
+        plan, step, size = out.plan, self.batch_size or 1, self.global_batch
+        set_epoch(self.dataset, plan["epoch"])
+        seed = make_seeder(out.global_rngs)
+        key = keys.samples(plan["seed"], plan["epoch"])
+        start, end = plan["start"], self.epoch_samples
+        if start >= end or (self.drop_last and end - start < size):
+            return
+        index = worker
+        while (first := start + index * size) < end:
+            rest = min(size, end - first)
+            share = step if rest == size else -(-rest // self.world)
+            position = first + self.rank * share  # this rank's first position (maybe past end)
+            batch: list = []
+            for lo, hi in _wrapped(position, share, first, rest):  # past the end: wrap around
+                items = iter(self.dataset.read_range(lo, hi))
+                batch += read_items(
+                    items, hi - lo, seed, key, position + len(batch), out.global_rngs
+                )
+            yield Tagged(out.collate(batch), worker, first + rest, None)
+            index += workers
+
+
+def _wrapped(position: int, count: int, first: int, rest: int) -> list[tuple[int, int]]:
+    """Positions [position, position + count) folded into [first, first + rest), as ranges."""
+    ranges, offset = [], (position - first) % rest
+    while count > 0:
+        take = min(count, rest - offset)
+        ranges.append((first + offset, first + offset + take))
+        count, offset = count - take, 0
+    return ranges
