@@ -214,10 +214,12 @@ class Format:
 
     @property
     def fields(self) -> frozenset[str]:
-        return frozenset(self.schema.__annotations__)
+        return schema_fields(self.schema)
 
-    def header(self) -> dict:
-        return {"format": self.name, "version": self.version}
+
+def schema_fields(schema: Any) -> frozenset[str]:
+    """The keys of a ``TypedDict`` schema: what a saved dict of that shape holds, exactly."""
+    return frozenset(schema.__annotations__)
 
 
 class StateReader:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._state import check_int
+from .._state import check_int, schema_fields
 from ..errors import CorruptState
 from .states import ChildPosition
 
-_CHILD_FIELDS = frozenset(ChildPosition.__annotations__)
+_CHILD_FIELDS = schema_fields(ChildPosition)
 _WHAT = "unbroken.CombinedLoader"
 
 

@@ -15,7 +15,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from .._state import Unsaveable, check_int
+from .._state import Unsaveable, check_int, schema_fields
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .rng import make_seeder
@@ -24,6 +24,8 @@ from .states import WorkerPosition, WorkersPosition
 from .streams import PLACEHOLDER, StreamSource, StreamWorker, Tagged, read_items
 
 Opened = tuple[Iterator, Callable[[], Any]]
+_POSITION_FIELDS = schema_fields(WorkersPosition)
+_WORKER_FIELDS = schema_fields(WorkerPosition)
 
 
 class ReplicaStart(NamedTuple):
@@ -131,7 +133,7 @@ class PerWorkerStream(StreamSource):
         field = f"{what} state field 'source"
         if (
             not isinstance(source, dict)
-            or set(source) != set(WorkersPosition.__annotations__)
+            or set(source) != _POSITION_FIELDS
             or not isinstance(source["workers"], list)
         ):
             raise CorruptState(
@@ -156,7 +158,7 @@ class PerWorkerStream(StreamSource):
         following = check_int(source["next"], f"{field}.next'", 0, len(workers) - 1)
         for i, entry in enumerate(workers):
             where = f"{field}.workers[{i}]"
-            if not isinstance(entry, dict) or set(entry) != set(WorkerPosition.__annotations__):
+            if not isinstance(entry, dict) or set(entry) != _WORKER_FIELDS:
                 raise CorruptState(
                     f"{where}': expected {{'state', 'items', 'exhausted'}}, got {entry!r:.200}",
                     "source",
