@@ -235,7 +235,7 @@ class StateReader:
                 f"got a {type(state).__name__}"
             )
         if state.get("format") != fmt.name:
-            raise mismatch(
+            raise StateMismatch(
                 what,
                 "format",
                 state.get("format"),
@@ -244,7 +244,7 @@ class StateReader:
             )
         version = state.get("version")
         if not any(same(version, v) for v in (fmt.version, *fmt.readable)):
-            raise mismatch(
+            raise StateMismatch(
                 what,
                 "version",
                 version,
@@ -297,7 +297,3 @@ def check_int(value: Any, where: str, minimum: int = 0, maximum: int = COUNT_LIM
             f"{where}: expected an int >= {minimum}{upper}, got {value!r:.100}{note}"
         )
     return value
-
-
-def mismatch(what: str, field: str, saved: Any, current: Any, hint: str = "") -> StateMismatch:
-    return StateMismatch(what, field, saved, current, hint)

@@ -29,8 +29,8 @@ import inspect
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
-from .._state import StateReader, mismatch, same
-from ..errors import CorruptState, prefixed
+from .._state import StateReader, same
+from ..errors import CorruptState, StateMismatch, prefixed
 from .combined_checks import check_child, check_entry, check_progress, sets_epochs
 from .epochs import EpochIterable, check_epoch
 from .states import COMBINED, CombinedState
@@ -247,9 +247,9 @@ class CombinedLoader(EpochIterable[_Progress]):
         """
         reader = StateReader(state, _WHAT, COMBINED)
         if not same(state["mode"], self.mode):
-            raise mismatch(_WHAT, "mode", state["mode"], self.mode)
+            raise StateMismatch(_WHAT, "mode", state["mode"], self.mode)
         if not same(state["keys"], self._saved_keys()):  # strictly: a count of True is not 1
-            raise mismatch(
+            raise StateMismatch(
                 _WHAT,
                 "keys",
                 state["keys"],

@@ -43,7 +43,6 @@ from .._state import (
     encode_or_defer,
     from_jsonable,
     has_state,
-    mismatch,
     raise_if_unsaveable,
     same,
 )
@@ -240,7 +239,7 @@ class Resumable(EpochIterable[_ItemPosition]):
         """
         reader = StateReader(state, self._what, RESUMABLE)
         if not same(state["name"], self.name):
-            raise mismatch(
+            raise StateMismatch(
                 self._what,
                 "name",
                 state["name"],

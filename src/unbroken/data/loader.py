@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._state import StateReader, mismatch, same
+from .._state import StateReader, same
 from ..distributed.sharding import world_of
 from ..errors import CorruptState, StateMismatch
 from . import keys
@@ -216,7 +216,7 @@ class DataLoader(EpochIterable[Cursor]):
             )
         saved_seed = reader.int("seed", 0, _SEED_LIMIT - 1)
         if self._seed_given and saved_seed != self.seed:
-            raise mismatch(
+            raise StateMismatch(
                 what,
                 "seed",
                 saved_seed,
@@ -231,7 +231,7 @@ class DataLoader(EpochIterable[Cursor]):
                     f"{what} state is malformed: fingerprint lacks '{field}'", "fingerprint"
                 )
             if not same(saved_print[field], current):  # strictly: True is not 1
-                raise mismatch(what, field, saved_print[field], current)
+                raise StateMismatch(what, field, saved_print[field], current)
         if set(saved_print) != set(current_print):
             raise CorruptState(
                 f"{what} state field 'fingerprint': unexpected fields "

@@ -42,7 +42,6 @@ from .._state import (
     check_user_state,
     from_jsonable,
     has_state,
-    mismatch,
     raise_if_unsaveable,
     same,
 )
@@ -259,7 +258,7 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
         reader = StateReader(state, _WHAT, SHUFFLE_BUFFER)
         for field in ("size", "seed"):
             if not same(state[field], getattr(self, field)):
-                raise mismatch(
+                raise StateMismatch(
                     _WHAT,
                     field,
                     state[field],
