@@ -292,3 +292,38 @@ def test_a_global_cursor_stream_without_len_is_refused_on_several_ranks():
 
     with pytest.raises(ValueError, match="needs len"):
         unbroken.DataLoader(NoLen(4), batch_size=2, seed=1, rank=0, world_size=2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_cut_point_of_every_rank_resumes_exactly(stream, world):
+    from unbroken.testing import assert_resumes_exactly
+
+    for rank in range(world):
+        dataset = RangedProbe(11) if stream else Probe(11)
+
+        def make(rank=rank, dataset=dataset):
+            return unbroken.DataLoader(
+                dataset, batch_size=2, shuffle=not stream, seed=9, rank=rank, world_size=world
+            )
+
+        assert assert_resumes_exactly(make, epochs=2) == 1 + 2 * (len(make()) + 1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_cut_point_resumes_on_another_world_size_with_each_sample_once(stream):
+    n, batch_size = 13, 2
+    make = _stream_loaders if stream else _loaders
+    for cut in range(len(make(n, batch_size, 2)[0]) + 1):  # every global batch, and the end
+        loaders = make(n, batch_size, 2)
+        iterators = [iter(loader) for loader in loaders]
+        seen = collections.Counter()
+        for _ in range(cut):
+            seen.update(i for it in iterators for i in next(it)[:, 0].tolist())
+        state = loaders[0].state_dict()
+        resumed = make(n, batch_size, 3)
+        for loader in resumed:
+            loader.load_state_dict(state)
+        seen.update(i for loader in resumed for batch in loader for i in batch[:, 0].tolist())
+        assert set(seen) == set(range(n)), f"cut {cut}"
+        assert sum(seen.values()) - n < 3 * batch_size, f"cut {cut}"
