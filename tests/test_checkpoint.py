@@ -211,7 +211,7 @@ def test_restored_is_always_true_and_plain_values_are_returned_not_rebound(tmp_p
     Checkpointer(tmp_path).save(4, {"model": model})
     only = Checkpointer(tmp_path).load_latest({"model": _model()})
     assert (only.values, only.unrequested) == ({}, {}) and only
-    assert repr(only).endswith("values={}, unrequested={})")
+    assert repr(only).endswith("values={}, unrequested={}, world_size=1)")
 
 
 @pytest.mark.parametrize("make", ["file", "under a file", "becomes a file"])
@@ -540,11 +540,11 @@ def test_loading_runs_no_code_from_the_file(tmp_path, writer):
 
 def test_a_checkpoint_of_another_format_version_is_an_error_not_skipped(tmp_path):
     newest = _two_checkpoints(tmp_path)
-    _reseal(newest, version=2)
+    _reseal(newest, version=3)
     with pytest.raises(
         ValueError,
-        match=r"step-000000002 has format version 2; this unbroken "
-        r"reads version 1\. Resume with the unbroken version",
+        match=r"step-000000002 has format version 3; this unbroken "
+        r"reads versions \[1, 2\]\. Resume with the unbroken version",
     ):
         Checkpointer(tmp_path).load_latest({"model": _model()})
 
@@ -663,14 +663,14 @@ def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path, monk
     # The background writer is held until training has changed every tensor in place: what it
     # writes must be the copy taken by save(), whatever the threads' timing.
     release, held = threading.Event(), []
-    commit = Checkpointer._commit
+    commit = Checkpointer._write_files
 
     def held_commit(self, *args):
         held.append(threading.current_thread() is not threading.main_thread())
         assert release.wait(timeout=120), "the test never released the background writer"
         return commit(self, *args)
 
-    monkeypatch.setattr(Checkpointer, "_commit", held_commit)
+    monkeypatch.setattr(Checkpointer, "_write_files", held_commit)
     model, opt, scheduler = _trained()
     buffer = torch.arange(4.0)
     history = {"losses": [1.0, 0.5], "buffer": buffer}

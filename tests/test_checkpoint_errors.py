@@ -110,15 +110,15 @@ def test_a_file_that_torch_cannot_load_is_a_corrupt_checkpoint(tmp_path):
 def test_another_format_version_is_a_state_mismatch_and_not_skipped(tmp_path):
     Checkpointer(tmp_path).save(1, {"model": _model()})
     path = Checkpointer(tmp_path).save(2, {"model": _model()})
-    _reseal(path, version=2)
+    _reseal(path, version=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not skipped: no warning, no fallback to step 1
         error = _raised(
             StateMismatch,
             lambda: Checkpointer(tmp_path).load_latest({"model": _model()}),
-            match="has format version 2; this unbroken reads version 1",
+            match="has format version 3; this unbroken reads versions [1, 2]",
         )
-    assert (error.field, error.saved, error.current) == ("version", 2, 1)
+    assert (error.field, error.saved, error.current) == ("version", 3, 2)
 
 
 def test_a_missing_entry_is_a_state_mismatch(tmp_path):

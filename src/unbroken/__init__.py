@@ -9,16 +9,17 @@ offers; the modules inside are internal and may move:
   ``shuffle_buffer`` (an exact, resumable shuffle for streams), ``sample_rng`` and
   ``sample_seed`` (the current sample's own randomness).
 - ``unbroken.checkpoint``: ``Checkpointer`` (atomic, verified checkpoints; ``load_latest``
-  returns a ``Restored``).
+  returns a ``Restored``; collective under ``torch.distributed``, ``PerRank`` entries saved
+  by every rank).
 - ``unbroken.train``: ``Trainer`` (a loop that resumes bit for bit), ``Preemption`` (signals
   as a flag), ``GlobalRNG`` (the process's RNGs as a checkpoint entry).
 - ``unbroken.distributed``: data parallelism (``DataLoader(rank=, world_size=)``, or torchrun).
 - ``unbroken.errors``: ``StateMismatch``, ``CorruptState``, ``CorruptCheckpoint`` (all
-  ``ValueError``) and ``DirectoryInUse``.
+  ``ValueError``), ``DirectoryInUse``, ``RankFailure`` and ``DirectoryNotShared``.
 - ``unbroken.testing``: ``assert_resumes_exactly`` for checking a pipeline.
 """
 
-from .checkpoint import Checkpointer, Restored
+from .checkpoint import Checkpointer, PerRank, Restored
 from .data import (
     CombinedLoader,
     DataLoader,
@@ -42,6 +43,7 @@ __all__ = [
     "DataLoader",
     "DirectoryInUse",
     "GlobalRNG",
+    "PerRank",
     "Preemption",
     "Restored",
     "Resumable",

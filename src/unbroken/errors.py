@@ -14,14 +14,26 @@ All three subclass ``ValueError`` (what unbroken raised before they existed), so
   ``Checkpointer.load_latest`` skips such a checkpoint with a warning; loading a named one
   raises this.
 
-``DirectoryInUse`` (a ``RuntimeError``) says another process trains in the run directory.
+Three kinds of ``RuntimeError`` say that processes, not states, are at odds:
+
+- ``DirectoryInUse``: another process trains in the run directory.
+- ``RankFailure``: under ``torch.distributed``, another rank failed a collective checkpoint
+  step (its error is in the message), died, or did not arrive within the timeout.
+- ``DirectoryNotShared``: the ranks of one job do not see the same checkpoint directory.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CorruptCheckpoint", "CorruptState", "DirectoryInUse", "StateMismatch"]
+__all__ = [
+    "CorruptCheckpoint",
+    "CorruptState",
+    "DirectoryInUse",
+    "DirectoryNotShared",
+    "RankFailure",
+    "StateMismatch",
+]
 
 
 class StateMismatch(ValueError):
@@ -69,6 +81,14 @@ class CorruptCheckpoint(ValueError):
 
 class DirectoryInUse(RuntimeError):
     """Another live process holds the run directory; two writers would corrupt each other."""
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed, died or timed out in a step that every rank takes together."""
+
+
+class DirectoryNotShared(RuntimeError):
+    """The ranks of one job see different checkpoint directories (each node its own disk)."""
 
 
 def prefixed(error: ValueError, prefix: str) -> ValueError:

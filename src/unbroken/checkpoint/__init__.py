@@ -1,6 +1,8 @@
 """Checkpoints that are whole and verified, or ignored.
 
-- ``manager``: ``Checkpointer`` (save, retention, ``load_latest``).
+- ``manager``: ``Checkpointer`` (save, retention, ``load_latest``), one process or every rank
+  of a ``torch.distributed`` job together (``group``: how the ranks agree; ``per_rank``:
+  ``PerRank`` entries).
 - ``manifest``: the sealed manifest that makes a checkpoint directory verifiable.
 - ``storage``: the filesystem operations a checkpoint needs, as the protocol ``Storage``
   (hashed, fsynced writes, renames, listing, free space), and ``LocalStorage``; ``space``: how
@@ -11,6 +13,7 @@
 
 from .manager import Checkpointer
 from .manifest import MANIFEST
+from .per_rank import PerRank
 from .restore import Restored
 
-__all__ = ["MANIFEST", "Checkpointer", "Restored"]
+__all__ = ["MANIFEST", "Checkpointer", "PerRank", "Restored"]

@@ -6,6 +6,8 @@
   it; it counts again if the writer died before the replacement was renamed into place.
 - ``.del-step-000000123-<hex>``: renamed before deletion, so that a writer killed mid-delete
   leaves no half checkpoint in view: removed.
+- ``.shared-<hex>/``: the directory by which the ranks of a job check that they share the directory
+  (``group``): removed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .storage import Storage, join
 _FINAL = re.compile(r"step-(\d+)")
 _OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")
 _TMP, _DOOMED = ".tmp-", ".del-"
+SHARED = ".shared-"  # a token file of group.Ranks.check_shared
 
 
 def final_name(step: int) -> str:
@@ -46,7 +49,7 @@ def clean(storage: Storage, root: str) -> None:
         final = join(root, f"step-{old.group(1)}") if old else ""
         if old and not storage.exists(final):
             storage.rename(join(root, entry.name), final)
-        elif old or entry.name.startswith((_TMP, _DOOMED)):
+        elif old or entry.name.startswith((_TMP, _DOOMED, SHARED)):
             storage.remove_tree(join(root, entry.name))
 
 

@@ -17,10 +17,23 @@ there is none). Files are read with ``torch.load(weights_only=True)``, which run
 the file, so ``save`` refuses, naming its key path, any value that such a load could not
 rebuild: what saves, loads.
 
+Under ``torch.distributed`` (an initialized process group of more than one rank) every call
+is collective, and one checkpoint holds the whole job: each entry of ``state`` is written once,
+by rank 0, except ``PerRank`` entries, of which every rank writes its own part. Rank 0 opens the
+temporary directory, every rank writes and fsyncs its files into it, and only when all report
+their files durable does rank 0 write the manifest (listing every rank's files with their
+sha256) and rename the directory into place; a rank's failure raises on every rank (the others
+get a ``RankFailure``) and commits nothing. ``load_latest`` tries the checkpoints that rank 0
+lists, newest first; one that any rank finds incomplete or corrupt is skipped by all, so ranks
+never load different steps. The ranks must see one directory (checked when the Checkpointer
+is made: ``DirectoryNotShared``); a rank that died or does not arrive becomes a
+``RankFailure`` after ``timeout`` seconds (``group``).
+
 The parts: ``layout`` (the names above, and cleaning up after killed writers),
 ``weights_only`` (what save refuses), ``storage`` (the filesystem operations, as the
 protocol ``Storage``: hashed, fsynced writes, renames, listing), ``space`` (disk-full errors),
-``manifest`` (the seal and its schema; reading a checkpoint), ``background`` (saves with
+``manifest`` (the seal and its schema; reading a checkpoint), ``group`` (the ranks and how
+they agree), ``per_rank`` (``PerRank`` entries, and what a job on another number of ranks loads), ``background`` (saves with
 ``blocking=False`` and their report at exit), ``restore`` (in place, and ``Restored``). The
 Checkpointer touches files only through its ``Storage`` (a ``LocalStorage``), so another
 filesystem is one new ``Storage`` class, not a change here.
@@ -37,23 +50,40 @@ from __future__ import annotations
 import errno
 import os
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .._state import has_state
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, StateMismatch
 from . import layout
 from .background import BackgroundSave
-from .manifest import FORMAT, MANIFEST, VERSION, ParamShapes, file_name, read, seal
+from .group import Ranks
+from .manifest import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    Manifest,
+    ParamShapes,
+    check_entry,
+    file_name,
+    load_file,
+    read_manifest,
+    seal,
+)
+from .per_rank import SKIP, PerRank, resized, unwrap
 from .restore import Restored, restore
 from .space import FULL, disk_full
 from .storage import Digest, LocalStorage, Storage, join
 from .weights_only import checked_copy
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "Restored"]
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
+
+T = TypeVar("T")
+Written = dict[str, tuple[str, Digest, bool]]  # one rank's files: name -> (file, digest, per rank)
 
 
 class Checkpointer:
@@ -62,25 +92,44 @@ class Checkpointer:
     ``state`` maps str names to objects with ``state_dict``/``load_state_dict`` (modules,
     optimizers, schedulers, ``GradScaler``, ``unbroken.DataLoader``, yours) or to plain values
     (dicts, lists, tuples, str, int, float, bool, None, tensors; sets, bytearray and complex
-    where the installed torch loads them).
+    where the installed torch loads them), any of them wrapped in ``PerRank`` to be saved by
+    every rank of a ``torch.distributed`` job (rank 0 writes the others).
 
-    One process writes to a directory at a time: before each save, the writer removes what
-    killed writers left behind. Processes that only ``load_latest`` change nothing on disk.
-    Raises ``NotADirectoryError`` if ``directory`` is a file (or lies under one).
+    One job writes to a directory at a time: before each save, the writer removes what killed
+    writers left behind. Processes that only ``load_latest`` change nothing on disk. Under
+    ``torch.distributed``, every rank makes the Checkpointer (collectively, in the same order
+    as its other collectives) and calls its ``save`` and ``load_latest`` together; ``timeout``
+    (seconds) bounds how long one waits for the others. Raises ``NotADirectoryError`` if
+    ``directory`` is a file (or lies under one), ``DirectoryNotShared`` if the ranks do not
+    see one directory.
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, keep: int = 2, *, timeout: float = 600.0
+    ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
             raise ValueError(
                 f"keep must be an int >= 2, got {keep!r}: with a single checkpoint, one that is "
                 "corrupted (a disk error, a truncated copy) leaves nothing to resume from"
             )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.directory = Path(directory)
         self.keep = keep
         self._storage: Storage = LocalStorage()
         self._root = str(self.directory)  # what the storage is given: paths as strings
         self._pending: BackgroundSave | None = None
-        self._check_directory()
+        self._ranks = Ranks(float(timeout))
+        self._ranks.settle(_attempt(self._check_directory), "checking the directory")
+        self._ranks.check_shared(self._storage, self._root)
+
+    @property
+    def rank(self) -> int:
+        return self._ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ranks.world_size
 
     def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> Path:
         """Write ``state`` as checkpoint ``step``; returns its final directory.
@@ -95,37 +144,69 @@ class Checkpointer:
         ``torch.load(weights_only=True)`` could not rebuild (an int wider than 2039 bits, a
         meta tensor, ...), before writing anything; ``OSError`` with errno ENOSPC, saying how
         much is needed and free, if the disk is full, leaving the earlier checkpoints as they
-        were.
+        were. Under ``torch.distributed``, a failure on any rank raises on every rank (a
+        ``RankFailure`` on the others) and nothing is committed; so do ranks that give
+        different steps or different ``PerRank`` names.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
         _check_names(state, "save")
         self.wait()
+        ranks = self._ranks
+        prepared = _attempt(self._prepare, state, blocking)
+        shown = prepared if isinstance(prepared, BaseException) else (step, sorted(prepared[1]))
+        agreed = ranks.settle(shown, f"preparing checkpoint step {step}")
+        if any(other != agreed[0] for other in agreed):
+            raise ValueError(
+                "the ranks called Checkpointer.save with different steps or PerRank entries "
+                f"({dict(enumerate(agreed))}, as rank: (step, PerRank names)); every rank must "
+                "save the same step with the same names"
+            )
+        assert not isinstance(prepared, BaseException)  # settle raised it
+        replicated, own, shapes = prepared
+        if ranks.first_rank:
+            newer = [Path(path).name for number, path in self._committed() if number > step]
+            if newer:
+                warnings.warn(
+                    f"unbroken.Checkpointer: {newer} in {self.directory} have a larger step than "
+                    f"{step} and will be removed once step {step} is saved, so that load_latest "
+                    "resumes from this save",
+                    stacklevel=2,
+                )
+        final = self.directory / layout.final_name(step)
+        order = {name: index for index, name in enumerate(state)}
+        if blocking:
+            self._write(step, final, replicated, own, shapes, order)
+        else:
+            self._pending = BackgroundSave(
+                final, lambda: self._write(step, final, replicated, own, shapes, order)
+            )
+        return final
+
+    def _prepare(
+        self, state: dict[str, Any], blocking: bool
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, ParamShapes]]:
+        """This rank's copies of what it writes: the replicated entries (rank 0's), its own
+        parts of the ``PerRank`` ones, and the parameter shapes of each optimizer."""
         self._check_directory()
-        entries: dict[str, Any] = {}
+        replicated: dict[str, Any] = {}
+        own: dict[str, Any] = {}
         shapes: dict[str, ParamShapes] = {}
-        for name, obj in state.items():
+        for name, entry in state.items():
+            per_rank = isinstance(entry, PerRank)
+            if not per_rank and not self._ranks.first_rank:
+                continue  # rank 0 writes it
+            obj = unwrap(entry)
             value = obj.state_dict() if has_state(obj) else obj
             # A background write needs its own copy: training goes on changing the tensors.
-            entries[name] = checked_copy(value, f"state[{name!r}]", clone=not blocking)
-            if isinstance(obj, torch.optim.Optimizer):  # lets load name a parameter that changed
+            copy = checked_copy(value, f"state[{name!r}]", clone=not blocking)
+            (own if per_rank else replicated)[name] = copy
+            if isinstance(obj, torch.optim.Optimizer) and not per_rank:
+                # lets load name a parameter that changed
                 shapes[name] = [
                     [list(p.shape) for p in group["params"]] for group in obj.param_groups
                 ]
-        newer = [Path(path).name for number, path in self._committed() if number > step]
-        if newer:
-            warnings.warn(
-                f"unbroken.Checkpointer: {newer} in {self.directory} have a larger step than "
-                f"{step} and will be removed once step {step} is saved, so that load_latest "
-                "resumes from this save",
-                stacklevel=2,
-            )
-        final = self.directory / layout.final_name(step)
-        if blocking:
-            self._write(step, final, entries, shapes)
-        else:
-            self._pending = BackgroundSave(final, lambda: self._write(step, final, entries, shapes))
-        return final
+        return replicated, own, shapes
 
     def wait(self) -> None:
         """Block until the background save, if any, is written; re-raise what it raised."""
@@ -148,35 +229,93 @@ class Checkpointer:
         Objects with ``load_state_dict`` get their entry, in place. The caller's dict itself is
         not changed: the saved values of its other names (plain values; what is given for them
         is not used) are in the returned ``Restored``'s ``values``, the entries that ``state``
-        did not name in its ``unrequested``, with the checkpoint's ``step`` and ``path``. A
-        ``Restored`` is always true, so ``if restored:`` means "resumed". Each invalid
-        checkpoint (truncated, a flipped byte, a malformed manifest, ...) is skipped with a
-        warning saying why (the ``CorruptCheckpoint`` it is). Raises ``StateMismatch`` if the
-        newest valid checkpoint lacks a name of ``state``, does not fit its modules or optimizers
-        (shapes are compared before anything is restored) or has another format version;
-        ``ValueError`` (of the kind the object raised, if unbroken defines it) if an object
-        rejects its entry; ``NotADirectoryError`` if the directory is a file.
+        did not name in its ``unrequested``, with the checkpoint's ``step``, ``path`` and
+        ``world_size``. A ``Restored`` is always true, so ``if restored:`` means "resumed".
+        Each invalid checkpoint (truncated, a flipped byte, a malformed manifest, a rank's part
+        missing, ...) is skipped with a warning saying why (the ``CorruptCheckpoint`` it is).
+        Raises ``StateMismatch`` if the newest valid checkpoint lacks a name of ``state``, does
+        not fit its modules or optimizers (shapes are compared before anything is restored),
+        has another format version, or holds a ``PerRank`` entry saved by another number of
+        ranks whose ``resize`` is ``"refuse"``; ``ValueError`` (of the kind the object raised,
+        if unbroken defines it) if an object rejects its entry; ``NotADirectoryError`` if the
+        directory is a file. Under ``torch.distributed`` every rank restores the same step, and
+        an error on one rank raises on all.
         """
         _check_names(state, "load_latest")
         self.wait()
-        self._check_directory()
-        for step, where in reversed(layout.candidates(self._storage, self._root)):
+        ranks = self._ranks
+        listed = _attempt(self._candidates if ranks.first_rank else self._check_directory)
+        found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
+        for step, where in reversed(found):
             path = Path(where)
-            try:
-                manifest, saved = read(self._storage, where, step)
-            except CorruptCheckpoint as why:
+            read = _attempt(self._read, where, step, state)
+            verdicts = ranks.settle(read, f"reading checkpoint {path}", CorruptCheckpoint)
+            corrupt = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, CorruptCheckpoint)]
+            if corrupt:
+                why = "; ".join(
+                    f"rank {r}: {v}" if ranks.world_size > 1 else str(v) for r, v in corrupt
+                )
                 warnings.warn(
                     f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=2
                 )
                 continue
-            restore(state, saved, manifest["entries"], path)
+            assert not isinstance(read, BaseException)
+            manifest, saved, skipped = read
+            objects = {name: unwrap(obj) for name, obj in state.items() if name not in skipped}
+            restored = _attempt(restore, objects, saved, manifest["entries"], path)
+            ranks.settle(restored, f"restoring checkpoint {path}")
             return Restored(
                 step=step,
                 path=path,
-                values={name: saved[name] for name, obj in state.items() if not has_state(obj)},
+                values={name: saved[name] for name, obj in objects.items() if not has_state(obj)},
                 unrequested={name: value for name, value in saved.items() if name not in state},
+                world_size=manifest["world_size"],
             )
         return None
+
+    def _candidates(self) -> list[tuple[int, str]]:
+        self._check_directory()
+        return layout.candidates(self._storage, self._root)
+
+    def _read(
+        self, where: str, step: int, state: dict[str, Any]
+    ) -> tuple[Manifest, dict[str, Any], list[str]]:
+        """What this rank restores from checkpoint ``where``: its manifest, the entries by
+        name, and the ``PerRank`` names whose ``resize`` leaves the object as it is."""
+        storage, ranks = self._storage, self._ranks
+        manifest = read_manifest(storage, where, step)
+        saved_world = manifest["world_size"]
+        saved: dict[str, Any] = {}
+        skipped: list[str] = []
+        for name, entry in manifest["entries"].items():
+            if "file" in entry:
+                saved[name] = load_file(storage, where, manifest, entry["file"])
+                check_entry(name, entry, saved[name])
+            elif saved_world == ranks.world_size:
+                saved[name] = load_file(storage, where, manifest, entry["ranks"][ranks.rank])
+            elif name in state:  # another number of ranks: resize, if it may
+                wanted = state[name]
+                if not isinstance(wanted, PerRank) or wanted.resize == "refuse":
+                    raise StateMismatch(
+                        f"checkpoint {where}",
+                        "world_size",
+                        saved_world,
+                        ranks.world_size,
+                        message=(
+                            f"checkpoint {where}: state[{name!r}] was saved per rank by "
+                            f"{saved_world} ranks and cannot be split over {ranks.world_size}; "
+                            f"resume on {saved_world} ranks, or give it as PerRank(obj, "
+                            "resize=...) saying what a rank loads then"
+                        ),
+                    )
+                parts = [load_file(storage, where, manifest, file) for file in entry["ranks"]]
+                value = resized(wanted, name, parts, ranks.rank, ranks.world_size)
+                if value is SKIP:
+                    skipped.append(name)
+                else:
+                    saved[name] = value
+            # else: another rank's part of an entry nobody asked for means nothing here
+        return manifest, saved, skipped
 
     def _check_directory(self) -> None:
         """Refuse a file where the directory should be: no checkpoint would ever be found in it,
@@ -205,56 +344,95 @@ class Checkpointer:
     # -------------------------------------------------------------------------------- writing
 
     def _write(
-        self, step: int, final: Path, entries: dict[str, Any], shapes: dict[str, ParamShapes]
+        self,
+        step: int,
+        final: Path,
+        replicated: dict[str, Any],
+        own: dict[str, Any],
+        shapes: dict[str, ParamShapes],
+        order: dict[str, int],
     ) -> None:
+        """Every rank: rank 0 opens the temporary directory, each writes its files into it,
+        rank 0 seals and renames it once all are durable, then drops the oldest."""
+        ranks, storage, first = self._ranks, self._storage, self._ranks.first_rank
+        phase = f"writing checkpoint step {step}"
+        tmp = None
         try:
-            self._commit(step, final, entries, shapes)
-        except OSError as error:
-            if error.errno not in FULL:
-                raise
-            raise disk_full(
-                error,
-                self._storage,
-                self._root,
-                step,
-                entries,
-                self.keep,
-                [path for _, path in self._committed()],
-            ) from error
-        committed = self._committed()
-        doomed = [path for number, path in committed if number > step]
-        doomed += [path for number, path in committed if number <= step][: -self.keep]
-        for path in doomed:
-            # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
-            aside = join(self._root, layout.doomed_name(Path(path).name))
-            self._storage.rename(path, aside)
-            self._storage.remove_tree(aside)
+            tmp = ranks.settle(_attempt(self._open, step) if first else None, phase)[0]
+            assert tmp is not None
+            written = ranks.settle(_attempt(self._write_files, tmp, replicated, own, order), phase)
+            sealed = _attempt(self._seal, step, tmp, final, written, shapes) if first else None
+            ranks.settle(sealed, phase)
+        except BaseException as error:
+            if first and tmp is not None:
+                storage.remove_tree(tmp)
+            if isinstance(error, OSError) and error.errno in FULL:  # this rank's own
+                raise disk_full(
+                    error,
+                    storage,
+                    self._root,
+                    step,
+                    {**replicated, **own},
+                    self.keep,
+                    [path for _, path in self._committed()],
+                ) from error
+            raise
 
-    def _commit(
-        self, step: int, final: Path, entries: dict[str, Any], shapes: dict[str, ParamShapes]
-    ) -> None:
-        """Write the checkpoint in a temporary directory and rename it to ``final``."""
-        storage, root, target = self._storage, self._root, join(self._root, final.name)
+    def _open(self, step: int) -> str:
+        """Rank 0: the new checkpoint's temporary directory, after cleaning up."""
+        storage, root = self._storage, self._root
         storage.make_directories(root)
         layout.clean(storage, root)
         tmp = join(root, layout.temporary_name(step))
         storage.make_directory(tmp)
+        return tmp
+
+    def _write_files(
+        self, tmp: str, replicated: dict[str, Any], own: dict[str, Any], order: dict[str, int]
+    ) -> Written:
+        """This rank's files, written and fsynced in ``tmp``, numbered by their ``order`` in the
+        state (so a ``PerRank`` entry has the same number on every rank)."""
+        written: Written = {}
+        rank = self._ranks.rank
+        for name, value in sorted({**replicated, **own}.items(), key=lambda item: order[item[0]]):
+            index, per_rank = order[name], name in own
+            file = file_name(index, name, rank if per_rank else None)
+            try:
+                digest = self._storage.write(join(tmp, file), partial(torch.save, value))
+                written[name] = file, digest, per_rank
+            except Exception as error:
+                if not isinstance(error, OSError) and hasattr(error, "add_note"):
+                    error.add_note(f"raised by torch.save of state[{name!r}]")
+                raise
+        return written
+
+    def _seal(
+        self,
+        step: int,
+        tmp: str,
+        final: Path,
+        written: list[Written],
+        shapes: dict[str, ParamShapes],
+    ) -> None:
+        """Rank 0, once every rank's files are durable: the manifest, the rename that commits
+        the checkpoint, and the removal of what no longer is kept."""
+        storage, root, target = self._storage, self._root, join(self._root, final.name)
+        entries: dict[str, str | list[str]] = {}
+        files: dict[str, Digest] = {}
+        for mine in written:  # in rank order: rank 0's names first, in its state's order
+            for name, (file, digest, per_rank) in mine.items():
+                files[file] = digest
+                if per_rank:
+                    parts = entries.setdefault(name, [])
+                    assert isinstance(parts, list)
+                    parts.append(file)
+                else:
+                    entries[name] = file
+        data = seal(step, entries, files, shapes, len(written))
+        storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
+        storage.sync_directory(tmp)
         old = None
         try:
-            files: dict[str, Digest] = {}
-            listed: dict[str, str] = {}  # name -> file
-            for index, (name, value) in enumerate(entries.items()):
-                file = file_name(index, name)
-                try:
-                    files[file] = storage.write(join(tmp, file), partial(torch.save, value))
-                except Exception as error:
-                    if not isinstance(error, OSError) and hasattr(error, "add_note"):
-                        error.add_note(f"raised by torch.save of state[{name!r}]")
-                    raise
-                listed[name] = file
-            data = seal(step, listed, files, shapes)
-            storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
-            storage.sync_directory(tmp)
             if storage.exists(target):  # a directory cannot be renamed over a non-empty one
                 old = join(root, layout.aside_name(final.name))
                 storage.rename(target, old)
@@ -263,13 +441,29 @@ class Checkpointer:
         except BaseException:
             if old is not None and not storage.exists(target):
                 storage.rename(old, target)
-            storage.remove_tree(tmp)
             raise
         if old is not None:
             storage.remove_tree(old)
+        committed = self._committed()
+        doomed = [path for number, path in committed if number > step]
+        doomed += [path for number, path in committed if number <= step][: -self.keep]
+        for path in doomed:
+            # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
+            aside = join(root, layout.doomed_name(Path(path).name))
+            storage.rename(path, aside)
+            storage.remove_tree(aside)
 
     def _committed(self) -> list[tuple[int, str]]:
         return layout.committed(self._storage, self._root)
+
+
+def _attempt(function: Callable[..., T], *args: Any) -> T | BaseException:
+    """``function(*args)``, or the exception it raised: what a rank hands to ``Ranks.settle``,
+    so that a failure on one rank reaches the others instead of leaving them waiting."""
+    try:
+        return function(*args)
+    except BaseException as error:
+        return error
 
 
 def _check_names(state: Any, method: str) -> None:

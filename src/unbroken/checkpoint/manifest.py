@@ -1,21 +1,28 @@
 """A checkpoint's manifest: written last as its seal, and checked against a schema on load.
 
-``manifest.json``, format version 1::
+``manifest.json``, format version 2::
 
-    {"format": "unbroken.Checkpoint", "version": 1, "step": 123, "torch": "2.5.1",
+    {"format": "unbroken.Checkpoint", "version": 2, "step": 123, "torch": "2.5.1",
+     "world_size": 2,
      "entries": {"model": {"file": "000-model.pt"},
-                 "optimizer": {"file": "001-optimizer.pt", "param_shapes": [[[8, 4], [8]]]}},
+                 "optimizer": {"file": "001-optimizer.pt", "param_shapes": [[[8, 4], [8]]]},
+                 "rng": {"ranks": ["002-rng.rank-00000.pt", "002-rng.rank-00001.pt"]}},
      "files": {"000-model.pt": {"sha256": "<64 hex digits>", "size": 1234}, ...},
      "sha256": "<of the canonical JSON of all the other fields>"}
+
+An entry is one ``file`` (written once, by rank 0) or, for a ``PerRank`` entry, one file per
+rank of the ``world_size`` ranks that saved it (``ranks``). Version 1 (before ranks: no
+``world_size``, only ``file`` entries) is read as a checkpoint of one rank.
 
 The seal catches what changed by accident (a flipped digit, a truncated copy). A manifest edited
 by hand or by a tool and sealed again gets past it, so every field is also checked for its type
 and range before it is used, in one place (``validate``, against the schema ``Manifest``):
-``read`` raises ``unbroken.errors.CorruptCheckpoint`` naming the field, and ``load_latest``
-skips that checkpoint with a warning, never a ``TypeError`` from deep inside. A whole manifest
-of another format version is a ``StateMismatch``, never skipped. Unknown keys are ignored.
-Reading a checkpoint hashes each file (sha256, ~1 GB/s) before ``torch.load`` reads it again,
-from the page cache. Files are read through a ``Storage`` (see ``storage``).
+``read_manifest`` raises ``unbroken.errors.CorruptCheckpoint`` naming the field, and
+``load_latest`` skips that checkpoint with a warning, never a ``TypeError`` from deep inside. A
+whole manifest of another format version is a ``StateMismatch``, never skipped. Unknown keys
+are ignored. ``read_manifest`` checks the size of every listed file (so a checkpoint missing a
+rank's part is skipped by every rank); ``load_file`` hashes a file (sha256, ~1 GB/s) before
+``torch.load`` reads it again, from the page cache. Files are read through a ``Storage``.
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ from ..errors import CorruptCheckpoint, StateMismatch
 from .storage import Digest, Storage, join, sha256
 
 FORMAT = "unbroken.Checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # version 1: one rank, no world_size
 MANIFEST = "manifest.json"
 SEAL = "sha256"  # the manifest's own hash: the one key on disk that ``Manifest`` does not list
 # What the writer names files: never "..", a "/" or a NUL, whatever a manifest says.
-_FILE = re.compile(r"\d{3,}-[A-Za-z0-9_.-]{0,60}\.pt")
+_FILE = re.compile(r"\d{3,}-[A-Za-z0-9_.-]{0,80}\.pt")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 ParamShapes = list[list[list[int]]]  # [parameter group][parameter] -> shape
@@ -46,11 +54,13 @@ class FileSpec(TypedDict):
     size: int
 
 
-class _EntryFile(TypedDict):
+class EntrySpec(TypedDict, total=False):
+    """Exactly one of ``file`` and ``ranks``."""
+
     file: str
-
-
-class EntrySpec(_EntryFile, total=False):
+    """The entry's one file, written by rank 0."""
+    ranks: list[str]
+    """A ``PerRank`` entry's files, one per rank, in rank order."""
     param_shapes: ParamShapes
     """An optimizer's: lets ``load_latest`` name a parameter whose shape changed."""
 
@@ -62,23 +72,31 @@ class Manifest(TypedDict):
     version: int
     step: int
     torch: str
+    world_size: int  # the ranks that saved it (1 for a version 1 manifest)
     entries: dict[str, EntrySpec]
     files: dict[str, FileSpec]
 
 
-def file_name(index: int, name: str) -> str:
-    return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}.pt"
+def file_name(index: int, name: str, rank: int | None = None) -> str:
+    """Entry ``index``'s file; a ``PerRank`` entry's part of ``rank``."""
+    part = "" if rank is None else f".rank-{rank:05d}"
+    return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}{part}.pt"
 
 
 def seal(
     step: int,
-    entries: dict[str, str],
+    entries: dict[str, str | list[str]],
     files: dict[str, Digest],
     param_shapes: dict[str, ParamShapes],
+    world_size: int,
 ) -> bytes:
-    """The manifest of checkpoint ``step``, whose ``entries`` (name -> file) were written as
-    ``files`` (file -> digest); ``param_shapes`` has an item for each optimizer."""
-    specs = {name: EntrySpec(file=file) for name, file in entries.items()}
+    """The manifest of checkpoint ``step`` saved by ``world_size`` ranks, whose ``entries``
+    (name -> file, or a ``PerRank`` entry's files in rank order) were written as ``files``
+    (file -> digest); ``param_shapes`` has an item for each optimizer."""
+    specs = {
+        name: EntrySpec(file=file) if isinstance(file, str) else EntrySpec(ranks=file)
+        for name, file in entries.items()
+    }
     for name, shapes in param_shapes.items():
         specs[name]["param_shapes"] = shapes
     manifest = Manifest(
@@ -86,6 +104,7 @@ def seal(
         version=VERSION,
         step=step,
         torch=torch.__version__,
+        world_size=world_size,
         entries=specs,
         files={
             file: FileSpec(sha256=digest.sha256, size=digest.size) for file, digest in files.items()
@@ -94,9 +113,9 @@ def seal(
     return json.dumps({**manifest, SEAL: _digest(manifest)}, indent=1).encode()
 
 
-def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, Any]]:
-    """The manifest and the entries of checkpoint ``path``; ``CorruptCheckpoint`` if it is not
-    whole, ``StateMismatch`` if another format version of unbroken wrote it."""
+def read_manifest(storage: Storage, path: str, step: int) -> Manifest:
+    """The manifest of checkpoint ``path``, each listed file there with its size;
+    ``CorruptCheckpoint`` if not, ``StateMismatch`` if another format version wrote it."""
     try:
         with storage.open_read(join(path, MANIFEST)) as opened:
             data = opened.read()
@@ -108,31 +127,50 @@ def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, An
     for file, spec in manifest["files"].items():
         try:
             actual = storage.size(join(path, file))
-            if actual != spec["size"]:
-                raise CorruptCheckpoint(
-                    f"{file} has {actual} bytes, the manifest says {spec['size']}"
-                )
-            if sha256(storage, join(path, file)) != spec["sha256"]:
-                raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
         except OSError as error:
             raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
+        if actual != spec["size"]:
+            raise CorruptCheckpoint(f"{file} has {actual} bytes, the manifest says {spec['size']}")
+    return manifest
+
+
+def load_file(storage: Storage, path: str, manifest: Manifest, file: str) -> Any:
+    """``file`` of checkpoint ``path`` checked against its sha256, then loaded."""
+    try:
+        if sha256(storage, join(path, file)) != manifest["files"][file]["sha256"]:
+            raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
+    except OSError as error:
+        raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
+    try:
+        with storage.open_read(join(path, file)) as opened:
+            return torch.load(opened, map_location="cpu", weights_only=True)
+    except Exception as error:  # any failure means: not this checkpoint
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
+        reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+        reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here
+        raise CorruptCheckpoint(
+            f"{file} does not load with torch.load(weights_only=True): "
+            f"{type(error).__name__}: {reason}"
+        ) from None
+
+
+def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, Any]]:
+    """The manifest and every entry of a checkpoint of one rank (``PerRank`` entries: rank 0's
+    part), each file verified; ``CorruptCheckpoint`` if it is not whole."""
+    manifest = read_manifest(storage, path, step)
     saved = {}
     for name, entry in manifest["entries"].items():
-        file = entry["file"]
-        try:
-            with storage.open_read(join(path, file)) as opened:
-                saved[name] = torch.load(opened, map_location="cpu", weights_only=True)
-        except Exception as error:  # any failure means: not this checkpoint
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
-            reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
-            reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here
-            raise CorruptCheckpoint(
-                f"{file} does not load with torch.load(weights_only=True): "
-                f"{type(error).__name__}: {reason}"
-            ) from None
-        if "param_shapes" in entry:
-            _check_param_shapes(name, entry["param_shapes"], saved[name], file)
+        file = entry["file"] if "file" in entry else entry["ranks"][0]
+        saved[name] = load_file(storage, path, manifest, file)
+        check_entry(name, entry, saved[name])
     return manifest, saved
+
+
+def check_entry(name: str, entry: EntrySpec, value: Any) -> None:
+    """What the manifest says of a loaded entry holds (an optimizer's parameter groups)."""
+    if "param_shapes" in entry:
+        file = entry.get("file", "")
+        _check_param_shapes(name, entry["param_shapes"], value, file)
 
 
 def _digest(manifest: Manifest | dict) -> str:
@@ -155,20 +193,24 @@ def validate(data: bytes, step: int, path: str) -> Manifest:
     if not intact:
         raise CorruptCheckpoint(f"{MANIFEST} does not match its own sha256 (it was modified)")
     version = _get(manifest, "version", int, "an int")
-    if version != VERSION:  # whole, but not ours to read: never skip past it
+    if version not in READABLE:  # whole, but not ours to read: never skip past it
         raise StateMismatch(
             f"checkpoint {path}",
             "version",
             version,
             VERSION,
             message=(
-                f"checkpoint {path} has format version {version!r}; this unbroken reads version "
-                f"{VERSION}. Resume with the unbroken version that saved it."
+                f"checkpoint {path} has format version {version!r}; this unbroken reads versions "
+                f"{list(READABLE)}. Resume with the unbroken version that saved it."
             ),
         )
     if _count(manifest, "step") != step:
         raise CorruptCheckpoint(f"{MANIFEST} says step {manifest['step']!r}, its directory {step}")
     _get(manifest, "torch", str, "a str")
+    if version == 1:
+        manifest["world_size"] = 1
+    if _count(manifest, "world_size") < 1:
+        raise _malformed(f"manifest['world_size'] is {manifest['world_size']}, expected >= 1")
     files = _get(manifest, "files", dict, "a dict")
     for file in files:
         if not _FILE.fullmatch(file):
@@ -187,9 +229,24 @@ def validate(data: bytes, step: int, path: str) -> Manifest:
     for name in entries:
         entry = _get(entries, name, dict, "a dict", "manifest['entries']")
         where = f"manifest['entries'][{name!r}]"
-        file = _get(entry, "file", str, "a str", where)
-        if file not in files:
-            raise _malformed(f"{where}['file'] is {file!r}, which is not in manifest['files']")
+        if ("file" in entry) == ("ranks" in entry) or (version == 1 and "ranks" in entry):
+            raise _malformed(f"{where} must have one of 'file' and 'ranks'")
+        if "file" in entry:
+            listed = [(f"{where}['file']", _get(entry, "file", str, "a str", where))]
+        else:
+            ranks = _get(entry, "ranks", list, "a list of files, one per rank", where)
+            if len(ranks) != manifest["world_size"]:
+                raise _malformed(
+                    f"{where}['ranks'] lists {len(ranks)} files, expected one per rank "
+                    f"(world_size {manifest['world_size']})"
+                )
+            listed = [
+                (f"{where}['ranks'][{r}]", _get(ranks, r, str, "a str", f"{where}['ranks']"))
+                for r in range(len(ranks))
+            ]
+        for field, file in listed:
+            if file not in files:
+                raise _malformed(f"{field} is {file!r}, which is not in manifest['files']")
         if "param_shapes" in entry:  # [group][parameter] -> shape
             groups = _get(entry, "param_shapes", list, "a list of parameter groups", where)
             where += "['param_shapes']"

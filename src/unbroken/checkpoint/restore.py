@@ -42,7 +42,10 @@ class Restored:
     """The saved values of the names of ``state`` that have no ``load_state_dict`` (plain
     values such as an epoch counter). They are not written into the caller's dict."""
     unrequested: dict[str, Any]
-    """The checkpoint's entries that ``state`` did not name, as saved."""
+    """The checkpoint's entries that ``state`` did not name, as saved (of a ``PerRank`` one,
+    this rank's part, when the checkpoint was saved by as many ranks as there are now)."""
+    world_size: int = 1
+    """The number of ranks that saved it."""
 
     def __bool__(self) -> bool:
         return True
@@ -51,7 +54,7 @@ class Restored:
         return (
             f"Restored(step={self.step}, path={str(self.path)!r}, "
             f"values={_SHORT.repr(self.values)}, "
-            f"unrequested={_SHORT.repr(self.unrequested)})"
+            f"unrequested={_SHORT.repr(self.unrequested)}, world_size={self.world_size})"
         )
 
 

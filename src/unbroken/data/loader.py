@@ -29,6 +29,7 @@ from ..distributed.sharding import world_of
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .epochs import EpochIterable
+from .ranks import RANK_FIELDS, check_ranks, rank_fields
 from .rng import GLOBAL_RNGS, check_global_rngs
 from .select import make_source
 from .sources import SKIP, Cursor
@@ -60,8 +61,12 @@ class DataLoader(EpochIterable[Cursor]):
       dataset in unbroken's own order then gives each rank its share of every global batch of
       one global order; the state is the global cursor, the same on every rank, and resumes on
       any number of ranks. ``seed`` must be given when there is more than one rank. A
-      global-cursor stream with ``len()`` is split too; other iterable datasets and user
-      samplers are not split by unbroken yet: each rank iterates its own.
+      global-cursor stream with ``len()`` is split too. Other iterable datasets (with their
+      own state, or a Hugging Face stream split by ``split_dataset_by_node``) and user samplers
+      are iterated by each rank on its own (``unbroken.data.ranks``): on more than one rank
+      their state records ``rank`` and ``world_size`` in its fingerprint and resumes only on
+      the rank and world size that saved it (each rank loads its own state); another rank,
+      another world size or a single process's state is refused with a ``StateMismatch``.
 
     ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
     the next epoch (the first is epoch 0).
@@ -115,6 +120,7 @@ class DataLoader(EpochIterable[Cursor]):
         self._source = make_source(
             dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers, ranks
         )
+        self._rank_fields = rank_fields(self._source, ranks)  # per-rank sources on W > 1 ranks
         if isinstance(self._source, StreamSource):
             persistent_workers = False  # each epoch starts every worker from another state
 
@@ -195,7 +201,8 @@ class DataLoader(EpochIterable[Cursor]):
         another shape than this loader's source saves); ``StateMismatch`` naming the field, the
         saved and the current value if it is from another version, or was saved with a
         different dataset length, seed, batch size, drop_last, shuffle, sampler or (for a
-        per-worker iterable dataset) ``num_workers``. Both are ``ValueError``s. A version 1
+        per-worker iterable dataset) ``num_workers``, or, for a dataset iterated per rank, on
+        another ``rank`` or ``world_size`` (``ranks``). Both are ``ValueError``s. A version 1
         state loads unless it is a per-worker iterable dataset's (``states``). Nothing changes
         unless the whole state is valid.
         """
@@ -226,18 +233,24 @@ class DataLoader(EpochIterable[Cursor]):
         saved_print = reader.dict("fingerprint")
         current_print = self._fingerprint()
         for field, current in current_print.items():
+            if field in RANK_FIELDS:
+                continue  # checked below, after the settings
             if field not in saved_print:
                 raise CorruptState(
                     f"{what} state is malformed: fingerprint lacks '{field}'", "fingerprint"
                 )
             if not same(saved_print[field], current):  # strictly: True is not 1
                 raise StateMismatch(what, field, saved_print[field], current)
-        if set(saved_print) != set(current_print):
+        unexpected = set(saved_print) - set(current_print)
+        if not self._source.shared_by_ranks:
+            unexpected -= set(RANK_FIELDS)
+        if unexpected:
             raise CorruptState(
-                f"{what} state field 'fingerprint': unexpected fields "
-                f"{sorted(set(saved_print) - set(current_print))}",
+                f"{what} state field 'fingerprint': unexpected fields {sorted(unexpected)}",
                 "fingerprint",
             )
+        if not self._source.shared_by_ranks:
+            check_ranks(saved_print, (self.rank, self.world_size), reader.version, what)
         cursor = Cursor(reader.int("samples"), reader.int("batches"), state["source"])
         self._source.check_cursor(cursor, what)
         epoch = reader.int("epoch")
@@ -252,6 +265,7 @@ class DataLoader(EpochIterable[Cursor]):
             "drop_last": self.drop_last,
             "global_rngs": list(self.global_rngs),
             **self._source.fingerprint(),
+            **self._rank_fields,
         }
 
 

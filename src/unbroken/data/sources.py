@@ -68,6 +68,12 @@ class Cursor:
 class BatchSource(ABC):
     """The batches of each epoch, from any cursor, and how a received batch moves the cursor."""
 
+    # True for a rank's share of one global order (``unbroken.distributed``): its state is the
+    # global cursor, the same on every rank, and resumes on any number of ranks. False: on
+    # several ranks each rank iterates its own, so the loader records the rank and world size
+    # in the fingerprint and a state resumes only where it was saved.
+    shared_by_ranks = False
+
     @abstractmethod
     def __len__(self) -> int:
         """Batches in a whole epoch (``TypeError`` if unknown)."""

@@ -12,6 +12,11 @@ Versions:
 - ``unbroken.shuffle_buffer`` 2: windows are permuted with keys of their own; version 1 states
   are refused the same way.
 - ``unbroken.resumable`` 1, ``unbroken.CombinedLoader`` 1: unchanged.
+
+On several ranks, a ``DataLoader`` whose dataset each rank iterates on its own (a user sampler,
+an iterable dataset other than a global-cursor stream with ``len()``) also saves ``rank`` and
+``world_size`` in its fingerprint, and loads only on that rank and world size (``ranks``). A
+fingerprint without them is a single process's, as every state was before, so the version stays.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class LoaderState(TypedDict):
     samples: int  # samples received this epoch
     batches: int  # batches received this epoch
     source: Any  # the source's own part (None, SamplerPosition or WorkersPosition)
-    fingerprint: dict[str, Any]  # settings that must match on load
+    fingerprint: dict[str, Any]  # settings that must match on load (+ rank, world_size: ranks)
 
 
 class SamplerPosition(TypedDict):

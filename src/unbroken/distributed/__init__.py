@@ -1,11 +1,15 @@
 """Data parallelism on ``torch.distributed`` (torchrun).
 
 - ``sharding``: each rank's share of one global order for a map-style dataset or a
-  global-cursor stream, resumable on any number of ranks (``unbroken.DataLoader(..., rank=, world_size=)``, or the ranks of the
-  initialized process group).
+  global-cursor stream, resumable on any number of ranks (``unbroken.DataLoader(...,
+  rank=, world_size=)``, or the ranks of the initialized process group).
+- ``process_group``: ``init_process_group``, torch's, with each ``torchrun --max-restarts``
+  attempt reading only its own keys of the agent's store.
 
-Still to come here (issue 10): other iterable datasets per rank, checkpoints with a part per rank,
-agreement on preemption across ranks, the Trainer under torchrun.
+The checkpoints of a data-parallel job are ``unbroken.Checkpointer``'s (collective, with
+``PerRank`` entries), its loop ``unbroken.Trainer``'s.
 """
 
-__all__: list[str] = []
+from .process_group import init_process_group
+
+__all__ = ["init_process_group"]

@@ -81,6 +81,8 @@ class ShardedOrder(NativeOrder):
     """Rank ``rank`` of ``world``'s share of the sequential or shuffled global order. Its
     fingerprint is NativeOrder's: a single process's state resumes on ranks, and back."""
 
+    shared_by_ranks = True
+
     def __init__(
         self, n: int, batch_size: int | None, drop_last: bool, shuffle: bool, rank: int, world: int
     ) -> None:
@@ -134,6 +136,8 @@ class ShardedRangeStream(RangeStream):
     global cursor c, split over the ranks as ``ShardedOrder`` splits an epoch; within a rank,
     worker w reads global batches w, w + N, ... The length is needed so that every rank knows
     where the epoch's last global batch is and yields as many batches as the others."""
+
+    shared_by_ranks = True
 
     def __init__(
         self,

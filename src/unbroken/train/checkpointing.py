@@ -6,6 +6,14 @@ process RNGs (``GlobalRNG``), gradients of an unfinished accumulation window (``
 torchmetrics states (``MetricState``). The names are the checkpoint's format: a renamed entry is
 a checkpoint that no longer resumes. Costs: a clone of every gradient and metric state at a save.
 
+In a data-parallel job (DDP: the model, its gradients after each backward, the optimizer and
+the rest are the same on every rank) rank 0 writes those once; what differs between ranks is
+``PerRank``: the process RNGs, the metric states (each rank's own batches), the loop counters
+(its running loss) and the loaders (a per-rank stream's position; unbroken's sharded loaders
+are the same everywhere). On another number of ranks, the RNGs are re-seeded (``resume``),
+metric states merged onto rank 0, and the counters and loaders are rank 0's (a loader whose
+state belongs to one rank refuses it).
+
 ``resume`` restores them from the newest checkpoint, refuses a position this ``fit`` cannot
 continue from and says where the run starts; ``SaveSchedule`` says when a periodic checkpoint
 is due.
@@ -20,10 +28,12 @@ from typing import Any, TypedDict
 import torch
 
 from .._state import has_state
-from ..checkpoint import Checkpointer, Restored
+from ..checkpoint import Checkpointer, PerRank, Restored
+from ..checkpoint.per_rank import unwrap
+from ..data.shuffle import derive_key
 from ..errors import CorruptState, StateMismatch
 from .csvlog import CSVLog
-from .globalrng import GlobalRNG
+from .globalrng import GlobalRNG, seed_everything
 from .progress import Progress, say
 
 # Entry names, always present ...
@@ -46,25 +56,30 @@ def checkpoint_entries(
     val_loader: Iterable | None,
     scheduler: Any,
     scaler: Any,
-    log: CSVLog,
+    log: CSVLog | None,
     metrics: dict[str, dict[str, Any]],
     callbacks: list[Any],
 ) -> dict[str, Any]:
-    """Everything a checkpoint holds, by name. ``metrics``: ``{phase: {name: metric}}``."""
+    """Everything a checkpoint holds, by name. ``metrics``: ``{phase: {name: metric}}``;
+    ``log``: rank 0's CSV log (``None`` on the other ranks, which write no log)."""
     entries: dict[str, Any] = {
-        PROGRESS: progress,
+        PROGRESS: PerRank(progress, resize="rank0"),
         MODEL: model,
         GRADIENTS: Gradients(model),
         OPTIMIZER: optimizer,
-        TRAIN_LOADER: train_loader,
-        RNG: GlobalRNG(),
-        LOG: log,
+        TRAIN_LOADER: PerRank(train_loader, resize="rank0"),
+        RNG: PerRank(GlobalRNG(), resize="skip"),
     }
+    if log is not None:
+        entries[LOG] = log
     optional = {VAL_LOADER: val_loader, SCHEDULER: scheduler, SCALER: scaler}
     entries.update({name: obj for name, obj in optional.items() if obj is not None})
+    if val_loader is not None:
+        entries[VAL_LOADER] = PerRank(val_loader, resize="rank0")
     for phase, phase_metrics in metrics.items():
         for name, metric in phase_metrics.items():
-            entries[f"{METRIC}.{phase}.{name}"] = MetricState(metric)
+            state = MetricState(metric)
+            entries[f"{METRIC}.{phase}.{name}"] = PerRank(state, resize=state.merged)
     for i, callback in enumerate(callbacks):
         if has_state(callback):
             entries[f"{CALLBACK}.{i}.{type(callback).__name__}"] = callback
@@ -122,6 +137,31 @@ class MetricState:
         # before update" warning and distributed mean reduction, and must match the saved run.
         self.metric._update_count = updates
 
+    def merged(self, parts: list[Any], rank: int, world_size: int) -> None:
+        """``PerRank`` resize: the states of the ranks that saved them, merged onto rank 0 with
+        the metric's own reductions (torchmetrics ``merge_state``); the other ranks start
+        empty. A synced ``compute()`` then reduces the same updates."""
+        self.metric.reset()
+        if rank != 0:
+            return
+        self.load_state_dict(parts[0])
+        for part in parts[1:]:
+            try:
+                self.metric.merge_state(part["states"])
+            except (RuntimeError, ValueError, TypeError, KeyError) as error:
+                raise StateMismatch(
+                    f"metric {type(self.metric).__name__}",
+                    "world_size",
+                    len(parts),
+                    world_size,
+                    message=(
+                        f"the state of metric {type(self.metric).__name__} was saved by "
+                        f"{len(parts)} ranks and cannot be merged onto {world_size} ({error}); "
+                        f"resume on {len(parts)} ranks"
+                    ),
+                ) from error
+        self.metric._update_count = sum(part["updates"] for part in parts)
+
 
 def reset_metrics(metrics: dict[str, Any]) -> None:
     for metric in metrics.values():
@@ -134,7 +174,9 @@ def compute_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 class SaveSchedule:
     """When a periodic checkpoint is due: after the batch that completes every ``every_steps``-th
-    optimizer step, and once ``every_seconds`` of wall-clock time passed since the last save."""
+    optimizer step (``by_steps``: the same on every rank), and once ``every_seconds`` of
+    wall-clock time passed since the last save (``by_time``: by this process's clock, so a
+    data-parallel job agrees on it first)."""
 
     def __init__(self, every_steps: int | None, every_seconds: float | None) -> None:
         self.every_steps, self.every_seconds = every_steps, every_seconds
@@ -143,29 +185,31 @@ class SaveSchedule:
     def saved(self) -> None:
         self.last_save = _clock()
 
-    def due(self, progress: Progress) -> bool:
-        every_steps, every_seconds = self.every_steps, self.every_seconds
+    def by_steps(self, progress: Progress) -> bool:
+        every_steps = self.every_steps
         return bool(
-            (
-                every_steps
-                and progress.phase == "train"
-                and progress.micro == 0
-                and progress.steps % every_steps == 0
-            )
-            or (every_seconds and _clock() - self.last_save >= every_seconds)
+            every_steps
+            and progress.phase == "train"
+            and progress.micro == 0
+            and progress.steps % every_steps == 0
         )
+
+    def by_time(self) -> bool:
+        return bool(self.every_seconds and _clock() - self.last_save >= self.every_seconds)
 
 
 def resume(
-    checkpointer: Checkpointer, entries: dict[str, Any], val_loader: Iterable | None
+    checkpointer: Checkpointer, entries: dict[str, Any], val_loader: Iterable | None, seed: int
 ) -> Restored | None:
     """Restore ``entries`` from the newest valid checkpoint, if any, and say where the run starts.
 
     Refuses (before any training) a checkpoint taken inside the validation phase when this
-    ``fit`` has no ``val_loader`` to finish it with.
+    ``fit`` has no ``val_loader`` to finish it with. A checkpoint of another number of ranks
+    has no RNG state for this rank: the process RNGs are seeded from ``seed``, the step and
+    the rank instead.
     """
     restored = checkpointer.load_latest(entries)
-    progress = entries[PROGRESS]
+    progress = unwrap(entries[PROGRESS])
     if progress.phase == "val" and val_loader is None:
         raise StateMismatch(
             "unbroken.Trainer",
@@ -176,8 +220,20 @@ def resume(
             hint="The checkpoint was taken inside the validation phase: pass the same "
             "val_loader to fit() again to finish it.",
         )
+    world, rank = checkpointer.world_size, checkpointer.rank
+    ranks = f" on {world} ranks" if world > 1 else ""
     if restored is None:
-        say(f"no checkpoint in {checkpointer.directory}: starting fresh")
+        say(f"no checkpoint in {checkpointer.directory}: starting fresh{ranks}")
+        return None
+    saved = restored.world_size
+    if saved == world:
+        say(f"resumed from checkpoint {restored.path} ({progress.where()}){ranks}")
     else:
-        say(f"resumed from checkpoint {restored.path} ({progress.where()})")
+        seed_everything(derive_key(seed % 2**64, progress.ticks, rank) % 2**63)
+        say(
+            f"resumed from checkpoint {restored.path} ({progress.where()}), saved by {saved} "
+            f"rank{'s' * (saved > 1)}, on {world} rank{'s' * (world > 1)}: the same samples "
+            "follow, in global batches of another size; the process RNGs are seeded anew "
+            "from the seed, the step and the rank"
+        )
     return restored

@@ -114,18 +114,33 @@ def open_tensorboard(wanted: bool | None, directory: Path, purge_from: int) -> A
 class RunLog:
     """The Trainer's values: every one to the CSV log and ``latest``; to TensorBoard (if any)
     every one, except per-batch values, which go every ``every`` batches: its writer costs
-    ~40 us a value without TensorFlow (a pure-Python CRC)."""
+    ~40 us a value without TensorFlow (a pure-Python CRC). ``write=False`` (ranks other than
+    0 of a data-parallel job) keeps ``latest`` only: one rank writes the run's files."""
 
     def __init__(
-        self, directory: Path, tensorboard: bool | None, every: int, latest: dict[str, float]
+        self,
+        directory: Path,
+        tensorboard: bool | None,
+        every: int,
+        latest: dict[str, float],
+        write: bool = True,
     ) -> None:
-        self.csv = CSVLog(directory / "metrics.csv")
+        self.csv = CSVLog(directory / "metrics.csv") if write else None
         self.directory, self.tensorboard, self.every = directory, tensorboard, every
+        self.write = write
         self.board: Any = None
         self.latest = latest
 
     def open_board(self, purge_from: int) -> None:
-        self.board = open_tensorboard(self.tensorboard, self.directory / "tensorboard", purge_from)
+        if self.write:
+            self.board = open_tensorboard(
+                self.tensorboard, self.directory / "tensorboard", purge_from
+            )
+
+    def restart(self) -> None:
+        """A fresh run: empty the CSV log (``CSVLog.restart``)."""
+        if self.csv is not None:
+            self.csv.restart()
 
     def log(
         self,
@@ -138,7 +153,8 @@ class RunLog:
     ) -> None:
         board = self.board if not per_batch or step % self.every == 0 else None
         for name, value in values.items():
-            self.csv.log(step, epoch, phase, name, value)
+            if self.csv is not None:
+                self.csv.log(step, epoch, phase, name, value)
             self.latest[f"{phase}/{name}"] = float(value)
             if board is not None:
                 board.add_scalar(f"{phase}/{name}", float(value), global_step=tick)
@@ -148,6 +164,7 @@ class RunLog:
             self.board.flush()  # what a checkpoint says was logged must be on disk
 
     def close(self) -> None:
-        self.csv.close()
+        if self.csv is not None:
+            self.csv.close()
         if self.board is not None:
             self.board.close()

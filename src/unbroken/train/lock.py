@@ -23,8 +23,11 @@ _held: dict[str, int] = {}  # real path -> fd: record locks never conflict withi
 
 
 class DirectoryLock:
-    def __init__(self, directory: str | os.PathLike) -> None:
-        self.path = Path(directory) / NAME
+    """``rank``: a data-parallel job's rank r > 0 locks ``.lock-rank-r`` (rank 0 ``.lock``), so
+    the ranks of one job do not exclude each other and those of two jobs do."""
+
+    def __init__(self, directory: str | os.PathLike, rank: int = 0) -> None:
+        self.path = Path(directory) / (NAME if rank == 0 else f"{NAME}-rank-{rank}")
         self._fd: int | None = None
 
     def acquire(self) -> None:

@@ -46,6 +46,7 @@ def check_arguments(trainer: Any) -> None:
             f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}"
         )
     positive("tensorboard_every", tensorboard_every)
+    positive("preemption_check_every", trainer.preemption_check_every)
 
 
 def positive(name: str, value: Any) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, TypedDict, cast
 
+import torch.distributed as dist
+
 from ..errors import CorruptState, StateMismatch
 
 
@@ -175,7 +177,10 @@ def _mismatch(field: str, saved: Any, current: Any) -> StateMismatch:
 
 
 def say(message: str) -> None:
-    """Print a line about the run's course (resumed, preempted) for the job's log."""
+    """Print a line about the run's course (resumed, preempted) for the job's log; in a
+    data-parallel job, rank 0's only (every rank would print the same)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     # stderr, flushed, not a logger: it must reach a batch job's log file as it happens.
     print(f"unbroken: {message}", file=sys.stderr, flush=True)
 

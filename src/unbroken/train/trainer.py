@@ -11,6 +11,13 @@ checkpoint (every ``checkpoint_every_seconds`` of wall-clock time, by default 10
 every ``checkpoint_every_steps`` optimizer steps). A checkpoint can be taken inside either phase
 and resumes there.
 
+Under ``torchrun`` (an initialized process group of more than one rank) every rank runs this
+loop on its share of the data, with the user's DDP-wrapped model: checkpoints hold the whole
+job (``Checkpointer``: rank 0 writes what is replicated, every rank its ``PerRank`` parts), the
+ranks agree on preemption signals and wall-clock checkpoints before acting on them (``ranks``),
+and rank 0 alone writes the CSV log, TensorBoard and the progress bar; logged epoch losses are
+means over the ranks, torchmetrics sync their states at ``compute()``.
+
 Units: ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps (with
 ``accumulate=k``, one step per k training batches), as Lightning's ``max_steps`` and
 ``every_n_train_steps`` do. The log's ``step`` column counts batches of its phase. Checkpoint
@@ -35,6 +42,7 @@ from .lock import DirectoryLock
 from .options import call_hooks, check_arguments, check_loaders
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, TrainerConfig, bar, say
+from .ranks import Job
 from .steps import StepFn, loss_and_logs, optimizer_step, step_function
 
 
@@ -67,6 +75,9 @@ class Trainer:
     - ``signals``: the preemption signals (default SIGTERM, SIGUSR1). They are handled from
       the moment the Trainer is built until ``fit`` returns; one that comes before training
       starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
+    - ``preemption_check_every``: under ``torch.distributed``, the ranks agree every this many
+      batches whether any rank got a preemption signal or is due a wall-clock checkpoint (one
+      all-reduce of two ints; default 1: every batch). A signal waits for the next agreement.
     - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
       bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
       nothing and says so once if the model is on CUDA; ``False`` changes nothing.
@@ -92,6 +103,7 @@ class Trainer:
         tensorboard: bool | None = None,
         tensorboard_every: int = 50,
         deterministic: bool | None = None,
+        preemption_check_every: int = 1,
     ) -> None:
         self.directory = Path(directory)
         self.max_epochs, self.max_steps = max_epochs, max_steps
@@ -105,6 +117,7 @@ class Trainer:
         self.seed = seed
         self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
         self.tensorboard_every = tensorboard_every
+        self.preemption_check_every = preemption_check_every
         check_arguments(self)
         # What shapes the computation: saved with the loop's counters, checked on resume.
         config = TrainerConfig(
@@ -153,10 +166,11 @@ class Trainer:
             self.train_metrics = dict(train_metrics or {})
             self.val_metrics = dict(val_metrics or {})
             check_loaders(train_loader, val_loader)
+            self.job = Job()
             with self.preemption, determinism(self.deterministic, model):
                 self._exit_if_preempted_before_training()
                 self.directory.mkdir(parents=True, exist_ok=True)
-                with DirectoryLock(self.directory):
+                with DirectoryLock(self.directory, self.job.rank):
                     self._fit(train_loader, val_loader)
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
@@ -164,7 +178,13 @@ class Trainer:
         return self.logs
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
-        self.run_log = RunLog(self.directory, self.tensorboard, self.tensorboard_every, self.logs)
+        self.run_log = RunLog(
+            self.directory,
+            self.tensorboard,
+            self.tensorboard_every,
+            self.logs,
+            write=self.job.first,  # one rank writes the log; the others keep `logs` only
+        )
         self.checkpointer = Checkpointer(self.directory / "checkpoints", keep=self.keep)
         self.entries = checkpoint_entries(
             progress=self.progress,
@@ -180,10 +200,10 @@ class Trainer:
         )
         progress = self.progress
         try:
-            restored = resume(self.checkpointer, self.entries, val_loader)
+            restored = resume(self.checkpointer, self.entries, val_loader, self.seed)
             self._exit_if_preempted_before_training()
             if restored is None:
-                self.run_log.csv.restart()
+                self.run_log.restart()
                 seed_everything(self.seed)
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
@@ -209,7 +229,7 @@ class Trainer:
         if progress.epoch_batches == 0:
             reset_metrics(self.train_metrics)
             progress.start_phase()
-        with bar(self.progress_bar, loader, progress, "train") as batches:
+        with bar(self.progress_bar and self.job.first, loader, progress, "train") as batches:
             for batch in batches:
                 loss, logs = loss_and_logs(self.training_step(model, batch))
                 # Dividing by 1 would add a no-op node to the graph: skip it.
@@ -226,7 +246,8 @@ class Trainer:
                 self._after_batch()
         if progress.micro:  # an epoch's last, incomplete accumulation window still counts
             self._optimizer_step()
-        self.log({"epoch_loss": progress.phase_mean(), **compute_metrics(self.train_metrics)})
+        epoch_loss = self.job.mean(progress.phase_mean())
+        self.log({"epoch_loss": epoch_loss, **compute_metrics(self.train_metrics)})
         if self.scheduler is not None and self.scheduler_interval == "epoch":
             self.scheduler.step()
 
@@ -249,7 +270,7 @@ class Trainer:
         if progress.val_batches == 0:
             reset_metrics(self.val_metrics)
             progress.start_phase()
-        with bar(self.progress_bar, loader, progress, "val") as batches:
+        with bar(self.progress_bar and self.job.first, loader, progress, "val") as batches:
             for batch in batches:
                 loss, logs = loss_and_logs(step(model, batch))
                 progress.val_batch_done(loss.item())
@@ -257,28 +278,44 @@ class Trainer:
                 batches.show(loss.item())
                 call_hooks(self.callbacks, "on_validation_batch_end", self, self.logs)
                 self._after_batch()
-        self.log({"epoch_loss": progress.phase_mean(), **compute_metrics(self.val_metrics)}, "val")
+        epoch_loss = self.job.mean(progress.phase_mean())
+        self.log({"epoch_loss": epoch_loss, **compute_metrics(self.val_metrics)}, "val")
         model.train()
 
     def _after_batch(self) -> None:
         """A step boundary: save if a preemption signal came (then exit) or if it is time."""
         progress, received = self.progress, self.preemption.received
-        if received is not None:
+        preempted, time_due = received is not None, self.schedule.by_time()
+        if self.job.distributed:  # act only on what every rank knows, at the same batch
+            if progress.ticks % self.preemption_check_every:
+                preempted = time_due = False
+            else:
+                preempted, time_due = self.job.any_of(preempted, time_due)
+        if preempted:
             self._save(blocking=True)
             seconds = self.preemption.seconds_since_signal()
-            say(
+            heard = (
                 f"{received.name} received; checkpoint at {progress.where()} committed "
-                f"{seconds:.3f} s after the signal; exiting with {EXIT_CODE} to be requeued"
+                f"{seconds:.3f} s after the signal"
+                if received is not None
+                else f"a preemption signal reached another rank; checkpoint at "
+                f"{progress.where()} committed"
             )
+            say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
             call_hooks(self.callbacks, "on_preempted", self, seconds)
             raise SystemExit(EXIT_CODE)
-        if self.schedule.due(progress):
+        if time_due or self.schedule.by_steps(progress):
             self._save(blocking=not self.async_save)
 
     def _exit_if_preempted_before_training(self) -> None:
-        if (received := self.preemption.received) is not None:
+        (preempted,) = self.job.any_of(self.preemption.received is not None)
+        if preempted:
+            received = self.preemption.received
+            name = (
+                received.name if received is not None else "a preemption signal (on another rank)"
+            )
             say(
-                f"{received.name} received before training started: nothing new to save; "
+                f"{name} received before training started: nothing new to save; "
                 f"exiting with {EXIT_CODE} to be requeued"
             )
             raise SystemExit(EXIT_CODE)

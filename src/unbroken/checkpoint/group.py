@@ -1,0 +1,142 @@
+"""The ranks of a job as the Checkpointer sees them: who writes what, and how they agree.
+
+Under an initialized ``torch.distributed`` process group of more than one rank, every
+Checkpointer call is collective: each rank calls ``save`` (or ``load_latest``) with the same
+step, in the same order. The Checkpointer talks to the other ranks only through ``Ranks``:
+
+- ``settle(outcome)``: every rank hands in what its part of a phase gave, a value or the
+  exception it raised; all get the list of values, or every rank raises (its own error, or a
+  ``RankFailure`` carrying the first failed rank's). So no rank goes on alone past a failure.
+  What rank 0 alone decides (the temporary directory, the list of checkpoints, so that every
+  rank tries the same ones in the same order) reaches the others this way too.
+
+The collectives run on a gloo group of their own, made by the Checkpointer's constructor
+(itself collective), with its own ``timeout``: object collectives run on the CPU whatever the
+training's backend, a background save may run them in its thread while the training's own
+collectives go on in the main one, and a dead or stuck peer becomes a ``RankFailure`` naming
+the phase after ``timeout`` seconds, never a hang. One process (no process group, or a group
+of one) is ``Ranks`` with rank 0 of 1: the same code path, with nothing to exchange.
+
+``check_shared`` refuses a checkpoint directory that the ranks do not all see (each node its
+own local disk): rank 0 writes a token there, every rank reads it back.
+"""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import DirectoryNotShared, RankFailure
+from .layout import SHARED
+from .storage import Storage, join
+
+
+class Ranks:
+    """This process's rank among the Checkpointer's ranks, and their collectives."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.group: Any = None
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            try:
+                # gloo connects the new group's ranks with a few quick retries only: a rank
+                # still busy elsewhere (a slow start, a loaded machine) would fail it, so all
+                # meet first on the default group, whose own timeout applies.
+                dist.barrier()
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            except Exception as error:
+                raise self._lost("creating the Checkpointer's process group", error) from error
+
+    @property
+    def first_rank(self) -> bool:
+        return self.rank == 0
+
+    def settle(
+        self, outcome: Any, phase: str, tolerate: type[BaseException] | tuple = ()
+    ) -> list[Any]:
+        """Every rank's ``outcome`` (a value, or an exception that rank raised) in rank order;
+        if any is an exception (other than a ``tolerate`` one, returned as a value), raise on
+        every rank: this rank's own, else a ``RankFailure`` naming the first failed rank and
+        its error."""
+        outcomes = self._all_gather(_portable(outcome), phase)
+        failed = [
+            (r, o)
+            for r, o in enumerate(outcomes)
+            if isinstance(o, BaseException) and not isinstance(o, tolerate)
+        ]
+        if failed:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            rank, error = failed[0]
+            raise RankFailure(
+                f"unbroken.Checkpointer: {phase} failed on rank {rank}, so on every rank: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        return outcomes
+
+    def _all_gather(self, value: Any, phase: str) -> list[Any]:
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(out, value, group=self.group)
+        except Exception as error:
+            raise self._lost(phase, error) from error
+        return out
+
+    def _lost(self, phase: str, error: BaseException) -> RankFailure:
+        return RankFailure(
+            f"unbroken.Checkpointer on rank {self.rank} of {self.world_size}: {phase} did not "
+            f"complete within the timeout of {self.timeout:g} s: another rank died, hangs, or "
+            "did not call the same Checkpointer method at the same step (every rank must call "
+            f"save and load_latest together). {type(error).__name__}: {error}"
+        )
+
+    def check_shared(self, storage: Storage, root: str) -> None:
+        """Raise ``DirectoryNotShared`` on every rank unless all see rank 0's ``root``."""
+        if self.group is None:
+            return
+        token = secrets.token_hex(8)
+        folder = join(root, f"{SHARED}{token}")  # a directory: what Storage removes whole
+        made: Any = token
+        if self.first_rank:
+            try:
+                storage.make_directories(root)
+                storage.make_directory(folder)
+                storage.write(join(folder, "token"), lambda out: out.write(token.encode()))
+            except Exception as error:
+                made = error
+        token = self.settle(made, "checking the directory")[0]
+        try:
+            with storage.open_read(join(join(root, f"{SHARED}{token}"), "token")) as opened:
+                seen = opened.read().decode(errors="replace") == token
+        except OSError:
+            seen = False
+        everyone = self._all_gather(seen, "checking the directory")
+        if self.first_rank:
+            storage.remove_tree(folder)
+        blind = [rank for rank, saw in enumerate(everyone) if not saw]
+        if blind:
+            raise DirectoryNotShared(
+                f"the checkpoint directory {root} is not shared: ranks {blind} do not see the "
+                "file that rank 0 wrote into it (each node has its own disk there?). All ranks "
+                "of a job must see one directory (a shared filesystem such as NFS or Lustre), "
+                "or each would resume from its own checkpoints. Pass a directory on a shared "
+                "filesystem."
+            )
+
+
+def _portable(outcome: Any) -> Any:
+    """An exception that pickles (to reach the other ranks), else a ``RuntimeError`` saying it."""
+    if isinstance(outcome, BaseException):
+        try:
+            pickle.loads(pickle.dumps(outcome))
+        except Exception:
+            return RuntimeError(f"{type(outcome).__name__}: {outcome}")
+    return outcome

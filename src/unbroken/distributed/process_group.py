@@ -1,0 +1,50 @@
+"""``init_process_group``: torch's, made safe for the restarts of ``torchrun --max-restarts``.
+
+When a rank dies, torchrun's elastic agent stops the others and starts the group again (a new
+*attempt*, ``TORCHELASTIC_RESTART_COUNT``) against the agent's own key-value store, which
+outlives the attempts. ``torch.distributed.init_process_group()`` then publishes and reads
+each rank's address under the same keys in every attempt, so a restarted rank can read the
+address of a process of the previous attempt, now dead: with gloo, torch 2.13 on this
+project's CI machine, about one restart in two failed ("connectFullMesh failed ... Connection
+refused") or hung in ``init_process_group`` (tests/test_distributed_trainer.py measures it).
+
+This function is ``torch.distributed.init_process_group`` with one difference under an
+elastic agent: the agent's store (``MASTER_ADDR``/``MASTER_PORT``, a ``TCPStore`` the agent
+serves) is given to torch behind a ``PrefixStore`` named after the attempt, so every attempt
+reads only its own keys. Outside torchrun it calls torch's unchanged. It creates no
+rendezvous and no collective of its own: torch's store, torch's process group.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+def init_process_group(
+    backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any
+) -> None:
+    """``torch.distributed.init_process_group(backend, timeout=timeout, **kwargs)``; under
+    ``torchrun``, with the agent's store scoped to this restart attempt."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if attempt is None or not agent_store or "store" in kwargs or "init_method" in kwargs:
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        return
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,  # the agent serves it
+        timeout=timeout or timedelta(minutes=30),
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"unbroken/attempt-{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+        **kwargs,
+    )

@@ -1,0 +1,56 @@
+"""The Trainer's view of a data-parallel job: its rank, and the two collectives the loop needs.
+
+Under ``torchrun`` (an initialized ``torch.distributed`` default group of more than one rank)
+every rank runs the same loop over its share of the data. What one rank alone knows must be
+agreed before anyone acts on it, or the ranks would save different steps, or one would exit
+while the others wait for it in the next gradient all-reduce:
+
+- a preemption signal, which schedulers deliver to ranks at different moments, and a
+  wall-clock checkpoint, due by each rank's own clock: ``any_of`` all-reduces both flags (MAX)
+  in one call, every ``preemption_check_every`` batches;
+- the epoch's mean loss, each rank's over its own batches: ``mean`` averages it.
+
+One process is a ``Job`` of one rank: both return what they are given, with no collective
+and no change to the bits. Collectives run on the default group, on the device its backend
+needs (CUDA for NCCL). Cost: one all-reduce of two ints, ~50-100 us on gloo over loopback
+(benchmarks/RESULTS.md), per agreement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Job:
+    def __init__(self) -> None:
+        self.rank, self.world_size = 0, 1
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cpu")
+        if self.distributed and dist.get_backend() == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    def any_of(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, true if it is true on any rank."""
+        if not self.distributed:
+            return flags
+        values = torch.tensor([int(flag) for flag in flags], device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return tuple(bool(value) for value in values.tolist())
+
+    def mean(self, value: float) -> float:
+        """The mean of ``value`` over the ranks."""
+        if not self.distributed:
+            return value
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total.item()) / self.world_size

@@ -1,0 +1,136 @@
+"""A data-parallel training job for test_distributed_trainer.py, run by torchrun (gloo, CPU).
+
+``python ddp_job.py RUN_DIR OPTIONS_JSON``: a DDP MLP with dropout trained by unbroken.Trainer
+over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accuracy. OPTIONS:
+
+- ``epochs``, ``every_steps``: Trainer settings.
+- ``kill``: {"rank": r, "at": [tick, ...]}: that rank SIGKILLs itself after those training
+  ticks, each once over all restarts (a marker file per kill), as a crashed node would.
+- ``kill_in_save``: {"rank": r, "write": n}: that rank SIGKILLs itself in its n-th file write
+  of a checkpoint (counted over all restarts), so other ranks may have written theirs.
+- ``signal``: {"rank": r, "at": tick}: that rank sends itself SIGTERM after that tick, once.
+
+Every rank appends the sample ids it trained on to ``RUN_DIR/seen.rank<r>.jsonl`` (one line per
+batch: epoch, tick, ids); rank 0 writes the final weights to ``RUN_DIR/final.pt``.
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torchmetrics
+
+import unbroken
+import unbroken.distributed
+
+RUN, OPTIONS = Path(sys.argv[1]), json.loads(sys.argv[2])
+RUN.mkdir(parents=True, exist_ok=True)
+N, FEATURES, CLASSES = 240, 12, 4
+
+torch.set_num_threads(1)
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stuck job says where
+unbroken.distributed.init_process_group("gloo")
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+
+
+class Samples(torch.utils.data.Dataset):
+    """Fixed features and labels; each sample gets its own noise (its seed is derived)."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(N, FEATURES, generator=generator)
+        self.y = torch.randint(0, CLASSES, (N,), generator=generator)
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, index):
+        noise = 0.1 * torch.randn(FEATURES, generator=unbroken.sample_rng())
+        return self.x[index] + noise, self.y[index], index
+
+
+def once(name):
+    """True the first time over all restarts of the job."""
+    marker = RUN / f".done-{name}"
+    if marker.exists():
+        return False
+    marker.touch()
+    return True
+
+
+class Chaos:
+    """Records what this rank trained on, and kills or signals it where the options say."""
+
+    def __init__(self):
+        self.seen = open(RUN / f"seen.rank{RANK}.jsonl", "a")
+
+    def on_train_batch_end(self, trainer, logs):
+        tick = trainer.progress.ticks
+        self.seen.write(json.dumps([trainer.progress.epoch, tick, trainer.last_ids]) + "\n")
+        self.seen.flush()
+        kill = OPTIONS.get("kill")
+        if kill and kill["rank"] == RANK and tick in kill["at"] and once(f"kill-{tick}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        sig = OPTIONS.get("signal")
+        if sig and sig["rank"] == RANK and tick == sig["at"] and once("signal"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
+    from unbroken.checkpoint import storage
+
+    write = storage.LocalStorage.write
+
+    def dying_write(self, path, fill):
+        count = RUN / ".writes"
+        done = int(count.read_text()) if count.exists() else 0
+        count.write_text(str(done + 1))
+        if done + 1 == OPTIONS["kill_in_save"]["write"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(self, path, fill)
+
+    storage.LocalStorage.write = dying_write
+
+
+torch.manual_seed(0)  # the same initial weights on every rank
+net = torch.nn.Sequential(
+    torch.nn.Linear(FEATURES, 32),
+    torch.nn.ReLU(),
+    torch.nn.Dropout(0.2),
+    torch.nn.Linear(32, CLASSES),
+)
+model = torch.nn.parallel.DistributedDataParallel(net)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+loader = unbroken.DataLoader(Samples(), batch_size=4, shuffle=True, seed=7)
+accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)
+trainer = unbroken.Trainer(
+    RUN,
+    max_epochs=OPTIONS.get("epochs", 2),
+    checkpoint_every_steps=OPTIONS.get("every_steps", 5),
+    checkpoint_every_seconds=None,
+    progress_bar=False,
+    tensorboard=False,
+    callbacks=[Chaos()],
+)
+
+
+def training_step(model, batch):
+    x, y, ids = batch
+    trainer.last_ids = ids.tolist()
+    logits = model(x)
+    accuracy.update(logits.detach(), y)
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
+logs = trainer.fit(
+    model, optimizer, loader, training_step=training_step, train_metrics={"acc": accuracy}
+)
+if RANK == 0:
+    torch.save(net.state_dict(), RUN / "final.pt")
+    (RUN / "logs.json").write_text(json.dumps(logs))
+dist.destroy_process_group()

@@ -1,0 +1,230 @@
+"""The Checkpointer under torch.distributed: one checkpoint per step for the whole job, committed
+only when every rank's part is durable; ranks that never load different steps; failures and
+absent ranks that raise on every rank instead of hanging; a directory the ranks do not share
+refused; PerRank entries on another number of ranks refused, or resized as asked.
+
+The collective scenarios run in one torchrun job of 2 gloo ranks (dist_checkpoint_job.py); the
+resize ones load that job's checkpoints here, in one process."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from unbroken import Checkpointer, PerRank
+from unbroken.checkpoint.manifest import MANIFEST
+from unbroken.errors import StateMismatch
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_checkpoint")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", str(HERE / "dist_checkpoint_job.py")]
+        + [str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return out
+
+
+def _seen(job, scenario):
+    return [json.loads((job / f"{scenario}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_replicated_entries_are_written_once_and_per_rank_ones_by_every_rank(job):
+    ranks = _seen(job, "same_world")
+    assert [r["counter"] for r in ranks] == [300, 301]  # each rank its own part
+    assert [r["step"] for r in ranks] == [3, 3] and [r["world_size"] for r in ranks] == [2, 2]
+    assert [r["values"] for r in ranks] == [{"step": 3}, {"step": 3}]  # rank 0's value
+    assert ranks[0]["files"] == [
+        "000-model.pt",
+        "001-counter.rank-00000.pt",
+        "001-counter.rank-00001.pt",
+        "002-step.pt",
+        MANIFEST,
+    ]
+
+
+def test_a_checkpoint_one_rank_finds_broken_is_skipped_by_every_rank(job):
+    ranks = _seen(job, "skip")
+    # Step 3: rank 1's part is corrupt (rank 0's files are fine); step 2: rank 1's part is gone.
+    assert [r["step"] for r in ranks] == [1, 1] and [r["counter"] for r in ranks] == [100, 101]
+    for r in ranks:
+        first, second = r["warnings"]
+        assert (
+            "step-000000003: rank 1: 001-counter.rank-00001.pt does not match its sha256" in first
+        )
+        assert "step-000000002: rank 0: 001-counter.rank-00001.pt is unreadable" in second
+
+
+def test_a_failure_on_one_rank_raises_on_every_rank_and_commits_nothing(job):
+    ranks = _seen(job, "one_rank_fails")
+    assert ranks[1]["error"][0] == "ValueError" and "meta device" in ranks[1]["error"][1]
+    kind, message = ranks[0]["error"]
+    assert kind == "RankFailure"
+    assert "preparing checkpoint step 4 failed on rank 1, so on every rank" in message
+    assert "meta device" in message
+    assert _seen(job, "after_failures")[0]["steps"] == [f"step-00000000{s}" for s in (1, 2, 3)]
+
+
+def test_ranks_saving_different_steps_are_refused_on_every_rank(job):
+    for rank in _seen(job, "other_steps"):
+        kind, message = rank["error"]
+        assert kind == "ValueError" and "different steps" in message
+        assert "{0: (5, ['counter']), 1: (6, ['counter'])}" in message
+
+
+def test_a_background_save_commits_every_ranks_part(job):
+    assert _seen(job, "background") == [{"step": 6, "counter": 600}, {"step": 6, "counter": 601}]
+
+
+def test_a_directory_the_ranks_do_not_share_is_refused_on_every_rank(job):
+    for rank in _seen(job, "not_shared"):
+        kind, message = rank["error"]
+        assert kind == "DirectoryNotShared" and "ranks [1] do not see the file" in message
+
+
+def test_an_absent_rank_is_a_rank_failure_after_the_timeout_not_a_hang(job):
+    kind, message = _seen(job, "timeout")[0]["error"]
+    assert kind == "RankFailure"
+    assert "listing the checkpoints did not complete within the timeout of 3 s" in message
+
+
+# ------------------------------------------------------- another number of ranks (here: one)
+
+
+class Counter:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _load(job, counter):
+    torch.manual_seed(0)
+    return Checkpointer(job / "shared", keep=3).load_latest(
+        {"model": torch.nn.Linear(3, 2), "counter": counter}
+    )
+
+
+def test_a_per_rank_entry_is_refused_on_another_number_of_ranks_by_default(job):
+    for counter in (PerRank(Counter(-1)), Counter(-1)):  # wrapped or not: it was saved per rank
+        with pytest.raises(StateMismatch, match=r"state\['counter'\] was saved per rank by 2") as e:
+            _load(job, counter)
+        assert (e.value.field, e.value.saved, e.value.current) == ("world_size", 2, 1)
+
+
+def test_resize_says_what_a_rank_loads_on_another_number_of_ranks(job):
+    first = Counter(-1)
+    assert _load(job, PerRank(first, resize="rank0")).world_size == 2
+    assert first.value == 600
+    kept = Counter(-1)
+    assert _load(job, PerRank(kept, resize="skip")).step == 6 and kept.value == -1
+    calls = []
+
+    def total(parts, rank, world_size):
+        calls.append((rank, world_size))
+        return {"value": sum(part["value"] for part in parts)}
+
+    summed = Counter(-1)
+    _load(job, PerRank(summed, resize=total))
+    assert summed.value == 1201 and calls == [(0, 1)]
+
+
+def test_an_unrequested_per_rank_entry_of_another_world_is_not_returned(job):
+    torch.manual_seed(0)
+    restored = Checkpointer(job / "shared", keep=3).load_latest({"model": torch.nn.Linear(3, 2)})
+    assert set(restored.unrequested) == {"step"}  # not another rank's "counter"
+
+
+# ------------------------------------------------------------------------- one process
+
+
+def test_per_rank_entries_of_one_process_save_and_load(tmp_path):
+    Checkpointer(tmp_path).save(1, {"counter": PerRank(Counter(7)), "x": PerRank([1, 2])})
+    assert sorted(p.name for p in (tmp_path / "step-000000001").iterdir()) == [
+        "000-counter.rank-00000.pt",
+        "001-x.rank-00000.pt",
+        MANIFEST,
+    ]
+    counter = Counter(0)
+    restored = Checkpointer(tmp_path).load_latest({"counter": PerRank(counter), "x": None})
+    assert counter.value == 7 and restored.values == {"x": [1, 2]} and restored.world_size == 1
+
+
+@pytest.mark.parametrize("resize", ["nope", 3, None])
+def test_a_bad_resize_or_a_double_wrap_is_refused(resize):
+    with pytest.raises(ValueError, match="resize must be one of"):
+        PerRank(Counter(0), resize=resize)
+    with pytest.raises(ValueError, match="wrap the object once"):
+        PerRank(PerRank(Counter(0)))
+
+
+def _reseal(checkpoint, change):
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    del manifest["sha256"]
+    change(manifest)
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["sha256"] = hashlib.sha256(canonical).hexdigest()
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_version_1_manifest_still_loads_as_one_rank(tmp_path):
+    path = Checkpointer(tmp_path).save(3, {"counter": Counter(5)})
+
+    def to_version_1(manifest):
+        manifest["version"] = 1
+        del manifest["world_size"]
+
+    _reseal(path, to_version_1)
+    counter = Counter(0)
+    restored = Checkpointer(tmp_path).load_latest({"counter": counter})
+    assert (restored.step, restored.world_size, counter.value) == (3, 1, 5)
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (
+            lambda m: m["entries"]["c"].update(file="000-c.rank-00000.pt"),
+            "one of 'file' and 'ranks'",
+        ),
+        (lambda m: m["entries"]["c"]["ranks"].append("x.pt"), r"lists 2 files, expected one per"),
+        (lambda m: m.update(world_size=0), r"manifest\['world_size'\] is 0"),
+        (lambda m: m["entries"]["c"].update(ranks=[3]), r"\['ranks'\]\[0\] is an int"),
+        (lambda m: m["entries"]["c"].update(ranks=["9-c.pt"]), "not in manifest"),
+        (lambda m: m.update(version=1), "one of 'file' and 'ranks'"),  # v1 had no ranks
+    ],
+)
+def test_a_manifest_with_bad_rank_parts_is_skipped_naming_the_field(tmp_path, change, why):
+    Checkpointer(tmp_path).save(1, {"c": PerRank(Counter(1))})
+    path = Checkpointer(tmp_path).save(2, {"c": PerRank(Counter(2))})
+    _reseal(path, change)
+    counter = Counter(0)
+    with pytest.warns(UserWarning, match=why):
+        assert Checkpointer(tmp_path).load_latest({"c": PerRank(counter)}).step == 1
+    assert counter.value == 1
+
+
+def test_the_timeout_must_be_positive(tmp_path):
+    for timeout in (0, -1, "5", True):
+        with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+            Checkpointer(tmp_path, timeout=timeout)
+    assert unbroken.errors.RankFailure.__mro__[1] is RuntimeError

@@ -1,0 +1,175 @@
+"""unbroken.Trainer under torchrun (gloo, CPU): a DDP job killed and restarted by torchrun, or
+preempted on one rank, ends with the weights and the log of a job never interrupted, bit for
+bit; continued on another number of ranks, it trains on every sample of each epoch exactly
+once; two torchrun agents (two "nodes" on 127.0.0.1) train it like one.
+
+The job is tests/ddp_job.py; each torchrun start costs a few seconds, so the runs are shared
+module fixtures and the worlds have 1 to 3 ranks."""
+
+import collections
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+JOB = HERE / "ddp_job.py"
+N, EPOCHS = 240, 2  # as in ddp_job.py: 30 global batches of 2 x 4 samples per epoch
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def torchrun(run, options=None, ranks=2, restarts=0, expect=0):
+    result = subprocess.run(
+        [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
+        + [str(JOB), str(run), json.dumps(options or {})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    output = result.stdout + result.stderr
+    assert (result.returncode == 0) == (expect == 0), output[-5000:]
+    return output
+
+
+def weights(run):
+    return torch.load(run / "final.pt", weights_only=True)
+
+
+def assert_same_run(run, reference):
+    ours, theirs = weights(run), weights(reference)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert (run / "metrics.csv").read_bytes() == (reference / "metrics.csv").read_bytes()
+
+
+def seen(*runs):
+    """epoch -> Counter of the sample ids trained on by every rank of ``runs`` (used on jobs
+    that were never killed: a preempted one stops right after its last checkpoint)."""
+    counts = collections.defaultdict(collections.Counter)
+    for run in runs:
+        for path in sorted(run.glob("seen.rank*.jsonl")):
+            for epoch, _tick, ids in map(json.loads, path.read_text().splitlines()):
+                counts[epoch].update(ids)
+    return counts
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ddp") / "reference"
+    output = torchrun(run)
+    assert "starting fresh on 2 ranks" in output
+    return run
+
+
+def test_an_uninterrupted_job_trains_on_each_sample_once_per_epoch(reference):
+    counts = seen(reference)
+    assert sorted(counts) == list(range(EPOCHS))
+    for epoch in range(EPOCHS):
+        assert counts[epoch] == collections.Counter(range(N)), epoch
+    # The two ranks' shares differ, and the epochs' orders differ.
+    lines = [
+        [json.loads(line) for line in (reference / f"seen.rank{r}.jsonl").read_text().splitlines()]
+        for r in range(2)
+    ]
+    assert lines[0][0][2] != lines[1][0][2] and lines[0][0][2] != lines[0][30][2]
+    files = {p.name for p in (reference / "checkpoints").iterdir()}
+    assert files == {"step-000000055", "step-000000060"}  # keep=2
+
+
+def test_ranks_killed_and_restarted_by_torchrun_end_bit_exact(reference, tmp_path):
+    # Rank 1 is SIGKILLed mid-epoch (tick 13), inside its 10th checkpoint file write (the save
+    # of step 15, rank 0's files maybe written), and in the next epoch (tick 37); torchrun
+    # restarts the group each time and the job resumes from the newest whole checkpoint.
+    run = tmp_path / "chaos"
+    options = {"kill": {"rank": 1, "at": [13, 37]}, "kill_in_save": {"rank": 1, "write": 10}}
+    output = torchrun(run, options, restarts=3)
+    assert output.count("exitcode: -9") == 3, output[-3000:]
+    assert "resumed from checkpoint" in output and "step-000000010" in output
+    assert_same_run(run, reference)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """A 2-rank job that got SIGTERM on rank 1 only, after global batch 18 of epoch 0."""
+    run = tmp_path_factory.mktemp("ddp") / "preempted"
+    output = torchrun(run, {"signal": {"rank": 1, "at": 18}}, expect=1)
+    return run, output
+
+
+def test_a_signal_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(preempted):
+    run, output = preempted
+    assert "exitcode: 75" in output, output[-3000:]
+    assert (
+        "a preemption signal reached another rank; checkpoint at epoch 0, train batch 18, "
+        "optimizer step 18 committed; exiting with 75" in output
+    )
+    newest = max((run / "checkpoints").glob("step-*"))
+    assert newest.name == "step-000000018"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert len(manifest["entries"]["rng"]["ranks"]) == 2
+
+
+def _continue(preempted, tmp_path, name, ranks):
+    run = tmp_path / name
+    shutil.copytree(preempted[0], run)
+    return run, torchrun(run, ranks=ranks)
+
+
+def test_the_preempted_job_resumed_on_as_many_ranks_ends_bit_exact(preempted, reference, tmp_path):
+    run, output = _continue(preempted, tmp_path, "resumed", 2)
+    assert "epoch 0, train batch 18, optimizer step 18) on 2 ranks" in output
+    assert_same_run(run, reference)
+
+
+@pytest.mark.parametrize("ranks", [3, 1])
+def test_a_job_continued_on_another_number_of_ranks_sees_each_sample_once(
+    preempted, tmp_path, ranks
+):
+    run, output = _continue(preempted, tmp_path, f"on{ranks}", ranks)
+    assert f"saved by 2 ranks, on {ranks} rank" in output, output[-3000:]
+    counts = seen(run)  # the copy holds the 2-rank job's records too
+    for epoch in range(EPOCHS):
+        assert counts[epoch] == collections.Counter(range(N)), epoch
+    logs = json.loads((run / "logs.json").read_text())
+    assert 0.0 <= logs["train/acc"] <= 1.0  # the metric's states were merged, not refused
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_agents_rendezvous_as_two_nodes_and_train_the_same_job(reference, tmp_path):
+    run, port = tmp_path / "nodes", _free_port()
+    command = [
+        TORCHRUN,
+        "--nnodes=2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=unbroken-test",
+        str(JOB),
+        str(run),
+        "{}",
+    ]
+    nodes = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+        )
+        for _ in range(2)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert_same_run(run, reference)
