@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unbroken-installed
 
-.PHONY: test demo demo-loader bench mutate clean
+.PHONY: test demo demo-loader demo-ddp bench mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 demo-loader: $(STAMP)
 	$(PY) demo/resume_demo.py
+
+# torchrun on 2 CPU processes (gloo): one rank SIGKILLed 3 times, then resumed on 1 and 3 ranks.
+demo-ddp: $(STAMP)
+	$(PY) demo/train_digits_ddp.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

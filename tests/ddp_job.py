@@ -8,7 +8,9 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   ticks, each once over all restarts (a marker file per kill), as a crashed node would.
 - ``kill_in_save``: {"rank": r, "write": n}: that rank SIGKILLs itself in its n-th file write
   of a checkpoint (counted over all restarts), so other ranks may have written theirs.
-- ``signal``: {"rank": r, "at": tick}: that rank sends itself SIGTERM after that tick, once.
+- ``signal``: {"rank": r, "at": tick}, or a list of them: that rank sends itself SIGTERM after
+  that tick, once. ``check_every``: the Trainer's ``preemption_check_every``.
+- ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
 
 Every rank appends the sample ids it trained on to ``RUN_DIR/seen.rank<r>.jsonl`` (one line per
 batch: epoch, tick, ids); rank 0 writes the final weights to ``RUN_DIR/final.pt``.
@@ -76,9 +78,10 @@ class Chaos:
         kill = OPTIONS.get("kill")
         if kill and kill["rank"] == RANK and tick in kill["at"] and once(f"kill-{tick}"):
             os.kill(os.getpid(), signal.SIGKILL)
-        sig = OPTIONS.get("signal")
-        if sig and sig["rank"] == RANK and tick == sig["at"] and once("signal"):
-            os.kill(os.getpid(), signal.SIGTERM)
+        signals = OPTIONS.get("signal", [])
+        for sig in signals if isinstance(signals, list) else [signals]:
+            if sig["rank"] == RANK and tick == sig["at"] and once(f"signal-{RANK}"):
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
@@ -104,7 +107,16 @@ net = torch.nn.Sequential(
     torch.nn.Dropout(0.2),
     torch.nn.Linear(32, CLASSES),
 )
-model = torch.nn.parallel.DistributedDataParallel(net)
+if OPTIONS.get("fsdp"):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in (net[0], net[3]):
+        fully_shard(layer, mesh=mesh)
+    model = fully_shard(net, mesh=mesh)
+else:
+    model = torch.nn.parallel.DistributedDataParallel(net)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 loader = unbroken.DataLoader(Samples(), batch_size=4, shuffle=True, seed=7)
 accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)
@@ -116,6 +128,7 @@ trainer = unbroken.Trainer(
     progress_bar=False,
     tensorboard=False,
     callbacks=[Chaos()],
+    preemption_check_every=OPTIONS.get("check_every", 1),
 )
 
 
@@ -130,7 +143,13 @@ def training_step(model, batch):
 logs = trainer.fit(
     model, optimizer, loader, training_step=training_step, train_metrics={"acc": accuracy}
 )
+if OPTIONS.get("fsdp"):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
+else:
+    weights = net.state_dict()
 if RANK == 0:
-    torch.save(net.state_dict(), RUN / "final.pt")
+    torch.save(weights, RUN / "final.pt")
     (RUN / "logs.json").write_text(json.dumps(logs))
 dist.destroy_process_group()

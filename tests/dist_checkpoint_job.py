@@ -113,7 +113,52 @@ report(
     "not_shared", error=outcome(lambda: str(unbroken.Checkpointer(OUT / f"local{RANK}").directory))
 )
 
-# 7. A rank that does not come: a RankFailure after the timeout, not a hang.
+# 7. An FSDP2 model and its optimizer, sharded over the ranks, saved through DCP (Sharded);
+# reloaded here after a change, and in one process by the test (2 -> 1 resharding).
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+
+def fsdp():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, torch.optim.AdamW(net.parameters(), lr=0.01)
+
+
+net, adam = fsdp()
+for _ in range(3):
+    net(torch.randn(4, 6, generator=torch.Generator().manual_seed(RANK))).square().sum().backward()
+    adam.step()
+    adam.zero_grad()
+full = StateDictOptions(full_state_dict=True)
+model_full = get_model_state_dict(net, options=full)
+optim_full = get_optimizer_state_dict(net, adam, options=full)
+dcp_dir = OUT / "fsdp"
+sharded = unbroken.Checkpointer(dcp_dir)
+sharded.save(3, {"net": unbroken.Sharded(net, adam), "note": "fsdp"})
+if RANK == 0:
+    torch.save({"model": model_full, "optim": optim_full}, OUT / "fsdp_full.pt")
+fresh, fresh_adam = fsdp()  # other weights until loaded: the same seed, but no steps taken
+restored = sharded.load_latest({"net": unbroken.Sharded(fresh, fresh_adam)})
+again = get_model_state_dict(fresh, options=full)
+report(
+    "fsdp",
+    step=restored.step,
+    equal=all(torch.equal(again[k], model_full[k]) for k in model_full),
+    local=[type(p).__name__ for p in fresh.parameters()][:1],
+    shards=json.loads((dcp_dir / "step-000000003" / "manifest.json").read_text())["entries"]["net"],
+)
+
+# 8. A rank that does not come: a RankFailure after the timeout, not a hang.
 late = unbroken.Checkpointer(OUT / "late", timeout=3)
 if RANK == 0:
     report("timeout", error=outcome(lambda: late.load_latest({"model": state(0)["model"]})))

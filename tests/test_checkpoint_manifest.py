@@ -136,7 +136,7 @@ EDITS = {
     ),
     "an entry lacks its file": (
         lambda m: m["entries"]["model"].pop("file"),
-        r"manifest\['entries'\]\['model'\] must have one of 'file' and 'ranks'",
+        r"manifest\['entries'\]\['model'\] must have one of 'file', 'ranks' and 'dcp'",
     ),
     "a file is not listed": (
         lambda m: m["files"].pop(_model_file(m)),

@@ -98,6 +98,18 @@ def test_ranks_killed_and_restarted_by_torchrun_end_bit_exact(reference, tmp_pat
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_an_fsdp2_job_killed_and_restarted_ends_bit_exact(tmp_path):
+    # The model is sharded with fully_shard: model and optimizer are saved through DCP, every
+    # rank its shards; rank 1 dies mid-epoch, in a checkpoint write and in the next epoch.
+    reference, run = tmp_path / "fsdp", tmp_path / "fsdp-chaos"
+    torchrun(reference, {"fsdp": True})
+    chaos = {"kill": {"rank": 1, "at": [13, 37]}, "kill_in_save": {"rank": 1, "write": 10}}
+    output = torchrun(run, {"fsdp": True, **chaos}, restarts=3)
+    assert output.count("exitcode: -9") == 3, output[-3000:]
+    assert_same_run(run, reference)
+    assert (max((run / "checkpoints").glob("step-*")) / "001-model.dcp" / ".metadata").exists()
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     """A 2-rank job that got SIGTERM on rank 1 only, after global batch 18 of epoch 0."""
@@ -118,6 +130,21 @@ def test_a_signal_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(pre
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert len(manifest["entries"]["rng"]["ranks"]) == 2
+
+
+def test_signals_reaching_the_ranks_at_different_moments_are_agreed_on_at_a_check(tmp_path):
+    # Rank 1 is signalled after batch 17, rank 0 after 19; the ranks compare notes every 5
+    # batches, so both save batch 20 (not 17 or 19) and exit 75.
+    run = tmp_path / "signals"
+    signals = [{"rank": 1, "at": 17}, {"rank": 0, "at": 19}]
+    output = torchrun(run, {"signal": signals, "check_every": 5}, expect=1)
+    assert "SIGTERM received; checkpoint at epoch 0, train batch 20" in output, output[-3000:]
+    assert max((run / "checkpoints").glob("step-*")).name == "step-000000020"
+    ticks = [
+        [json.loads(line)[1] for line in (run / f"seen.rank{r}.jsonl").read_text().splitlines()]
+        for r in range(2)
+    ]
+    assert ticks == [list(range(1, 21))] * 2  # nobody trained past the agreed batch
 
 
 def _continue(preempted, tmp_path, name, ranks):
@@ -173,3 +200,22 @@ def test_two_torchrun_agents_rendezvous_as_two_nodes_and_train_the_same_job(refe
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert_same_run(run, reference)
+
+
+def test_the_readme_job_runs_under_torchrun_as_written(tmp_path):
+    readme = (HERE.parent / "README.md").read_text()
+    heading = "### A training job on several ranks"
+    block = readme[readme.index(heading) :].split("```python\n", 1)[1].split("\n```", 1)[0]
+    (tmp_path / "train.py").write_text(block)
+    result = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", "--max-restarts=1", "train.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "starting fresh on 2 ranks" in result.stderr
+    newest = max((tmp_path / "runs" / "ddp" / "checkpoints").glob("step-*"))
+    assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2

@@ -10,7 +10,7 @@ offers; the modules inside are internal and may move:
   ``sample_seed`` (the current sample's own randomness).
 - ``unbroken.checkpoint``: ``Checkpointer`` (atomic, verified checkpoints; ``load_latest``
   returns a ``Restored``; collective under ``torch.distributed``, ``PerRank`` entries saved
-  by every rank).
+  by every rank, ``Sharded`` ones (FSDP2) through ``torch.distributed.checkpoint``).
 - ``unbroken.train``: ``Trainer`` (a loop that resumes bit for bit), ``Preemption`` (signals
   as a flag), ``GlobalRNG`` (the process's RNGs as a checkpoint entry).
 - ``unbroken.distributed``: data parallelism (``DataLoader(rank=, world_size=)``, or torchrun).
@@ -19,7 +19,7 @@ offers; the modules inside are internal and may move:
 - ``unbroken.testing``: ``assert_resumes_exactly`` for checking a pipeline.
 """
 
-from .checkpoint import Checkpointer, PerRank, Restored
+from .checkpoint import Checkpointer, PerRank, Restored, Sharded
 from .data import (
     CombinedLoader,
     DataLoader,
@@ -47,6 +47,7 @@ __all__ = [
     "Preemption",
     "Restored",
     "Resumable",
+    "Sharded",
     "ShuffleBuffer",
     "StateMismatch",
     "Trainer",

@@ -2,7 +2,8 @@
 
 - ``manager``: ``Checkpointer`` (save, retention, ``load_latest``), one process or every rank
   of a ``torch.distributed`` job together (``group``: how the ranks agree; ``per_rank``:
-  ``PerRank`` entries).
+  ``PerRank`` entries; ``sharded``: ``Sharded`` entries, FSDP2 models and optimizers through
+  DCP).
 - ``manifest``: the sealed manifest that makes a checkpoint directory verifiable.
 - ``storage``: the filesystem operations a checkpoint needs, as the protocol ``Storage``
   (hashed, fsynced writes, renames, listing, free space), and ``LocalStorage``; ``space``: how
@@ -15,5 +16,6 @@ from .manager import Checkpointer
 from .manifest import MANIFEST
 from .per_rank import PerRank
 from .restore import Restored
+from .sharded import Sharded
 
-__all__ = ["MANIFEST", "Checkpointer", "PerRank", "Restored"]
+__all__ = ["MANIFEST", "Checkpointer", "PerRank", "Restored", "Sharded"]

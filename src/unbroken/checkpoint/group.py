@@ -92,8 +92,8 @@ class Ranks:
 
     def _lost(self, phase: str, error: BaseException) -> RankFailure:
         return RankFailure(
-            f"unbroken.Checkpointer on rank {self.rank} of {self.world_size}: {phase} did not "
-            f"complete within the timeout of {self.timeout:g} s: another rank died, hangs, or "
+            f"unbroken.Checkpointer on rank {self.rank} of {self.world_size}: {phase} failed: "
+            f"another rank died, did not answer within the timeout of {self.timeout:g} s, or "
             "did not call the same Checkpointer method at the same step (every rank must call "
             f"save and load_latest together). {type(error).__name__}: {error}"
         )

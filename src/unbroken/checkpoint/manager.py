@@ -53,7 +53,7 @@ import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -66,24 +66,39 @@ from .manifest import (
     FORMAT,
     MANIFEST,
     VERSION,
+    EntrySpec,
     Manifest,
     ParamShapes,
     check_entry,
+    dcp_folder,
     file_name,
     load_file,
     read_manifest,
     seal,
+    verify_file,
 )
 from .per_rank import SKIP, PerRank, resized, unwrap
 from .restore import Restored, restore
+from .sharded import Sharded, save_state, written_by
 from .space import FULL, disk_full
-from .storage import Digest, LocalStorage, Storage, join
+from .storage import Digest, LocalStorage, Storage, join, sha256
 from .weights_only import checked_copy
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
 
 T = TypeVar("T")
-Written = dict[str, tuple[str, Digest, bool]]  # one rank's files: name -> (file, digest, per rank)
+
+
+class Part(NamedTuple):
+    """What one rank wrote of one entry: ``kind`` "file" (rank 0's replicated entry), "ranks"
+    (its part of a ``PerRank`` one) or "dcp" (its shards of a ``Sharded`` one, under ``folder``)."""
+
+    kind: str
+    files: list[tuple[str, Digest]]
+    folder: str = ""
+
+
+Written = dict[str, Part]  # one rank's files, by entry name
 
 
 class Checkpointer:
@@ -187,12 +202,16 @@ class Checkpointer:
         self, state: dict[str, Any], blocking: bool
     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, ParamShapes]]:
         """This rank's copies of what it writes: the replicated entries (rank 0's), its own
-        parts of the ``PerRank`` ones, and the parameter shapes of each optimizer."""
+        parts of the ``PerRank`` and ``Sharded`` ones (``Sharded``: DCP's state, local shards
+        cloned for a background write), and the parameter shapes of each optimizer."""
         self._check_directory()
         replicated: dict[str, Any] = {}
         own: dict[str, Any] = {}
         shapes: dict[str, ParamShapes] = {}
         for name, entry in state.items():
+            if isinstance(entry, Sharded):
+                own[name] = _Shards(entry.state_dict(), clone=not blocking)
+                continue
             per_rank = isinstance(entry, PerRank)
             if not per_rank and not self._ranks.first_rank:
                 continue  # rank 0 writes it
@@ -261,9 +280,18 @@ class Checkpointer:
                 continue
             assert not isinstance(read, BaseException)
             manifest, saved, skipped = read
-            objects = {name: unwrap(obj) for name, obj in state.items() if name not in skipped}
+            # DCP's entries last, and only once all the others are in: it loads collectively.
+            sharded = {n: o for n, o in state.items() if isinstance(o, Sharded) and n in saved}
+            objects = {
+                name: unwrap(obj)
+                for name, obj in state.items()
+                if name not in skipped and name not in sharded
+            }
             restored = _attempt(restore, objects, saved, manifest["entries"], path)
             ranks.settle(restored, f"restoring checkpoint {path}")
+            for name, obj in sharded.items():
+                loaded = _attempt(obj.load, saved[name], ranks.group)
+                ranks.settle(loaded, f"loading state[{name!r}] of checkpoint {path} with DCP")
             return Restored(
                 step=step,
                 path=path,
@@ -288,7 +316,28 @@ class Checkpointer:
         saved: dict[str, Any] = {}
         skipped: list[str] = []
         for name, entry in manifest["entries"].items():
-            if "file" in entry:
+            if isinstance(state.get(name), Sharded) != ("dcp" in entry) and name in state:
+                raise StateMismatch(
+                    f"checkpoint {where}",
+                    f"entries[{name!r}]",
+                    "a DCP directory" if "dcp" in entry else "a file",
+                    type(state[name]).__name__,
+                    message=(
+                        f"checkpoint {where}: state[{name!r}] was saved "
+                        + (
+                            "through DCP by a Sharded(model, optimizers): load it with one"
+                            if "dcp" in entry
+                            else "as one object, not by a Sharded: load it as it was saved"
+                        )
+                    ),
+                )
+            if "dcp" in entry:
+                if name in state:  # each rank checks its share of the files; DCP reads them
+                    for i, file in enumerate(entry["shards"]):
+                        if i % ranks.world_size == ranks.rank:
+                            verify_file(storage, where, manifest, file)
+                    saved[name] = join(where, entry["dcp"])
+            elif "file" in entry:
                 saved[name] = load_file(storage, where, manifest, entry["file"])
                 check_entry(name, entry, saved[name])
             elif saved_world == ranks.world_size:
@@ -391,19 +440,32 @@ class Checkpointer:
         self, tmp: str, replicated: dict[str, Any], own: dict[str, Any], order: dict[str, int]
     ) -> Written:
         """This rank's files, written and fsynced in ``tmp``, numbered by their ``order`` in the
-        state (so a ``PerRank`` entry has the same number on every rank)."""
+        state (so a ``PerRank`` entry has the same number on every rank). ``Sharded`` entries
+        first: DCP's collectives must not wait for a rank that failed on another file."""
         written: Written = {}
-        rank = self._ranks.rank
-        for name, value in sorted({**replicated, **own}.items(), key=lambda item: order[item[0]]):
-            index, per_rank = order[name], name in own
+        rank, storage, group = self._ranks.rank, self._storage, self._ranks.group
+        by_order = sorted({**replicated, **own}.items(), key=lambda item: order[item[0]])
+        for name, value in sorted(by_order, key=lambda item: not isinstance(item[1], _Shards)):
+            index = order[name]
+            if isinstance(value, _Shards):
+                folder = dcp_folder(index, name)
+                save_state(value.state, join(tmp, folder), group)
+                names = [entry.name for entry in storage.list_directory(join(tmp, folder))]
+                files = [
+                    (f"{folder}/{file}", _digest(storage, join(join(tmp, folder), file)))
+                    for file in written_by(names, rank)
+                ]
+                written[name] = Part("dcp", files, folder)
+                continue
+            per_rank = name in own
             file = file_name(index, name, rank if per_rank else None)
             try:
-                digest = self._storage.write(join(tmp, file), partial(torch.save, value))
-                written[name] = file, digest, per_rank
+                digest = storage.write(join(tmp, file), partial(torch.save, value))
             except Exception as error:
                 if not isinstance(error, OSError) and hasattr(error, "add_note"):
                     error.add_note(f"raised by torch.save of state[{name!r}]")
                 raise
+            written[name] = Part("ranks" if per_rank else "file", [(file, digest)])
         return written
 
     def _seal(
@@ -417,18 +479,24 @@ class Checkpointer:
         """Rank 0, once every rank's files are durable: the manifest, the rename that commits
         the checkpoint, and the removal of what no longer is kept."""
         storage, root, target = self._storage, self._root, join(self._root, final.name)
-        entries: dict[str, str | list[str]] = {}
+        entries: dict[str, EntrySpec] = {}
         files: dict[str, Digest] = {}
+        folders = []
         for mine in written:  # in rank order: rank 0's names first, in its state's order
-            for name, (file, digest, per_rank) in mine.items():
-                files[file] = digest
-                if per_rank:
-                    parts = entries.setdefault(name, [])
-                    assert isinstance(parts, list)
-                    parts.append(file)
+            for name, part in mine.items():
+                files.update(part.files)
+                listed = [file for file, _ in part.files]
+                if part.kind == "file":
+                    entries[name] = EntrySpec(file=listed[0])
+                elif part.kind == "ranks":
+                    entries.setdefault(name, EntrySpec(ranks=[]))["ranks"] += listed
                 else:
-                    entries[name] = file
+                    spec = entries.setdefault(name, EntrySpec(dcp=part.folder, shards=[]))
+                    spec["shards"] = sorted(spec["shards"] + listed)
+                    folders.append(join(tmp, part.folder))
         data = seal(step, entries, files, shapes, len(written))
+        for folder in dict.fromkeys(folders):  # DCP fsyncs its files, not their directory
+            storage.sync_directory(folder)
         storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
         storage.sync_directory(tmp)
         old = None
@@ -455,6 +523,28 @@ class Checkpointer:
 
     def _committed(self) -> list[tuple[int, str]]:
         return layout.committed(self._storage, self._root)
+
+
+class _Shards:
+    """A ``Sharded`` entry's DCP state to write; cloned (its local shards, where they are) for a
+    background write, as training goes on changing the tensors."""
+
+    def __init__(self, state: Any, clone: bool) -> None:
+        self.state = _cloned(state) if clone else state
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()  # a DTensor clones its local shard: no communication
+    if isinstance(value, dict):
+        return {key: _cloned(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cloned(item) for item in value)
+    return value
+
+
+def _digest(storage: Storage, path: str) -> Digest:
+    return Digest(sha256(storage, path), storage.size(path))
 
 
 def _attempt(function: Callable[..., T], *args: Any) -> T | BaseException:

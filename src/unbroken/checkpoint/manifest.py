@@ -10,8 +10,10 @@
      "files": {"000-model.pt": {"sha256": "<64 hex digits>", "size": 1234}, ...},
      "sha256": "<of the canonical JSON of all the other fields>"}
 
-An entry is one ``file`` (written once, by rank 0) or, for a ``PerRank`` entry, one file per
-rank of the ``world_size`` ranks that saved it (``ranks``). Version 1 (before ranks: no
+An entry is one ``file`` (written once, by rank 0), for a ``PerRank`` entry one file per rank
+of the ``world_size`` ranks that saved it (``ranks``), or for a ``Sharded`` entry a DCP
+directory (``dcp``: ``"003-model.dcp"``) and its files (``shards``: every rank's
+``__<rank>_0.distcp`` and the ``.metadata``). Version 1 (before ranks: no
 ``world_size``, only ``file`` entries) is read as a checkpoint of one rank.
 
 The seal catches what changed by accident (a flipped digit, a truncated copy). A manifest edited
@@ -44,6 +46,7 @@ MANIFEST = "manifest.json"
 SEAL = "sha256"  # the manifest's own hash: the one key on disk that ``Manifest`` does not list
 # What the writer names files: never "..", a "/" or a NUL, whatever a manifest says.
 _FILE = re.compile(r"\d{3,}-[A-Za-z0-9_.-]{0,80}\.pt")
+_SHARD = re.compile(r"(\d{3,}-[A-Za-z0-9_.-]{0,60}\.dcp)/(\.metadata|__\d+_\d+\.distcp)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 ParamShapes = list[list[list[int]]]  # [parameter group][parameter] -> shape
@@ -55,12 +58,15 @@ class FileSpec(TypedDict):
 
 
 class EntrySpec(TypedDict, total=False):
-    """Exactly one of ``file`` and ``ranks``."""
+    """Exactly one of ``file``, ``ranks`` and ``dcp``."""
 
     file: str
     """The entry's one file, written by rank 0."""
     ranks: list[str]
     """A ``PerRank`` entry's files, one per rank, in rank order."""
+    dcp: str
+    """A ``Sharded`` entry's DCP directory; ``shards`` lists its files (every rank's)."""
+    shards: list[str]
     param_shapes: ParamShapes
     """An optimizer's: lets ``load_latest`` name a parameter whose shape changed."""
 
@@ -83,20 +89,21 @@ def file_name(index: int, name: str, rank: int | None = None) -> str:
     return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}{part}.pt"
 
 
+def dcp_folder(index: int, name: str) -> str:
+    """The directory of a ``Sharded`` entry's DCP files."""
+    return f"{index:03d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}.dcp"
+
+
 def seal(
     step: int,
-    entries: dict[str, str | list[str]],
+    specs: dict[str, EntrySpec],
     files: dict[str, Digest],
     param_shapes: dict[str, ParamShapes],
     world_size: int,
 ) -> bytes:
-    """The manifest of checkpoint ``step`` saved by ``world_size`` ranks, whose ``entries``
-    (name -> file, or a ``PerRank`` entry's files in rank order) were written as ``files``
-    (file -> digest); ``param_shapes`` has an item for each optimizer."""
-    specs = {
-        name: EntrySpec(file=file) if isinstance(file, str) else EntrySpec(ranks=file)
-        for name, file in entries.items()
-    }
+    """The manifest of checkpoint ``step`` saved by ``world_size`` ranks, whose entries
+    (``specs``, without their ``param_shapes``) were written as ``files`` (file -> digest);
+    ``param_shapes`` has an item for each optimizer."""
     for name, shapes in param_shapes.items():
         specs[name]["param_shapes"] = shapes
     manifest = Manifest(
@@ -134,13 +141,18 @@ def read_manifest(storage: Storage, path: str, step: int) -> Manifest:
     return manifest
 
 
-def load_file(storage: Storage, path: str, manifest: Manifest, file: str) -> Any:
-    """``file`` of checkpoint ``path`` checked against its sha256, then loaded."""
+def verify_file(storage: Storage, path: str, manifest: Manifest, file: str) -> None:
+    """``CorruptCheckpoint`` unless ``file`` of checkpoint ``path`` matches its sha256."""
     try:
         if sha256(storage, join(path, file)) != manifest["files"][file]["sha256"]:
             raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
     except OSError as error:
         raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
+
+
+def load_file(storage: Storage, path: str, manifest: Manifest, file: str) -> Any:
+    """``file`` of checkpoint ``path`` checked against its sha256, then loaded."""
+    verify_file(storage, path, manifest, file)
     try:
         with storage.open_read(join(path, file)) as opened:
             return torch.load(opened, map_location="cpu", weights_only=True)
@@ -160,6 +172,8 @@ def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, An
     manifest = read_manifest(storage, path, step)
     saved = {}
     for name, entry in manifest["entries"].items():
+        if "dcp" in entry:
+            continue  # read by DCP, through a Sharded
         file = entry["file"] if "file" in entry else entry["ranks"][0]
         saved[name] = load_file(storage, path, manifest, file)
         check_entry(name, entry, saved[name])
@@ -213,7 +227,7 @@ def validate(data: bytes, step: int, path: str) -> Manifest:
         raise _malformed(f"manifest['world_size'] is {manifest['world_size']}, expected >= 1")
     files = _get(manifest, "files", dict, "a dict")
     for file in files:
-        if not _FILE.fullmatch(file):
+        if not _FILE.fullmatch(file) and not _SHARD.fullmatch(file):
             raise _malformed(
                 f"manifest['files'] has an invalid file name {file!r}, expected "
                 "one like '000-model.pt'"
@@ -229,10 +243,24 @@ def validate(data: bytes, step: int, path: str) -> Manifest:
     for name in entries:
         entry = _get(entries, name, dict, "a dict", "manifest['entries']")
         where = f"manifest['entries'][{name!r}]"
-        if ("file" in entry) == ("ranks" in entry) or (version == 1 and "ranks" in entry):
-            raise _malformed(f"{where} must have one of 'file' and 'ranks'")
+        kinds = [kind for kind in ("file", "ranks", "dcp") if kind in entry]
+        if len(kinds) != 1 or (version == 1 and kinds != ["file"]):
+            raise _malformed(f"{where} must have one of 'file', 'ranks' and 'dcp'")
         if "file" in entry:
             listed = [(f"{where}['file']", _get(entry, "file", str, "a str", where))]
+        elif "dcp" in entry:
+            folder = _get(entry, "dcp", str, "a str", where)
+            shards = _get(entry, "shards", list, "a list of files", where)
+            listed = [
+                (f"{where}['shards'][{i}]", _get(shards, i, str, "a str", f"{where}['shards']"))
+                for i in range(len(shards))
+            ]
+            for field, file in listed:
+                match = _SHARD.fullmatch(file)
+                if match is None or match.group(1) != folder:
+                    raise _malformed(f"{field} is {file!r}, which is not a file of {folder!r}")
+            if f"{folder}/.metadata" not in shards:
+                raise _malformed(f"{where}['shards'] lacks {folder}/.metadata")
         else:
             ranks = _get(entry, "ranks", list, "a list of files, one per rank", where)
             if len(ranks) != manifest["world_size"]:

@@ -6,6 +6,10 @@ process RNGs (``GlobalRNG``), gradients of an unfinished accumulation window (``
 torchmetrics states (``MetricState``). The names are the checkpoint's format: a renamed entry is
 a checkpoint that no longer resumes. Costs: a clone of every gradient and metric state at a save.
 
+A model sharded by FSDP2 (``fully_shard``) is saved with its optimizer as one ``Sharded``
+entry, through DCP, every rank its shards (``model``; no ``optimizer`` entry), and its
+gradients per rank.
+
 In a data-parallel job (DDP: the model, its gradients after each backward, the optimizer and
 the rest are the same on every rank) rank 0 writes those once; what differs between ranks is
 ``PerRank``: the process RNGs, the metric states (each rank's own batches), the loop counters
@@ -21,6 +25,7 @@ is due.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any, TypedDict
@@ -28,7 +33,7 @@ from typing import Any, TypedDict
 import torch
 
 from .._state import has_state
-from ..checkpoint import Checkpointer, PerRank, Restored
+from ..checkpoint import Checkpointer, PerRank, Restored, Sharded
 from ..checkpoint.per_rank import unwrap
 from ..data.shuffle import derive_key
 from ..errors import CorruptState, StateMismatch
@@ -70,6 +75,12 @@ def checkpoint_entries(
         TRAIN_LOADER: PerRank(train_loader, resize="rank0"),
         RNG: PerRank(GlobalRNG(), resize="skip"),
     }
+    if is_sharded(
+        model
+    ):  # FSDP2: every rank holds its shards; DCP writes them, with the optimizer's
+        entries[MODEL] = Sharded(model, optimizer)
+        entries[GRADIENTS] = PerRank(Gradients(model), resize=Gradients.refuse_unfinished)
+        del entries[OPTIMIZER]
     if log is not None:
         entries[LOG] = log
     optional = {VAL_LOADER: val_loader, SCHEDULER: scheduler, SCALER: scaler}
@@ -86,22 +97,64 @@ def checkpoint_entries(
     return entries
 
 
+def _dtensor() -> Any:
+    """``DTensor``, if anything imported it (else no tensor is one); importing it costs ~3 s."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model's parameters are split over ranks (FSDP2's ``DTensor``)."""
+    dtensor = _dtensor()
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+
+
 class Gradients:
-    """The ``.grad`` of every parameter: non-empty only inside an accumulation window."""
+    """The ``.grad`` of every parameter: non-empty only inside an accumulation window. Of a
+    sharded (FSDP2) parameter, this rank's shard."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         return {
-            name: (None if p.grad is None else p.grad.detach().clone())
+            name: (None if p.grad is None else _local(p.grad).detach().clone())
             for name, p in self.model.named_parameters()
         }
 
     def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
         for name, p in self.model.named_parameters():
             grad = state.get(name)
-            p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+            dtensor = _dtensor()
+            if grad is not None and dtensor is not None and isinstance(p, dtensor):
+                local = grad.to(device=p.to_local().device, dtype=p.dtype)
+                p.grad = dtensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+            else:
+                p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
+
+    @staticmethod
+    def refuse_unfinished(parts: list[Any], rank: int, world_size: int) -> None:
+        """``PerRank`` resize of sharded gradients: none between optimizer steps, and the
+        shards of an unfinished accumulation window cannot be split over other ranks."""
+        if any(grad is not None for part in parts for grad in part.values()):
+            raise StateMismatch(
+                "unbroken.Trainer",
+                "world_size",
+                len(parts),
+                world_size,
+                holder="Trainer",
+                message=(
+                    f"the checkpoint was taken inside a gradient-accumulation window of a "
+                    f"sharded model on {len(parts)} ranks; its gradient shards cannot be split "
+                    f"over {world_size}. Resume on {len(parts)} ranks, or from a checkpoint "
+                    "taken at an optimizer step (checkpoint_every_steps)"
+                ),
+            )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    dtensor = _dtensor()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
 
 
 class MetricStateDict(TypedDict):
