@@ -13,7 +13,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
 
 Every rank appends the sample ids it trained on to ``RUN_DIR/seen.rank<r>.jsonl`` (one line per
-batch: epoch, tick, ids); rank 0 writes the final weights to ``RUN_DIR/final.pt``.
+batch: epoch, tick, ids, loss) and each epoch's logged mean loss to ``epochs.rank<r>.jsonl``;
+rank 0 writes the final weights to ``RUN_DIR/final.pt``.
 """
 
 import faulthandler
@@ -66,14 +67,20 @@ def once(name):
 
 
 class Chaos:
-    """Records what this rank trained on, and kills or signals it where the options say."""
+    """Records what this rank trained on (and its loss), and each epoch's logged mean loss;
+    kills or signals it where the options say."""
+
+    def on_epoch_end(self, trainer, logs):
+        with open(RUN / f"epochs.rank{RANK}.jsonl", "a") as out:
+            out.write(json.dumps([trainer.progress.epoch, logs["train/epoch_loss"]]) + "\n")
 
     def __init__(self):
         self.seen = open(RUN / f"seen.rank{RANK}.jsonl", "a")
 
     def on_train_batch_end(self, trainer, logs):
         tick = trainer.progress.ticks
-        self.seen.write(json.dumps([trainer.progress.epoch, tick, trainer.last_ids]) + "\n")
+        line = [trainer.progress.epoch, tick, trainer.last_ids, logs["train/loss"]]
+        self.seen.write(json.dumps(line) + "\n")
         self.seen.flush()
         kill = OPTIONS.get("kill")
         if kill and kill["rank"] == RANK and tick in kill["at"] and once(f"kill-{tick}"):

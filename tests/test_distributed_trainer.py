@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +58,7 @@ def seen(*runs):
     counts = collections.defaultdict(collections.Counter)
     for run in runs:
         for path in sorted(run.glob("seen.rank*.jsonl")):
-            for epoch, _tick, ids in map(json.loads, path.read_text().splitlines()):
+            for epoch, _tick, ids, _loss in map(json.loads, path.read_text().splitlines()):
                 counts[epoch].update(ids)
     return counts
 
@@ -81,6 +82,20 @@ def test_an_uninterrupted_job_trains_on_each_sample_once_per_epoch(reference):
         for r in range(2)
     ]
     assert lines[0][0][2] != lines[1][0][2] and lines[0][0][2] != lines[0][30][2]
+    # One writer: rank 0 logs each batch's loss once (60 batches), and each epoch's values.
+    rows = (reference / "metrics.csv").read_text().splitlines()
+    assert sum(",train,loss," in row for row in rows) == 30 * EPOCHS
+    assert sum(",train,epoch_loss," in row for row in rows) == EPOCHS
+    # The logged epoch loss is the mean over the ranks of each rank's mean, on every rank.
+    for epoch in range(EPOCHS):
+        means = [
+            statistics.fmean(line[3] for line in lines[r] if line[0] == epoch) for r in range(2)
+        ]
+        logged = [
+            dict(map(json.loads, (reference / f"epochs.rank{r}.jsonl").read_text().splitlines()))
+            for r in range(2)
+        ]
+        assert logged[0][epoch] == logged[1][epoch] == pytest.approx(sum(means) / 2, rel=1e-6)
     files = {p.name for p in (reference / "checkpoints").iterdir()}
     assert files == {"step-000000055", "step-000000060"}  # keep=2
 
@@ -219,3 +234,22 @@ def test_the_readme_job_runs_under_torchrun_as_written(tmp_path):
     assert "starting fresh on 2 ranks" in result.stderr
     newest = max((tmp_path / "runs" / "ddp" / "checkpoints").glob("step-*"))
     assert json.loads((newest / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_metric_states_of_several_ranks_merge_onto_rank_0_on_another_world_size():
+    import torchmetrics
+
+    from unbroken.train.checkpointing import MetricState
+
+    ranks = [torchmetrics.Accuracy(task="multiclass", num_classes=3) for _ in range(2)]
+    preds, target = torch.tensor([0, 1, 2, 2, 1, 0]), torch.tensor([0, 1, 1, 2, 0, 0])
+    ranks[0].update(preds[:4], target[:4])  # 3 of 4 right
+    ranks[1].update(preds[4:], target[4:])  # 1 of 2 right
+    parts = [MetricState(metric).state_dict() for metric in ranks]
+    merged = [torchmetrics.Accuracy(task="multiclass", num_classes=3) for _ in range(2)]
+    merged[1].update(preds, target)  # a rank's metric that must start empty
+    for rank, metric in enumerate(merged):
+        assert MetricState(metric).merged(parts, rank, 2) is None  # it loaded the state itself
+    assert merged[0].compute().item() == pytest.approx(4 / 6)
+    assert merged[0].update_count == 2 and merged[1].update_count == 0
+    assert merged[1].tp.sum().item() == 0  # reset
