@@ -38,6 +38,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/checkpoint_blocking.py
 	$(PY) benchmarks/trainer_overhead.py
 	$(PY) benchmarks/stream_overhead.py
+	$(PY) benchmarks/ddp_loader.py
+	$(PY) benchmarks/ddp_checkpoint.py
 
 # Mutation testing of the core modules with mutmut (slow: see TESTING.md). Configured in
 # pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken._shuffle*"` runs one module,

@@ -1,0 +1,152 @@
+"""Checkpoints of a 2-rank job (torchrun, gloo, CPU): how long a save blocks the loop, how long
+until it is committed, and how long a load takes, for a DDP model (rank 0 writes the replicated
+model and optimizer once) against an FSDP2 model through DCP (``unbroken.Sharded``: every rank
+writes its shards), blocking and in the background.
+
+State: ``--layers`` ``Linear(1024, 1024)`` layers (default 8: 8.4 M float32 parameters, 34 MB)
+and AdamW after one step (68 MB more): about 101 MB per checkpoint, every file fsynced.
+
+Per round (medians over ``--reps``, variants in an order that alternates between rounds):
+
+- ``save(blocking=True)``: time until it returns on rank 0, i.e. until the checkpoint of the
+  whole job is committed.
+- ``save(blocking=False)``: time until it returns (the loop is blocked only this long: the copy
+  of the state), and until ``wait()`` returns (committed).
+- ``load_latest``: time until every rank restored it.
+
+    .venv/bin/python benchmarks/ddp_checkpoint.py             # ~1 minute on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, environment, load_line, table
+
+import unbroken
+import unbroken.distributed
+
+WIDTH = 1024
+
+
+def build(layers: int, fsdp: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in net:
+            fully_shard(layer, mesh=mesh)
+        model: torch.nn.Module = fully_shard(net, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, WIDTH)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    entry = unbroken.Sharded(model, optimizer) if fsdp else None
+    return model, optimizer, entry
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    unbroken.distributed.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict[str, list[float]] = {}
+    variants = [("DDP (rank 0 writes)", False), ("FSDP2 through DCP (Sharded)", True)]
+    built = {fsdp: build(args.layers, fsdp) for _, fsdp in variants}
+    for round_ in range(args.reps):
+        order = variants if round_ % 2 == 0 else variants[::-1]
+        for name, fsdp in order:
+            model, optimizer, entry = built[fsdp]
+            state = {"model": entry} if fsdp else {"model": model, "optimizer": optimizer}
+            root = Path(args.out) / f"r{round_}-{int(fsdp)}"
+            checkpointer = unbroken.Checkpointer(root)
+            dist.barrier()
+            start = time.perf_counter()
+            checkpointer.save(1, state)
+            results.setdefault(f"{name}|sync", []).append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            checkpointer.save(2, state, blocking=False)
+            returned = time.perf_counter() - start
+            checkpointer.wait()
+            results.setdefault(f"{name}|async returns", []).append(returned)
+            results.setdefault(f"{name}|async committed", []).append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            checkpointer.load_latest(state)
+            dist.barrier()
+            results.setdefault(f"{name}|load", []).append(time.perf_counter() - start)
+            if rank == 0:
+                shutil.rmtree(root)
+    if rank == 0:
+        Path(args.out, "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = tempfile.mkdtemp(prefix="ddp-ckpt-", dir=REPO)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--standalone", "--nproc-per-node=2", __file__, "--worker"]
+    command += ["--out", out, "--layers", str(args.layers), "--reps", str(args.reps)]
+    try:
+        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        results = json.loads(Path(out, "results.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    megabytes = args.layers * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 1e6
+    print("\n".join(environment()))
+    print(f"\nstate: {args.layers} x Linear({WIDTH}, {WIDTH}) + AdamW: {megabytes:.0f} MB")
+    print(load_line())
+    rows = []
+    for name in ("DDP (rank 0 writes)", "FSDP2 through DCP (Sharded)"):
+        medians = {
+            k: statistics.median(results[f"{name}|{k}"]) * 1e3
+            for k in ("sync", "async returns", "async committed", "load")
+        }
+        rows.append([name] + [f"{medians[k]:.0f}" for k in medians])
+    print()
+    print(
+        table(
+            [
+                "2 ranks, gloo",
+                "save blocking (ms)",
+                "async: loop blocked (ms)",
+                "async: committed (ms)",
+                "load_latest (ms)",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"\nmedians of {args.reps} rounds; command: .venv/bin/python benchmarks/ddp_checkpoint.py"
+    )
+
+
+if __name__ == "__main__":
+    main()
