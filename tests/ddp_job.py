@@ -70,6 +70,9 @@ class Chaos:
     """Records what this rank trained on (and its loss), and each epoch's logged mean loss;
     kills or signals it where the options say."""
 
+    def on_fit_start(self, trainer):  # the process RNG's seed once the run is restored
+        (RUN / f"fit.rank{RANK}.json").write_text(json.dumps(torch.initial_seed()))
+
     def on_epoch_end(self, trainer, logs):
         with open(RUN / f"epochs.rank{RANK}.jsonl", "a") as out:
             out.write(json.dumps([trainer.progress.epoch, logs["train/epoch_loss"]]) + "\n")

@@ -10,14 +10,18 @@ import collections
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from unbroken.data.shuffle import derive_key
 
 HERE = Path(__file__).parent
 JOB = HERE / "ddp_job.py"
@@ -162,6 +166,36 @@ def test_signals_reaching_the_ranks_at_different_moments_are_agreed_on_at_a_chec
     assert ticks == [list(range(1, 21))] * 2  # nobody trained past the agreed batch
 
 
+def test_sigterm_to_torchruns_whole_process_group_saves_and_the_job_resumes_bit_exact(
+    reference, tmp_path
+):
+    # A scheduler signals the whole process group: torchrun's agent and both ranks. The agent
+    # forwards SIGTERM and gives its workers time to exit; the ranks agree, save the same step
+    # and exit 75. Started again, the job ends as if never stopped.
+    run = tmp_path / "group"
+    job = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc-per-node=2", str(JOB), str(run), "{}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    seen_file = run / "seen.rank0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (seen_file.exists() and len(seen_file.read_text().splitlines()) >= 8):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGTERM)
+    output = job.communicate(timeout=120)[0]
+    assert "SIGTERM received; checkpoint at" in output, output[-3000:]
+    saved = max((run / "checkpoints").glob("step-*"))
+    ticks = [len((run / f"seen.rank{r}.jsonl").read_text().splitlines()) for r in range(2)]
+    assert ticks[0] == ticks[1] == int(saved.name.split("-")[1])  # nothing trained past it
+    assert "on 2 ranks" in torchrun(run)
+    assert_same_run(run, reference)
+
+
 def _continue(preempted, tmp_path, name, ranks):
     run = tmp_path / name
     shutil.copytree(preempted[0], run)
@@ -185,6 +219,9 @@ def test_a_job_continued_on_another_number_of_ranks_sees_each_sample_once(
         assert counts[epoch] == collections.Counter(range(N)), epoch
     logs = json.loads((run / "logs.json").read_text())
     assert 0.0 <= logs["train/acc"] <= 1.0  # the metric's states were merged, not refused
+    # No rank has an RNG state saved for it: each is seeded from (seed 0, tick 18, its rank).
+    seeds = [json.loads((run / f"fit.rank{r}.json").read_text()) for r in range(ranks)]
+    assert seeds == [derive_key(0, 18, r) % 2**63 for r in range(ranks)]
 
 
 def _free_port():
