@@ -4,6 +4,7 @@ seconds). Each scenario writes what every rank saw to <out>/<scenario>.rank<r>.j
 test checks it; a scenario that raises where it should not fails the job."""
 
 import json
+import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -107,6 +108,26 @@ loaded = state(-1)
 report(
     "background", step=checkpointer.load_latest(loaded).step, counter=loaded["counter"].obj.value
 )
+
+# 5b. What the ranks exchange to agree is small (verdicts, digests), never the state itself.
+from unbroken.checkpoint.group import Ranks  # noqa: E402
+
+sizes = []
+gather = Ranks._all_gather
+
+
+def measured(self, value, phase):
+    sizes.append(len(pickle.dumps(value)))
+    return gather(self, value, phase)
+
+
+exchange = unbroken.Checkpointer(OUT / "exchange")
+Ranks._all_gather = measured
+big = {"big": torch.zeros(1 << 20), "counter": PerRank(Counter(RANK))}  # 4 MB replicated
+exchange.save(7, big)
+exchange.load_latest(big)
+Ranks._all_gather = gather
+report("exchanged", largest=max(sizes), count=len(sizes))
 
 # 6. Each rank its own directory: refused on every rank when the Checkpointer is made.
 report(

@@ -92,6 +92,12 @@ def test_a_background_save_commits_every_ranks_part(job):
     assert _seen(job, "background") == [{"step": 6, "counter": 600}, {"step": 6, "counter": 601}]
 
 
+def test_the_ranks_exchange_verdicts_and_digests_not_the_state(job):
+    # A save and a load of a 4 MB replicated tensor: each collective carries under 4 kB.
+    for rank in _seen(job, "exchanged"):
+        assert rank["count"] >= 4 and rank["largest"] < 4096, rank
+
+
 def test_a_directory_the_ranks_do_not_share_is_refused_on_every_rank(job):
     for rank in _seen(job, "not_shared"):
         kind, message = rank["error"]

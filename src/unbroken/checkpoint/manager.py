@@ -268,7 +268,9 @@ class Checkpointer:
         for step, where in reversed(found):
             path = Path(where)
             read = _attempt(self._read, where, step, state)
-            verdicts = ranks.settle(read, f"reading checkpoint {path}", CorruptCheckpoint)
+            # Only the verdict travels (None: fine), never the state read.
+            verdict = read if isinstance(read, BaseException) else None
+            verdicts = ranks.settle(verdict, f"reading checkpoint {path}", CorruptCheckpoint)
             corrupt = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, CorruptCheckpoint)]
             if corrupt:
                 why = "; ".join(
@@ -315,7 +317,7 @@ class Checkpointer:
         saved_world = manifest["world_size"]
         saved: dict[str, Any] = {}
         skipped: list[str] = []
-        for name, entry in manifest["entries"].items():
+        for index, (name, entry) in enumerate(manifest["entries"].items()):
             if isinstance(state.get(name), Sharded) != ("dcp" in entry) and name in state:
                 raise StateMismatch(
                     f"checkpoint {where}",
@@ -338,7 +340,10 @@ class Checkpointer:
                             verify_file(storage, where, manifest, file)
                     saved[name] = join(where, entry["dcp"])
             elif "file" in entry:
-                saved[name] = load_file(storage, where, manifest, entry["file"])
+                # Every rank loads a replicated file, one checks its sha256: a rank that finds
+                # it changed makes every rank skip the checkpoint (load_latest's agreement).
+                mine = index % ranks.world_size == ranks.rank
+                saved[name] = load_file(storage, where, manifest, entry["file"], verify=mine)
                 check_entry(name, entry, saved[name])
             elif saved_world == ranks.world_size:
                 saved[name] = load_file(storage, where, manifest, entry["ranks"][ranks.rank])

@@ -150,9 +150,13 @@ def verify_file(storage: Storage, path: str, manifest: Manifest, file: str) -> N
         raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
 
 
-def load_file(storage: Storage, path: str, manifest: Manifest, file: str) -> Any:
-    """``file`` of checkpoint ``path`` checked against its sha256, then loaded."""
-    verify_file(storage, path, manifest, file)
+def load_file(
+    storage: Storage, path: str, manifest: Manifest, file: str, verify: bool = True
+) -> Any:
+    """``file`` of checkpoint ``path`` checked against its sha256 (unless another rank checks
+    it: ``verify=False``), then loaded."""
+    if verify:
+        verify_file(storage, path, manifest, file)
     try:
         with storage.open_read(join(path, file)) as opened:
             return torch.load(opened, map_location="cpu", weights_only=True)
