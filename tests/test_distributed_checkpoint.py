@@ -221,6 +221,7 @@ def test_a_version_1_manifest_still_loads_as_one_rank(tmp_path):
         (lambda m: m["entries"]["c"].update(ranks=[3]), r"\['ranks'\]\[0\] is an int"),
         (lambda m: m["entries"]["c"].update(ranks=["9-c.pt"]), "not in manifest"),
         (lambda m: m.update(version=1), "one of 'file', 'ranks' and 'dcp'"),  # v1 had no ranks
+        (lambda m: m["entries"]["c"].update(param_shapes=[]), "'param_shapes' but no 'file'"),
     ],
 )
 def test_a_manifest_with_bad_rank_parts_is_skipped_naming_the_field(tmp_path, change, why):

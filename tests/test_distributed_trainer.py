@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from unbroken.data.shuffle import derive_key
+from unbroken.train.lock import DirectoryLock
 
 HERE = Path(__file__).parent
 JOB = HERE / "ddp_job.py"
@@ -254,6 +255,18 @@ def test_two_torchrun_agents_rendezvous_as_two_nodes_and_train_the_same_job(refe
     assert_same_run(run, reference)
 
 
+def test_a_run_directory_locked_by_another_job_is_refused_on_every_rank(tmp_path):
+    # Another job holds rank 0's lock: rank 0 is refused, rank 1 would get its own lock; both
+    # must stop at once with DirectoryInUse, not rank 1 waiting for rank 0 in a collective.
+    run = tmp_path / "locked"
+    run.mkdir()
+    with DirectoryLock(run):  # this process plays the other job's rank 0
+        output = torchrun(run, expect=1)
+    assert output.count("DirectoryInUse") >= 2, output[-3000:]
+    assert "another rank of this job found its lock held" in output
+    assert not (run / "checkpoints").exists()
+
+
 def test_the_readme_job_runs_under_torchrun_as_written(tmp_path):
     readme = (HERE.parent / "README.md").read_text()
     heading = "### A training job on several ranks"
@@ -286,7 +299,10 @@ def test_metric_states_of_several_ranks_merge_onto_rank_0_on_another_world_size(
     merged = [torchmetrics.Accuracy(task="multiclass", num_classes=3) for _ in range(2)]
     merged[1].update(preds, target)  # a rank's metric that must start empty
     for rank, metric in enumerate(merged):
-        assert MetricState(metric).merged(parts, rank, 2) is None  # it loaded the state itself
+        before = MetricState(metric).state_dict()
+        state = MetricState(metric).merged(parts, rank, 2)
+        assert MetricState(metric).state_dict()["updates"] == before["updates"]  # unchanged
+        MetricState(metric).load_state_dict(state)  # what the Checkpointer then restores
     assert merged[0].compute().item() == pytest.approx(4 / 6)
     assert merged[0].update_count == 2 and merged[1].update_count == 0
     assert merged[1].tp.sum().item() == 0  # reset

@@ -71,7 +71,7 @@ class Ranks:
             if isinstance(o, BaseException) and not isinstance(o, tolerate)
         ]
         if failed:
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, BaseException) and not isinstance(outcome, tolerate):
                 raise outcome
             rank, error = failed[0]
             raise RankFailure(

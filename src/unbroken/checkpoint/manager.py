@@ -180,7 +180,10 @@ class Checkpointer:
         assert not isinstance(prepared, BaseException)  # settle raised it
         replicated, own, shapes = prepared
         if ranks.first_rank:
-            newer = [Path(path).name for number, path in self._committed() if number > step]
+            try:
+                newer = [Path(path).name for number, path in self._committed() if number > step]
+            except OSError:  # the save itself will say what is wrong, on every rank
+                newer = []
             if newer:
                 warnings.warn(
                     f"unbroken.Checkpointer: {newer} in {self.directory} have a larger step than "
@@ -345,25 +348,24 @@ class Checkpointer:
                 mine = index % ranks.world_size == ranks.rank
                 saved[name] = load_file(storage, where, manifest, entry["file"], verify=mine)
                 check_entry(name, entry, saved[name])
+                wanted = state.get(name)
+                if isinstance(wanted, PerRank) and saved_world != ranks.world_size:
+                    # Version 1 wrote per-rank state as one file (one rank): resize it too.
+                    value = _resized_or_refused(
+                        wanted, name, [saved[name]], ranks.rank, ranks.world_size, where
+                    )
+                    if value is SKIP:
+                        del saved[name]
+                        skipped.append(name)
+                    else:
+                        saved[name] = value
             elif saved_world == ranks.world_size:
                 saved[name] = load_file(storage, where, manifest, entry["ranks"][ranks.rank])
             elif name in state:  # another number of ranks: resize, if it may
-                wanted = state[name]
-                if not isinstance(wanted, PerRank) or wanted.resize == "refuse":
-                    raise StateMismatch(
-                        f"checkpoint {where}",
-                        "world_size",
-                        saved_world,
-                        ranks.world_size,
-                        message=(
-                            f"checkpoint {where}: state[{name!r}] was saved per rank by "
-                            f"{saved_world} ranks and cannot be split over {ranks.world_size}; "
-                            f"resume on {saved_world} ranks, or give it as PerRank(obj, "
-                            "resize=...) saying what a rank loads then"
-                        ),
-                    )
                 parts = [load_file(storage, where, manifest, file) for file in entry["ranks"]]
-                value = resized(wanted, name, parts, ranks.rank, ranks.world_size)
+                value = _resized_or_refused(
+                    state[name], name, parts, ranks.rank, ranks.world_size, where
+                )
                 if value is SKIP:
                     skipped.append(name)
                 else:
@@ -528,6 +530,26 @@ class Checkpointer:
 
     def _committed(self) -> list[tuple[int, str]]:
         return layout.committed(self._storage, self._root)
+
+
+def _resized_or_refused(
+    wanted: Any, name: str, parts: list[Any], rank: int, world_size: int, where: str
+) -> Any:
+    """What this rank loads of an entry saved per rank by ``len(parts)`` ranks (``SKIP``:
+    nothing); ``StateMismatch`` unless it is a ``PerRank`` whose ``resize`` allows it."""
+    if not isinstance(wanted, PerRank) or wanted.resize == "refuse":
+        raise StateMismatch(
+            f"checkpoint {where}",
+            "world_size",
+            len(parts),
+            world_size,
+            message=(
+                f"checkpoint {where}: state[{name!r}] was saved per rank by {len(parts)} "
+                f"ranks and cannot be split over {world_size}; resume on {len(parts)} ranks, "
+                "or give it as PerRank(obj, resize=...) saying what a rank loads then"
+            ),
+        )
+    return resized(wanted, name, parts, rank, world_size)
 
 
 class _Shards:

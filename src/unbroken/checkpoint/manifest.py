@@ -279,6 +279,10 @@ def validate(data: bytes, step: int, path: str) -> Manifest:
         for field, file in listed:
             if file not in files:
                 raise _malformed(f"{field} is {file!r}, which is not in manifest['files']")
+        if "param_shapes" in entry and "file" not in entry:
+            raise _malformed(
+                f"{where} has 'param_shapes' but no 'file' (only a replicated entry has)"
+            )
         if "param_shapes" in entry:  # [group][parameter] -> shape
             groups = _get(entry, "param_shapes", list, "a list of parameter groups", where)
             where += "['param_shapes']"

@@ -15,6 +15,9 @@ the number of ranks that wrote them: 2 ranks' shards load on 1 or 3 ranks, or in
 unsharded model in one process. DCP's collectives run on the Checkpointer's own gloo group
 (``process_group=``), so a background save does not race the training's collectives.
 
+A background save (``blocking=False``) clones the local shards where they are, so on a GPU it
+holds a second copy of this rank's shards in GPU memory until the write ends.
+
 Costs: DCP's, plus one read of each shard file for its sha256 after DCP wrote it (each rank its
 own files), and at load the sha256 of each file by one rank (spread over the ranks).
 ``.metadata`` is a pickle that DCP unpickles; the sha256 catches accidents, not an attacker.

@@ -40,11 +40,11 @@ def init_process_group(
         is_master=False,  # the agent serves it
         timeout=timeout or timedelta(minutes=30),
     )
+    kwargs.setdefault("rank", int(os.environ["RANK"]))
+    kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"unbroken/attempt-{attempt}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timeout,
         **kwargs,
     )

@@ -25,6 +25,7 @@ is due.
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from collections.abc import Iterable
@@ -190,17 +191,19 @@ class MetricState:
         # before update" warning and distributed mean reduction, and must match the saved run.
         self.metric._update_count = updates
 
-    def merged(self, parts: list[Any], rank: int, world_size: int) -> None:
+    def merged(self, parts: list[Any], rank: int, world_size: int) -> MetricStateDict:
         """``PerRank`` resize: the states of the ranks that saved them, merged onto rank 0 with
         the metric's own reductions (torchmetrics ``merge_state``); the other ranks start
-        empty. A synced ``compute()`` then reduces the same updates."""
-        self.metric.reset()
+        empty. A synced ``compute()`` then reduces the same updates. Built on a copy of the
+        metric: the live one changes only when the checkpoint is restored."""
+        scratch = MetricState(copy.deepcopy(self.metric))
+        scratch.metric.reset()
         if rank != 0:
-            return
-        self.load_state_dict(parts[0])
+            return scratch.state_dict()
+        scratch.load_state_dict(parts[0])
         for part in parts[1:]:
             try:
-                self.metric.merge_state(part["states"])
+                scratch.metric.merge_state(part["states"])
             except (RuntimeError, ValueError, TypeError, KeyError) as error:
                 raise StateMismatch(
                     f"metric {type(self.metric).__name__}",
@@ -213,7 +216,8 @@ class MetricState:
                         f"resume on {len(parts)} ranks"
                     ),
                 ) from error
-        self.metric._update_count = sum(part["updates"] for part in parts)
+        scratch.metric._update_count = sum(part["updates"] for part in parts)
+        return scratch.state_dict()
 
 
 def reset_metrics(metrics: dict[str, Any]) -> None:

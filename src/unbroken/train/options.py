@@ -47,6 +47,9 @@ def check_arguments(trainer: Any) -> None:
         )
     positive("tensorboard_every", tensorboard_every)
     positive("preemption_check_every", trainer.preemption_check_every)
+    timeout = trainer.checkpoint_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"checkpoint_timeout must be a number of seconds > 0, got {timeout!r}")
 
 
 def positive(name: str, value: Any) -> None:

@@ -27,13 +27,15 @@ at every place a checkpoint can be taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..checkpoint.manager import Checkpointer
+from ..errors import DirectoryInUse
 from .checkpointing import SaveSchedule, checkpoint_entries, compute_metrics, reset_metrics, resume
 from .csvlog import RunLog
 from .determinism import determinism
@@ -78,6 +80,8 @@ class Trainer:
     - ``preemption_check_every``: under ``torch.distributed``, the ranks agree every this many
       batches whether any rank got a preemption signal or is due a wall-clock checkpoint (one
       all-reduce of two ints; default 1: every batch). A signal waits for the next agreement.
+      ``checkpoint_timeout``: how long (seconds) a rank waits for the others in a checkpoint
+      save or load, rank 0's writing of the replicated state included (default 600).
     - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
       bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
       nothing and says so once if the model is on CUDA; ``False`` changes nothing.
@@ -104,6 +108,7 @@ class Trainer:
         tensorboard_every: int = 50,
         deterministic: bool | None = None,
         preemption_check_every: int = 1,
+        checkpoint_timeout: float = 600.0,
     ) -> None:
         self.directory = Path(directory)
         self.max_epochs, self.max_steps = max_epochs, max_steps
@@ -118,6 +123,7 @@ class Trainer:
         self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
         self.tensorboard_every = tensorboard_every
         self.preemption_check_every = preemption_check_every
+        self.checkpoint_timeout = checkpoint_timeout
         check_arguments(self)
         # What shapes the computation: saved with the loop's counters, checked on resume.
         config = TrainerConfig(
@@ -170,12 +176,33 @@ class Trainer:
             with self.preemption, determinism(self.deterministic, model):
                 self._exit_if_preempted_before_training()
                 self.directory.mkdir(parents=True, exist_ok=True)
-                with DirectoryLock(self.directory, self.job.rank):
+                with self._locked():
                     self._fit(train_loader, val_loader)
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
         call_hooks(self.callbacks, "on_fit_end", self)
         return self.logs
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The run directory's lock, taken by every rank or by none: a rank refused alone would
+        leave the others waiting for it in their first collective."""
+        lock, refused = DirectoryLock(self.directory, self.job.rank), None
+        try:
+            lock.acquire()
+        except DirectoryInUse as error:
+            refused = error
+        (anyone,) = self.job.any_of(refused is not None)
+        if anyone:
+            lock.release()
+            raise refused or DirectoryInUse(
+                f"{self.directory} is in use by another training job: another rank of this job "
+                "found its lock held. Stop that job first, or train in another directory."
+            )
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         self.run_log = RunLog(
@@ -185,7 +212,9 @@ class Trainer:
             self.logs,
             write=self.job.first,  # one rank writes the log; the others keep `logs` only
         )
-        self.checkpointer = Checkpointer(self.directory / "checkpoints", keep=self.keep)
+        self.checkpointer = Checkpointer(
+            self.directory / "checkpoints", keep=self.keep, timeout=self.checkpoint_timeout
+        )
         self.entries = checkpoint_entries(
             progress=self.progress,
             model=self.model,
