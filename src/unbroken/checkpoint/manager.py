@@ -321,6 +321,7 @@ class Checkpointer:
         saved: dict[str, Any] = {}
         skipped: list[str] = []
         for index, (name, entry) in enumerate(manifest["entries"].items()):
+            parts: list[Any] | None = None  # saved per rank, to resize for this world size
             if isinstance(state.get(name), Sharded) != ("dcp" in entry) and name in state:
                 raise StateMismatch(
                     f"checkpoint {where}",
@@ -346,26 +347,18 @@ class Checkpointer:
                 # Every rank loads a replicated file, one checks its sha256: a rank that finds
                 # it changed makes every rank skip the checkpoint (load_latest's agreement).
                 mine = index % ranks.world_size == ranks.rank
-                saved[name] = load_file(storage, where, manifest, entry["file"], verify=mine)
-                check_entry(name, entry, saved[name])
-                wanted = state.get(name)
-                if isinstance(wanted, PerRank) and saved_world != ranks.world_size:
-                    # Version 1 wrote per-rank state as one file (one rank): resize it too.
-                    value = _resized_or_refused(
-                        wanted, name, [saved[name]], ranks.rank, ranks.world_size, where
-                    )
-                    if value is SKIP:
-                        del saved[name]
-                        skipped.append(name)
-                    else:
-                        saved[name] = value
+                value = load_file(storage, where, manifest, entry["file"], verify=mine)
+                check_entry(name, entry, value)
+                if isinstance(state.get(name), PerRank) and saved_world != ranks.world_size:
+                    parts = [value]  # version 1 wrote per-rank state as one file (one rank)
+                else:
+                    saved[name] = value
             elif saved_world == ranks.world_size:
                 saved[name] = load_file(storage, where, manifest, entry["ranks"][ranks.rank])
             elif name in state:  # another number of ranks: resize, if it may
                 parts = [load_file(storage, where, manifest, file) for file in entry["ranks"]]
-                value = _resized_or_refused(
-                    state[name], name, parts, ranks.rank, ranks.world_size, where
-                )
+            if parts is not None:
+                value = resized(state[name], name, parts, ranks.rank, ranks.world_size, where)
                 if value is SKIP:
                     skipped.append(name)
                 else:
@@ -530,26 +523,6 @@ class Checkpointer:
 
     def _committed(self) -> list[tuple[int, str]]:
         return layout.committed(self._storage, self._root)
-
-
-def _resized_or_refused(
-    wanted: Any, name: str, parts: list[Any], rank: int, world_size: int, where: str
-) -> Any:
-    """What this rank loads of an entry saved per rank by ``len(parts)`` ranks (``SKIP``:
-    nothing); ``StateMismatch`` unless it is a ``PerRank`` whose ``resize`` allows it."""
-    if not isinstance(wanted, PerRank) or wanted.resize == "refuse":
-        raise StateMismatch(
-            f"checkpoint {where}",
-            "world_size",
-            len(parts),
-            world_size,
-            message=(
-                f"checkpoint {where}: state[{name!r}] was saved per rank by {len(parts)} "
-                f"ranks and cannot be split over {world_size}; resume on {len(parts)} ranks, "
-                "or give it as PerRank(obj, resize=...) saying what a rank loads then"
-            ),
-        )
-    return resized(wanted, name, parts, rank, world_size)
 
 
 class _Shards:

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import StateMismatch
+
 Resize = Callable[[list[Any], int, int], Any]
 _NAMED = ("refuse", "rank0", "skip")
 
@@ -52,13 +54,28 @@ def unwrap(obj: Any) -> Any:
 SKIP = object()  # what resize gives for an object to leave as it is
 
 
-def resized(entry: PerRank, name: str, parts: list[Any], rank: int, world_size: int) -> Any:
-    """What rank ``rank`` of ``world_size`` loads from ``parts``, saved by ``len(parts)``
-    ranks; ``SKIP`` to leave the object as it is. ``None`` for "refuse": the caller raises."""
-    if entry.resize == "rank0":
+def resized(
+    wanted: Any, name: str, parts: list[Any], rank: int, world_size: int, where: str
+) -> Any:
+    """What rank ``rank`` of ``world_size`` loads of ``state[name]`` (``wanted``), saved per rank
+    by ``len(parts)`` ranks in checkpoint ``where``: ``SKIP`` to leave the object as it is;
+    ``StateMismatch`` unless ``wanted`` is a ``PerRank`` whose ``resize`` allows it."""
+    if not isinstance(wanted, PerRank) or wanted.resize == "refuse":
+        raise StateMismatch(
+            f"checkpoint {where}",
+            "world_size",
+            len(parts),
+            world_size,
+            message=(
+                f"checkpoint {where}: state[{name!r}] was saved per rank by {len(parts)} "
+                f"ranks and cannot be split over {world_size}; resume on {len(parts)} ranks, "
+                "or give it as PerRank(obj, resize=...) saying what a rank loads then"
+            ),
+        )
+    if wanted.resize == "rank0":
         return parts[0]
-    if entry.resize == "skip":
+    if wanted.resize == "skip":
         return SKIP
-    assert callable(entry.resize)  # "refuse" is handled by the caller
-    value = entry.resize(parts, rank, world_size)
+    assert callable(wanted.resize)
+    value = wanted.resize(parts, rank, world_size)
     return SKIP if value is None else value

@@ -29,7 +29,7 @@ import copy
 import sys
 import time
 from collections.abc import Iterable
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeGuard
 
 import torch
 
@@ -76,18 +76,18 @@ def checkpoint_entries(
         TRAIN_LOADER: PerRank(train_loader, resize="rank0"),
         RNG: PerRank(GlobalRNG(), resize="skip"),
     }
-    if is_sharded(
-        model
-    ):  # FSDP2: every rank holds its shards; DCP writes them, with the optimizer's
+    if is_sharded(model):  # FSDP2: each rank holds its shards; DCP writes them, the optimizer's too
         entries[MODEL] = Sharded(model, optimizer)
         entries[GRADIENTS] = PerRank(Gradients(model), resize=Gradients.refuse_unfinished)
         del entries[OPTIMIZER]
     if log is not None:
         entries[LOG] = log
-    optional = {VAL_LOADER: val_loader, SCHEDULER: scheduler, SCALER: scaler}
+    optional = {
+        VAL_LOADER: val_loader and PerRank(val_loader, resize="rank0"),
+        SCHEDULER: scheduler,
+        SCALER: scaler,
+    }
     entries.update({name: obj for name, obj in optional.items() if obj is not None})
-    if val_loader is not None:
-        entries[VAL_LOADER] = PerRank(val_loader, resize="rank0")
     for phase, phase_metrics in metrics.items():
         for name, metric in phase_metrics.items():
             state = MetricState(metric)
@@ -104,10 +104,14 @@ def _dtensor() -> Any:
     return getattr(module, "DTensor", None)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> TypeGuard[Any]:  # Any: DTensor is imported lazily
+    dtensor = _dtensor()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether the model's parameters are split over ranks (FSDP2's ``DTensor``)."""
-    dtensor = _dtensor()
-    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
 class Gradients:
@@ -126,10 +130,9 @@ class Gradients:
     def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
         for name, p in self.model.named_parameters():
             grad = state.get(name)
-            dtensor = _dtensor()
-            if grad is not None and dtensor is not None and isinstance(p, dtensor):
+            if grad is not None and _is_dtensor(p):
                 local = grad.to(device=p.to_local().device, dtype=p.dtype)
-                p.grad = dtensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+                p.grad = type(p).from_local(local, p.device_mesh, p.placements, run_check=False)
             else:
                 p.grad = None if grad is None else grad.to(device=p.device, dtype=p.dtype)
 
@@ -154,8 +157,7 @@ class Gradients:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    dtensor = _dtensor()
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 class MetricStateDict(TypedDict):
