@@ -3,6 +3,7 @@ and the preemption signals at their default action."""
 
 import signal
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Tests signal their own process; if unbroken failed to install its handlers, the default action
@@ -15,3 +16,12 @@ settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
 settings.load_profile("default")
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """One real S3 protocol server (moto's, on 127.0.0.1) for the whole session."""
+    from unbroken.testing import S3Server
+
+    with S3Server() as server:
+        yield server

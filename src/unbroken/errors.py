@@ -20,6 +20,12 @@ Three kinds of ``RuntimeError`` say that processes, not states, are at odds:
 - ``RankFailure``: under ``torch.distributed``, another rank failed a collective checkpoint
   step (its error is in the message), died, or did not arrive within the timeout.
 - ``DirectoryNotShared``: the ranks of one job do not see the same checkpoint directory.
+
+Two say that a sharded dataset (``unbroken.streaming``) cannot be read:
+
+- ``CorruptShard`` (a ``ValueError``): a shard whose size, checksum or rows differ from its
+  index, downloaded twice; or an index that does not describe its shards.
+- ``RemoteUnavailable`` (a ``ConnectionError``): the storage did not answer after the retries.
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ from typing import Any
 
 __all__ = [
     "CorruptCheckpoint",
+    "CorruptShard",
     "CorruptState",
     "DirectoryInUse",
     "DirectoryNotShared",
     "RankFailure",
+    "RemoteUnavailable",
     "StateMismatch",
 ]
 
@@ -89,6 +97,14 @@ class RankFailure(RuntimeError):
 
 class DirectoryNotShared(RuntimeError):
     """The ranks of one job see different checkpoint directories (each node its own disk)."""
+
+
+class CorruptShard(ValueError):
+    """A shard of a sharded dataset does not match its index (size, checksum, rows)."""
+
+
+class RemoteUnavailable(ConnectionError):
+    """The storage behind a URL did not answer after the retries."""
 
 
 def prefixed(error: ValueError, prefix: str) -> ValueError:

@@ -29,6 +29,7 @@ from ..distributed.sharding import world_of
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .epochs import EpochIterable
+from .orders import NativeOrder
 from .ranks import RANK_FIELDS, check_ranks, rank_fields
 from .rng import GLOBAL_RNGS, check_global_rngs
 from .select import make_source
@@ -121,6 +122,7 @@ class DataLoader(EpochIterable[Cursor]):
             dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers, ranks
         )
         self._rank_fields = rank_fields(self._source, ranks)  # per-rank sources on W > 1 ranks
+        self._plans_reads = self._source if isinstance(self._source, NativeOrder) else None
         if isinstance(self._source, StreamSource):
             persistent_workers = False  # each epoch starts every worker from another state
 
@@ -164,15 +166,23 @@ class DataLoader(EpochIterable[Cursor]):
             self._inner.worker_init_fn = worker_init(self._user_worker_init)
             with signals_blocked():
                 batches = iter(self._inner)
+        # A dataset that plans its reads (a streaming dataset's prefetch) is told the exact
+        # future order once the workers exist (so no thread of it is forked into them).
+        plans = self._plans_reads
+        plan = plans.plan_reads(self.seed, epoch, cursor) if plans is not None else None
         held: list = []  # as in EpochIterable: no frame keeps a batch the user has dropped
-        for batch in batches:
-            batch = receive(cursor, batch)  # the cursor moves when the user receives the batch
-            if batch is SKIP:
-                continue
-            cursor.batches += 1
-            held.append(batch)
-            del batch
-            yield held.pop()
+        try:
+            for batch in batches:
+                batch = receive(cursor, batch)  # the cursor moves when the user receives it
+                if batch is SKIP:
+                    continue
+                cursor.batches += 1
+                held.append(batch)
+                del batch
+                yield held.pop()
+        finally:
+            if plan is not None:
+                plan.close()
 
     def state_dict(self) -> LoaderState:
         """What the user has received so far: JSON-serializable (``json.dumps`` works).

@@ -10,6 +10,8 @@ workers prefetched never count.
 
 - ``NativeOrder`` (here): ``shuffle`` on or off, with unbroken's per-index shuffle. Batches are
   contiguous runs of positions, so starting at sample k computes nothing before k.
+  A dataset may bring its own shuffle and plan its reads (``DatasetOrder``, e.g.
+  ``unbroken.streaming.StreamingDataset``).
 - ``UserSampler``/``UserBatchSampler`` (``samplers``): the user's sampler or batch sampler.
 """
 
@@ -19,8 +21,9 @@ import math
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -33,6 +36,47 @@ from .sources import BatchSource, Cursor, Receiver
 # Indices are computed in blocks of at least this many positions: one numpy call per block
 # keeps the per-index cost at ~0.1 us without holding more than a block in memory.
 _BLOCK = 4096
+
+
+class Permutation(Protocol):
+    """An epoch's shuffled order: positions of the epoch → dataset indices, any position at
+    the same cost (``IndexShuffle`` is one)."""
+
+    def at(self, positions: np.ndarray) -> np.ndarray: ...
+
+    def range(self, start: int, stop: int) -> list[int]: ...
+
+
+class DatasetOrder:
+    """What a map-style dataset may tell the loader about its order, through three optional
+    methods (``unbroken.streaming.StreamingDataset`` has all three):
+
+    - ``shuffle_order(key) -> Permutation``: the epoch's shuffle for ``shuffle=True``, in place
+      of unbroken's uniform per-index shuffle (e.g. one that keeps reads local to a few
+      shards); ``key`` is the epoch's shuffle key, so it stays a pure function of (seed, epoch).
+    - ``order_fingerprint() -> dict``: JSON values the loader's state records under
+      ``"dataset"``; a state resumes only where they are equal (the same shards, windows).
+    - ``plan_reads(batches, received)``: called at the start of each iteration, after the
+      workers started, with this rank's remaining batches of indices (a lazy iterator, the
+      exact future order) and ``received()``, how many of them the user has received so far.
+      It returns an object whose ``close()`` the loader calls when the iteration ends (to
+      download ahead what will be read next).
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.shuffle = _method(dataset, "shuffle_order")
+        fingerprint = _method(dataset, "order_fingerprint")
+        self.fingerprint = fingerprint() if fingerprint is not None else None
+        self.plan_reads = _method(dataset, "plan_reads")
+
+    def permutation(self, n: int, seed: int, epoch: int) -> Permutation:
+        key = keys.shuffle(seed, epoch)
+        return self.shuffle(key) if self.shuffle is not None else IndexShuffle(n, key)
+
+
+def _method(dataset: Any, name: str) -> Any:
+    method = getattr(dataset, name, None)
+    return method if callable(method) else None
 
 
 class IndexSource(BatchSource):
@@ -91,14 +135,24 @@ class _EpochPlan(torch.utils.data.Sampler):
 class NativeOrder(IndexSource):
     """Sequential or shuffled order over a map-style dataset of length ``n``."""
 
-    def __init__(self, n: int, batch_size: int | None, drop_last: bool, shuffle: bool) -> None:
+    def __init__(
+        self,
+        n: int,
+        batch_size: int | None,
+        drop_last: bool,
+        shuffle: bool,
+        order: DatasetOrder | None = None,
+    ) -> None:
         super().__init__()
         self.n, self.batch_size, self.drop_last, self.shuffle = n, batch_size, drop_last, shuffle
+        self.order = order or DatasetOrder(None)
         step = batch_size or 1
         self.epoch_samples = n - n % step if drop_last else n
 
     def fingerprint(self) -> dict[str, Any]:
-        return {"sampler": "unbroken", "shuffle": self.shuffle}
+        if self.order.fingerprint is None:  # the fields of every state since version 1
+            return {"sampler": "unbroken", "shuffle": self.shuffle}
+        return {"sampler": "unbroken", "shuffle": self.shuffle, "dataset": self.order.fingerprint}
 
     def __len__(self) -> int:
         return math.ceil(self.epoch_samples / (self.batch_size or 1))
@@ -123,10 +177,19 @@ class NativeOrder(IndexSource):
                 "source",
             )
 
+    def plan_reads(self, seed: int, epoch: int, cursor: Cursor) -> Any:
+        """The dataset's ``plan_reads`` of this iteration's batches from ``cursor`` (the live
+        cursor, which moves as batches are received), or None if it has none."""
+        if self.order.plan_reads is None:
+            return None
+        start = cursor.batches
+        future = self.batches(seed, epoch, cursor.copy(), deque(maxlen=1))
+        return self.order.plan_reads((list(b) for b in future), lambda: cursor.batches - start)
+
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         epoch_key = keys.samples(seed, epoch)
         step = self.batch_size or 1
-        shuffle = IndexShuffle(self.n, keys.shuffle(seed, epoch)) if self.shuffle else None
+        shuffle = self.order.permutation(self.n, seed, epoch) if self.shuffle else None
         block = step * max(1, _BLOCK // step)
         start, end = cursor.samples, self.epoch_samples
         for block_start in range(start, end, block):

@@ -8,7 +8,7 @@ from typing import Any
 from torch.utils.data import SequentialSampler
 
 from ..distributed.sharding import ShardedOrder, ShardedRangeStream
-from .orders import NativeOrder
+from .orders import DatasetOrder, NativeOrder
 from .replicas import stream_source
 from .samplers import UserBatchSampler, UserSampler
 from .sources import BatchSource
@@ -51,9 +51,10 @@ def make_source(
             shuffle = False  # unbroken's own sequential order: resumable in O(1), shardable
         else:
             return UserSampler(sampler, batch_size, drop_last)
+    order = DatasetOrder(dataset)
     if ranks is not None:  # each rank's share of one global order (unbroken.distributed)
-        return ShardedOrder(len(dataset), batch_size, drop_last, bool(shuffle), *ranks)
-    return NativeOrder(len(dataset), batch_size, drop_last, shuffle=bool(shuffle))
+        return ShardedOrder(len(dataset), batch_size, drop_last, bool(shuffle), *ranks, order)
+    return NativeOrder(len(dataset), batch_size, drop_last, bool(shuffle), order)
 
 
 def _check_batch_size(batch_size: Any) -> None:

@@ -34,9 +34,8 @@ import torch.distributed as dist
 
 from ..data import keys
 from ..data.fetch import Keys
-from ..data.orders import NativeOrder
+from ..data.orders import DatasetOrder, NativeOrder, Permutation
 from ..data.rng import make_seeder
-from ..data.shuffle import IndexShuffle
 from ..data.sources import Cursor
 from ..data.streams import RangeStream, StreamWorker, Tagged, read_items, set_epoch
 from ..errors import CorruptState
@@ -84,9 +83,16 @@ class ShardedOrder(NativeOrder):
     shared_by_ranks = True
 
     def __init__(
-        self, n: int, batch_size: int | None, drop_last: bool, shuffle: bool, rank: int, world: int
+        self,
+        n: int,
+        batch_size: int | None,
+        drop_last: bool,
+        shuffle: bool,
+        rank: int,
+        world: int,
+        order: DatasetOrder | None = None,
     ) -> None:
-        super().__init__(n, batch_size, drop_last, shuffle)
+        super().__init__(n, batch_size, drop_last, shuffle, order)
         self.rank, self.world = rank, world
         self.global_batch = (batch_size or 1) * world
         self.epoch_samples = n - n % self.global_batch if drop_last else n
@@ -99,7 +105,7 @@ class ShardedOrder(NativeOrder):
 
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         epoch_key = keys.samples(seed, epoch)
-        shuffle = IndexShuffle(self.n, keys.shuffle(seed, epoch)) if self.shuffle else None
+        shuffle = self.order.permutation(self.n, seed, epoch) if self.shuffle else None
         step, size = self.batch_size or 1, self.global_batch
         start, end = cursor.samples, self.epoch_samples
         if start >= end or (self.drop_last and end - start < size):
@@ -124,7 +130,7 @@ class ShardedOrder(NativeOrder):
             done.append((end, None))
             yield Keys(indices, epoch_key, int(positions[0]))
 
-    def _indices(self, positions: np.ndarray, shuffle: IndexShuffle | None) -> list[int]:
+    def _indices(self, positions: np.ndarray, shuffle: Permutation | None) -> list[int]:
         if shuffle is None:
             return positions.tolist()
         return shuffle.at(positions).tolist()

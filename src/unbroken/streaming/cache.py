@@ -1,0 +1,169 @@
+"""The local shard cache: one verified copy of each shard per machine, shared by every process.
+
+Files are named by content (``<checksum>-<bytes>.parquet``), so one cache directory serves any
+number of datasets and a rewritten dataset can never be served stale bytes. A shard is
+downloaded by one process at a time, under a lock file of its own (``fcntl`` locks through
+``filelock``: the kernel releases them when their process dies, SIGKILL included); the others
+wait for it and then read the same file. A download goes to a temporary name
+(``.part-<pid>-<thread>``) and is renamed into place only after its size and checksum match
+the index, so a reader never sees a partial or corrupt shard: a process killed mid-download
+leaves only its ``.part`` file, which the next download of that shard (or
+``ShardCache.sweep``) removes. A shard whose checksum does not match is fetched once more,
+then ``CorruptShard`` names it and its URL; nothing of it stays in the cache.
+
+With a ``limit`` (bytes), a verified download is renamed into place only after the least
+recently used shards (by modification time, which every open refreshes) were evicted to make
+room for it, under a lock of the whole cache, so the complete shards never exceed the limit.
+Prefetched shards are the newest, so the shards of windows already read go first. A shard evicted while a process reads it stays readable through that process's open
+(memory-mapped) file; one evicted before it was opened is fetched again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import threading
+
+from filelock import FileLock
+
+from ..errors import CorruptShard
+from .index import Shard, checksum_of
+from .remote import Remote
+
+_SUFFIX = ".parquet"
+
+
+class ShardCache:
+    """A directory of verified shards with an optional size limit (bytes)."""
+
+    def __init__(self, directory: str, limit: int | None = None) -> None:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise ValueError(f"cache_limit must be an int (bytes) or None, got {limit!r}")
+        self.directory = os.path.abspath(os.path.expanduser(directory))
+        self.limit = limit
+        self.downloaded_bytes = 0  # by this process
+        self.downloads = 0
+        os.makedirs(self.directory, exist_ok=True)
+
+    def __getstate__(self) -> dict:  # counters are per process
+        return {"directory": self.directory, "limit": self.limit}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, downloaded_bytes=0, downloads=0)
+
+    def path(self, shard: Shard) -> str:
+        digest = shard.checksum.partition(":")[2][:32]
+        return os.path.join(self.directory, f"{digest}-{shard.bytes}{_SUFFIX}")
+
+    def get(self, shard: Shard, remote: Remote) -> str:
+        """The local path of ``shard``, downloaded and verified if it is not cached yet."""
+        final = self.path(shard)
+        if _touch(final):
+            return final
+        with FileLock(final + ".lock", thread_local=False):
+            if _touch(final):  # another process or thread fetched it while we waited
+                return final
+            self._remove_parts(final)
+            self._download(shard, remote, final)
+        return final
+
+    def _download(self, shard: Shard, remote: Remote, final: str) -> None:
+        kind = shard.checksum.partition(":")[0]
+        part = f"{final}.part-{os.getpid()}-{threading.get_ident()}"
+        problem = ""
+        for _attempt in range(2):  # a corrupt transfer is fetched once more
+            try:
+                remote.download(shard.name, part)
+                size = os.path.getsize(part)
+                if size != shard.bytes:
+                    problem = f"it has {size} bytes, the index says {shard.bytes}"
+                elif (found := checksum_of(part, kind)) != shard.checksum:
+                    problem = f"its checksum is {found}, the index says {shard.checksum}"
+                else:
+                    with open(part, "rb") as file:
+                        os.fsync(file.fileno())
+                    self._commit(part, final, size)
+                    self.downloaded_bytes += size
+                    self.downloads += 1
+                    return
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(part)
+        raise CorruptShard(
+            f"shard {shard.name} ({remote.where(shard.name)}) does not match the dataset's "
+            f"index: {problem}, twice. The shard or the index was changed after the index was "
+            "written; rewrite the dataset, or rebuild the index with "
+            "unbroken.streaming.index_parquet"
+        )
+
+    @staticmethod
+    def _remove_parts(final: str) -> None:
+        """Partial downloads of this shard: left by a killed process (we hold its lock)."""
+        for part in glob.glob(glob.escape(final) + ".part-*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(part)
+
+    def sweep(self) -> int:
+        """Remove the partial downloads of killed processes; returns how many."""
+        removed = 0
+        for part in glob.glob(os.path.join(glob.escape(self.directory), "*.part-*")):
+            final = part.rsplit(".part-", 1)[0]
+            lock = FileLock(final + ".lock", thread_local=False)
+            try:
+                lock.acquire(timeout=0)
+            except TimeoutError:
+                continue  # a live process is downloading it
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(part)
+                    removed += 1
+            finally:
+                lock.release()
+        return removed
+
+    def shards(self) -> list[tuple[str, int, float]]:
+        """``(path, bytes, last use)`` of every complete shard in the cache."""
+        out = []
+        for path in glob.glob(os.path.join(glob.escape(self.directory), "*" + _SUFFIX)):
+            with contextlib.suppress(FileNotFoundError):
+                info = os.stat(path)
+                out.append((path, info.st_size, info.st_mtime))
+        return out
+
+    def _commit(self, part: str, final: str, size: int) -> None:
+        """Rename a verified download into place; with a limit, first make room for it by
+        evicting least recently used shards, under the cache's lock, so the complete shards
+        never exceed the limit, whatever the processes sharing the cache do."""
+        if self.limit is None:
+            os.replace(part, final)
+            _fsync_directory(self.directory)
+            return
+        with FileLock(os.path.join(self.directory, ".evict.lock"), thread_local=False):
+            cached = sorted(self.shards(), key=lambda item: item[2])  # oldest use first
+            total = sum(item[1] for item in cached) + size
+            for path, bytes_, _ in cached:
+                if total <= self.limit:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                total -= bytes_
+            os.replace(part, final)
+            _fsync_directory(self.directory)
+
+
+def _touch(path: str) -> bool:
+    """Mark a cached shard as used now; False if it is not cached."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,221 @@
+"""``StreamingDataset``: a map-style dataset over Parquet shards in object storage.
+
+Global index i is row ``i - first_row[s]`` of shard s (shards in the index's order), so
+``unbroken.DataLoader`` gives it everything a map-style dataset has: O(1) resume from a cursor
+of a few integers, any ``num_workers`` and any number of ranks on resume, and per-sample
+randomness derived from (seed, epoch, position). What is particular to object storage lives
+beside it:
+
+- ``shuffle=True`` uses the dataset's ``WindowShuffle`` (``order``): shards permuted, rows
+  permuted within windows of ``window_shards`` shards, so a reader needs a few shards at once.
+- Shards are downloaded whole into a ``ShardCache`` shared by every process on the machine,
+  verified against the index before use.
+- ``plan_reads`` starts a ``Prefetcher`` on the loader's exact future order.
+- Reading decodes one Parquet row group at a time and keeps the most recent ones decoded, so
+  a window's rows are decoded once per process, not once per sample.
+
+Items are dicts of column values (Python objects, as ``pyarrow``'s ``to_pylist`` gives them).
+For random augmentations per sample, wrap the dataset in your own map-style dataset whose
+``__getitem__`` calls this one: each sample is then seeded on its own by the loader. This
+dataset's ``__getitems__`` (batched reads) draws no randomness.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CorruptShard
+from .cache import ShardCache
+from .index import Shard, read_index
+from .order import WindowShuffle
+from .prefetch import Prefetcher, shards_in_order
+from .remote import Remote
+
+
+def default_cache_dir() -> str:
+    """``$UNBROKEN_CACHE`` or ``~/.cache/unbroken/shards``: safe to share between datasets,
+    since shards are cached under their checksum."""
+    return os.environ.get("UNBROKEN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "unbroken", "shards"
+    )
+
+
+class StreamingDataset(torch.utils.data.Dataset):
+    """Rows of the sharded dataset at ``url`` (written by ``write_shards`` or indexed by
+    ``index_parquet``), fetched into a local cache as they are needed.
+
+    - ``cache_dir``: the local cache (default ``default_cache_dir()``); ``cache_limit``: its
+      size limit in bytes (default: none). It must hold at least the shards of two windows
+      plus ``prefetch_bytes``, or reading would evict what it is about to read.
+    - ``window_shards``: how many shards a shuffled epoch mixes at once (default 4): more mixes
+      better, and needs more cache and memory (each reading process keeps a window decoded).
+    - ``prefetch_bytes``, ``prefetch_threads``: how far ahead, in bytes of shards not yet
+      reached, and with how many parallel downloads the loader's future order is fetched.
+    - ``columns``: the columns to read (default all); ``storage_options``: for fsspec (e.g. an
+      S3 ``endpoint_url``, ``key``, ``secret``); ``retries``: attempts after the first for a
+      request that fails to connect, with exponential backoff.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_dir: str | None = None,
+        cache_limit: int | None = None,
+        window_shards: int = 4,
+        prefetch_bytes: int = 64 << 20,
+        prefetch_threads: int = 4,
+        columns: Sequence[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = 3,
+    ) -> None:
+        for name, value, low in (
+            ("window_shards", window_shards, 1),
+            ("prefetch_bytes", prefetch_bytes, 0),
+            ("prefetch_threads", prefetch_threads, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        self.remote = Remote(url, storage_options, retries)
+        self.shards, all_columns, self.index_digest = read_index(self.remote)
+        if columns is None:
+            columns = all_columns
+        missing = [c for c in columns if c not in all_columns]
+        if missing or not columns:
+            raise ValueError(
+                f"columns {missing or list(columns)} not in the dataset's {all_columns}"
+            )
+        self.columns = list(columns)
+        self.window_shards, self.prefetch_bytes = window_shards, prefetch_bytes
+        self.prefetch_threads = prefetch_threads
+        rows = np.array([s.rows for s in self.shards], dtype=np.int64)
+        self._ends = np.cumsum(rows)  # index i is in shard searchsorted(ends, i, "right")
+        # Row groups numbered across all shards: where each ends (a global index), its shard
+        # and its number in that shard.
+        counts = [count for s in self.shards for count in s.row_groups]
+        self._group_ends = np.cumsum(np.array(counts, dtype=np.int64))
+        self._group_starts = self._group_ends - counts
+        self._group_shard = [i for i, s in enumerate(self.shards) for _ in s.row_groups]
+        self._group_local = [g for s in self.shards for g in range(len(s.row_groups))]
+        biggest = max(s.bytes for s in self.shards)
+        needed = 2 * window_shards * biggest + prefetch_bytes
+        if cache_limit is not None and cache_limit < needed:
+            raise ValueError(
+                f"cache_limit={cache_limit} bytes is too small for this dataset: reading needs "
+                f"two windows of {window_shards} shards of up to {biggest} bytes plus "
+                f"prefetch_bytes={prefetch_bytes}, {needed} bytes. Raise cache_limit, or lower "
+                "window_shards or prefetch_bytes"
+            )
+        self.cache = ShardCache(cache_dir or default_cache_dir(), cache_limit)
+        self.cache.sweep()
+        self._init_readers()
+
+    def _init_readers(self) -> None:
+        # Per process: open Parquet files and decoded row groups (a window's worth).
+        self._files: OrderedDict[int, Any] = OrderedDict()
+        self._decoded: dict[int, dict[str, list]] = {}  # by row group, oldest first
+        most_groups = max(len(s.row_groups) for s in self.shards)
+        self._keep_groups = (self.window_shards + 1) * most_groups
+        self._keep_files = self.window_shards + 2
+
+    def __getstate__(self) -> dict[str, Any]:
+        skip = ("_files", "_decoded")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_readers()
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"indices are ints, got {type(index).__name__}")
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} is out of range for {len(self)} rows")
+        return self.__getitems__([int(index) % len(self)])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        """The rows of a batch of indices (in [0, len)), located with one binary search."""
+        positions = np.asarray(indices, dtype=np.int64)
+        groups = np.searchsorted(self._group_ends, positions, side="right")
+        rows = (positions - self._group_starts[groups]).tolist()
+        names, out = self.columns, []
+        for group, row in zip(groups.tolist(), rows):
+            columns = self._decoded.get(group) or self._group(group)
+            out.append({name: columns[name][row] for name in names})
+        return out
+
+    def _group(self, group: int) -> dict[str, list]:
+        """Decode row group ``group`` (numbered across all shards), keeping the most recent."""
+        shard, local = self._group_shard[group], self._group_local[group]
+        table = self._file(shard).read_row_group(local, columns=self.columns)
+        columns = {name: table.column(name).to_pylist() for name in self.columns}
+        self._decoded[group] = columns
+        while len(self._decoded) > self._keep_groups:
+            self._decoded.pop(next(iter(self._decoded)))  # the oldest decoded
+        return columns
+
+    def _file(self, shard: int) -> Any:
+        import pyarrow.parquet as pq
+
+        file = self._files.get(shard)
+        if file is not None:
+            self._files.move_to_end(shard)
+            return file
+        entry = self.shards[shard]
+        path = self.cache.get(entry, self.remote)
+        try:
+            file = pq.ParquetFile(path, memory_map=True)
+        except FileNotFoundError:  # evicted by another process between get and open
+            path = self.cache.get(entry, self.remote)
+            file = pq.ParquetFile(path, memory_map=True)
+        if file.metadata.num_rows != entry.rows or file.num_row_groups != len(entry.row_groups):
+            raise CorruptShard(
+                f"shard {entry.name} ({self.remote.where(entry.name)}) has "
+                f"{file.metadata.num_rows} rows in {file.num_row_groups} row groups, the index "
+                f"says {entry.rows} in {len(entry.row_groups)}: the index does not describe "
+                "this shard; rebuild it with unbroken.streaming.index_parquet"
+            )
+        self._files[shard] = file
+        if len(self._files) > self._keep_files:
+            self._files.popitem(last=False)
+        return file
+
+    # The loader's hooks (``unbroken.data.orders``): the shuffle and the exact prefetch.
+
+    def shuffle_order(self, key: int) -> WindowShuffle:
+        """The epoch's shuffled order for ``unbroken.DataLoader(shuffle=True)``."""
+        return WindowShuffle(np.diff(self._ends, prepend=0), self.window_shards, key)
+
+    def order_fingerprint(self) -> dict[str, Any]:
+        """What a loader's state records of this dataset: resuming needs the same index and
+        the same windows."""
+        return {"index": self.index_digest, "window_shards": self.window_shards}
+
+    def plan_reads(self, batches: Iterator[list[int]], received: Callable[[], int]) -> Prefetcher:
+        """Start downloading the shards of ``batches`` (the loader's remaining batches of this
+        rank) ahead of ``received()`` (batches received since)."""
+
+        def fetch(shard: int) -> str:
+            return self.cache.get(self.shards[shard], self.remote)
+
+        return Prefetcher(
+            batches,
+            received,
+            shards_in_order(self._ends),
+            fetch,
+            lambda shard: self.shards[shard].bytes,
+            self.prefetch_bytes,
+            self.prefetch_threads,
+        )
+
+    def shard_of(self, index: int) -> Shard:
+        return self.shards[int(np.searchsorted(self._ends, index, side="right"))]
