@@ -14,8 +14,12 @@ offers; the modules inside are internal and may move:
 - ``unbroken.train``: ``Trainer`` (a loop that resumes bit for bit), ``Preemption`` (signals
   as a flag), ``GlobalRNG`` (the process's RNGs as a checkpoint entry).
 - ``unbroken.distributed``: data parallelism (``DataLoader(rank=, world_size=)``, or torchrun).
-- ``unbroken.errors``: ``StateMismatch``, ``CorruptState``, ``CorruptCheckpoint`` (all
-  ``ValueError``), ``DirectoryInUse``, ``RankFailure`` and ``DirectoryNotShared``.
+- ``unbroken.streaming``: sharded datasets in object storage: ``write_shards``,
+  ``index_parquet``, ``StreamingDataset`` (``pip install unbroken[streaming,s3]``); also
+  reachable as ``unbroken.StreamingDataset`` etc., imported on first use.
+- ``unbroken.errors``: ``StateMismatch``, ``CorruptState``, ``CorruptCheckpoint``,
+  ``CorruptShard`` (all ``ValueError``), ``DirectoryInUse``, ``RankFailure``,
+  ``DirectoryNotShared`` and ``RemoteUnavailable``.
 - ``unbroken.testing``: ``assert_resumes_exactly`` for checking a pipeline.
 """
 
@@ -30,7 +34,14 @@ from .data import (
     sample_seed,
     shuffle_buffer,
 )
-from .errors import CorruptCheckpoint, CorruptState, DirectoryInUse, StateMismatch
+from .errors import (
+    CorruptCheckpoint,
+    CorruptShard,
+    CorruptState,
+    DirectoryInUse,
+    RemoteUnavailable,
+    StateMismatch,
+)
 from .train import EXIT_CODE, GlobalRNG, Preemption, Trainer
 
 __version__ = "0.1.0"
@@ -39,20 +50,37 @@ __all__ = [
     "Checkpointer",
     "CombinedLoader",
     "CorruptCheckpoint",
+    "CorruptShard",
     "CorruptState",
     "DataLoader",
     "DirectoryInUse",
     "GlobalRNG",
     "PerRank",
     "Preemption",
+    "RemoteUnavailable",
     "Restored",
     "Resumable",
     "Sharded",
     "ShuffleBuffer",
     "StateMismatch",
+    "StreamingDataset",
     "Trainer",
     "resumable",
     "sample_rng",
     "sample_seed",
     "shuffle_buffer",
+    "index_parquet",
+    "write_shards",
 ]
+
+# unbroken.streaming needs pyarrow, fsspec and filelock (the "streaming" extra): imported when
+# one of its names is first used, so `import unbroken` does not need them.
+_STREAMING = ("StreamingDataset", "index_parquet", "write_shards")
+
+
+def __getattr__(name: str) -> object:
+    if name in _STREAMING:
+        from . import streaming
+
+        return getattr(streaming, name)
+    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

@@ -15,9 +15,11 @@ beside it:
   a window's rows are decoded once per process, not once per sample.
 
 Items are dicts of column values (Python objects, as ``pyarrow``'s ``to_pylist`` gives them).
-For random augmentations per sample, wrap the dataset in your own map-style dataset whose
-``__getitem__`` calls this one: each sample is then seeded on its own by the loader. This
-dataset's ``__getitems__`` (batched reads) draws no randomness.
+For decoding and random augmentations per sample, ``dataset.map(fn)``: a dataset of
+``fn(row)`` that keeps the hooks above and has no ``__getitems__``, so the loader seeds each
+sample on its own (this dataset's batched ``__getitems__`` draws no randomness). A wrapper of
+your own must forward ``shuffle_order``, ``order_fingerprint`` and ``plan_reads`` too, or the
+loader sees a plain map-style dataset: a uniform shuffle over all shards, and no prefetch.
 """
 
 from __future__ import annotations
@@ -217,5 +219,26 @@ class StreamingDataset(torch.utils.data.Dataset):
             self.prefetch_threads,
         )
 
+    def map(self, fn: Callable[[dict[str, Any]], Any]) -> Mapped:
+        """A dataset of ``fn(row)``, read in this dataset's order and with its prefetch."""
+        return Mapped(self, fn)
+
     def shard_of(self, index: int) -> Shard:
         return self.shards[int(np.searchsorted(self._ends, index, side="right"))]
+
+
+class Mapped(torch.utils.data.Dataset):
+    """``fn`` applied to each row of a ``StreamingDataset``, one sample at a time (so each is
+    seeded on its own), with the dataset's order and prefetch hooks."""
+
+    def __init__(self, dataset: StreamingDataset, fn: Callable[[dict[str, Any]], Any]) -> None:
+        self.dataset, self.fn = dataset, fn
+        self.shuffle_order = dataset.shuffle_order
+        self.order_fingerprint = dataset.order_fingerprint
+        self.plan_reads = dataset.plan_reads
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.fn(self.dataset[index])

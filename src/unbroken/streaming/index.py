@@ -163,7 +163,7 @@ def write_shards(
     url: str,
     *,
     shard_bytes: int = 8 << 20,
-    row_group_bytes: int = 1 << 20,
+    row_group_bytes: int | None = None,
     schema: Any = None,
     compression: str = "snappy",
     storage_options: dict[str, Any] | None = None,
@@ -171,14 +171,16 @@ def write_shards(
     """Write ``rows`` (dicts of column values) as Parquet shards of about ``shard_bytes`` (in
     Arrow's in-memory size) to ``url``, then the index; returns the index.
 
-    Rows are split into row groups of about ``row_group_bytes``: a row group is what a reader
-    decodes at once, a shard what it downloads at once. ``schema`` (a ``pyarrow.Schema``) is
+    Rows are split into row groups of about ``row_group_bytes`` (default: an eighth of a
+    shard): a row group is what a reader decodes at once, a shard what it downloads at once. ``schema`` (a ``pyarrow.Schema``) is
     inferred from the first rows when left out. Each shard is written to a local temporary
     file, hashed and uploaded; the index is written last.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if row_group_bytes is None:
+        row_group_bytes = max(1, shard_bytes // 8)
     if shard_bytes < row_group_bytes or row_group_bytes <= 0:
         raise ValueError(
             f"need 0 < row_group_bytes <= shard_bytes, got row_group_bytes={row_group_bytes}, "
