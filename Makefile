@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unbroken-installed
 
-.PHONY: test demo demo-loader demo-ddp bench mutate clean
+.PHONY: test demo demo-loader demo-ddp demo-stream bench mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo-loader: $(STAMP)
 # torchrun on 2 CPU processes (gloo): one rank SIGKILLed 3 times, then resumed on 1 and 3 ranks.
 demo-ddp: $(STAMP)
 	$(PY) demo/train_digits_ddp.py
+
+# A local S3 server (moto): digits streamed from Parquet shards, SIGKILLed 4 times, cache emptied once.
+demo-stream: $(STAMP)
+	$(PY) demo/train_digits_stream.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
