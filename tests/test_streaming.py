@@ -245,13 +245,21 @@ def test_prefetch_fetches_the_shards_of_the_future_order_in_order_and_stays_in_b
     time.sleep(0.3)
     assert plan.fetched == first_touch[:5]
     plan.close()
-    # Received: a whole epoch's prefetch covers every shard, in first-touch order.
-    ds.prefetch_bytes = 1 << 30
+    # As the loader's user receives batches, the prefetcher moves on: by the end of an epoch it
+    # fetched every shard, in the order of first use, though 3 shards' bytes is its budget.
+    plans = []
+    plan_reads = ds.plan_reads
+    ds.plan_reads = lambda batches, received: (
+        plans.append(plan_reads(batches, received)) or plans[-1]
+    )
     fresh = unbroken.DataLoader(ds, batch_size=16, shuffle=True, seed=2)
-    plan = fresh._source.plan_reads(2, 0, unbroken.data.sources.Cursor())
-    plan.join(timeout=10)
+    for _ in fresh:
+        time.sleep(0.005)
+    plans[0].join(timeout=10)
     order = _reference_order(_shard_rows(local_ds), 2, 2, 0)
-    assert plan.fetched == list(dict.fromkeys(np.searchsorted(ends, order, side="right").tolist()))
+    assert plans[0].fetched == list(
+        dict.fromkeys(np.searchsorted(ends, order, side="right").tolist())
+    )
 
 
 # Object storage: a real S3 protocol server (moto) on 127.0.0.1, shared by the session.
@@ -335,6 +343,8 @@ def test_sigkill_during_a_download_leaves_nothing_that_is_read_later(s3, s3_ds, 
     script = Path(__file__).with_name("streaming_job.py")
     cache = tmp_path / "cache"
     options = json.dumps(s3.storage_options)
+    # A process that shares the cache and lives on: it must not read the partial download.
+    alive = StreamingDataset(s3_ds, cache_dir=str(cache), storage_options=s3.storage_options)
     job = subprocess.Popen(
         [sys.executable, str(script), "hang-in-download", s3_ds, str(cache), options],
         stdout=subprocess.PIPE,
@@ -348,6 +358,10 @@ def test_sigkill_during_a_download_leaves_nothing_that_is_read_later(s3, s3_ds, 
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
     assert not list(cache.glob("*.parquet"))  # nothing complete-looking was left
+    assert alive.__getitems__(list(range(N))) == [_row(i) for i in range(N)]
+    assert not list(cache.glob("*.part-*"))  # its next download of the shard removed the part
+    shutil.rmtree(cache)
+    os.mkdir(cache)
     # A restart with the same cache reads every row exactly, and removes the partial file.
     rerun = subprocess.run(
         [sys.executable, str(script), "read", s3_ds, str(cache), options],
@@ -392,6 +406,19 @@ def test_a_training_job_sigkilled_mid_epoch_resumes_bit_for_bit(s3, s3_ds, tmp_p
     assert all(torch.equal(got[k], want[k]) for k in want), f"weights differ (kills at {kills})"
     metrics = (tmp_path / "killed" / "metrics.csv").read_bytes()
     assert metrics == (tmp_path / "reference" / "metrics.csv").read_bytes()
+
+
+def test_a_new_dataset_sweeps_partial_downloads_of_dead_processes_only(local_ds, tmp_path):
+    from filelock import FileLock
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead, live = cache / "a-1.parquet.part-1-1", cache / "b-1.parquet.part-2-2"
+    dead.write_bytes(b"half")
+    live.write_bytes(b"half")
+    with FileLock(str(cache / "b-1.parquet.lock"), thread_local=False):  # still downloading
+        _dataset(local_ds, cache)
+        assert not dead.exists() and live.exists()
 
 
 def test_a_corrupt_transfer_is_fetched_once_more(s3, s3_ds, tmp_path, monkeypatch):
@@ -469,6 +496,19 @@ def test_a_malformed_index_is_refused_naming_what_is_wrong(local_ds, tmp_path, e
     path.write_text(json.dumps(index))
     with pytest.raises(CorruptShard, match=message):
         _dataset(str(remote), tmp_path / "cache")
+
+
+def test_a_writer_that_dies_leaves_no_index_so_nothing_reads_half_a_dataset(tmp_path):
+    def rows():
+        for i in range(200):
+            yield _row(i)
+        raise RuntimeError("the writer died")
+
+    with pytest.raises(RuntimeError, match="the writer died"):
+        write_shards(rows(), str(tmp_path / "ds"), shard_bytes=1200)
+    assert list((tmp_path / "ds").glob("shard-*.parquet"))  # shards were written, but
+    with pytest.raises(FileNotFoundError, match="no sharded dataset"):
+        _dataset(str(tmp_path / "ds"), tmp_path / "cache")
 
 
 def test_a_missing_index_or_unreadable_json_says_what_to_do(tmp_path):
