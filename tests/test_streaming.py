@@ -47,22 +47,39 @@ def _dataset(url: str, cache: Path, **kwargs) -> StreamingDataset:
     return StreamingDataset(url, cache_dir=str(cache), **kwargs)
 
 
-def _shard_rows(url: str) -> list[int]:
+def _shard_groups(url: str) -> list[list[int]]:
     index = json.loads(Path(url, "unbroken-index.json").read_text())
-    return [shard["rows"] for shard in index["shards"]]
+    return [shard["row_groups"] for shard in index["shards"]]
 
 
-def _reference_order(rows: list[int], window: int, seed: int, epoch: int) -> list[int]:
-    """The documented order, built here from its definition: the shards permuted, then each
-    run of ``window`` of them mixed as one block of rows."""
+def _shard_rows(url: str) -> list[int]:
+    return [sum(groups) for groups in _shard_groups(url)]
+
+
+def _reference_order(
+    groups: list[list[int]], window: int, block: int, seed: int, epoch: int
+) -> list[int]:
+    """The documented order, built here from its definition: the shards permuted; in each run
+    of ``window`` of them, their row groups permuted; each run of ``block`` of those row
+    groups mixed as one block of rows."""
     key = derive_key(seed, epoch, 1)
-    shards = IndexShuffle(len(rows), derive_key(key, 0)).range(0, len(rows))
-    first = np.concatenate(([0], np.cumsum(rows)[:-1])).tolist()
+    shards = IndexShuffle(len(groups), derive_key(key, 0)).range(0, len(groups))
+    first, row = [], 0
+    for sizes in groups:  # each row group's rows, as global indices
+        first.append([])
+        for size in sizes:
+            first[-1].append(list(range(row, row + size)))
+            row += size
     order: list[int] = []
     for number, start in enumerate(range(0, len(shards), window)):
-        block = [first[s] + r for s in shards[start : start + window] for r in range(rows[s])]
-        mixed = IndexShuffle(len(block), derive_key(key, 1, number)).range(0, len(block))
-        order += [block[k] for k in mixed]
+        pool = [g for s in shards[start : start + window] for g in first[s]]
+        pool = [
+            pool[k] for k in IndexShuffle(len(pool), derive_key(key, 2, number)).range(0, len(pool))
+        ]
+        for b, at in enumerate(range(0, len(pool), block)):
+            rows = [r for g in pool[at : at + block] for r in g]
+            mixed = IndexShuffle(len(rows), derive_key(key, 1, number, b)).range(0, len(rows))
+            order += [rows[k] for k in mixed]
     return order
 
 
@@ -87,38 +104,56 @@ def test_rows_come_back_as_written_and_the_index_describes_the_shards(local_ds, 
         ds[N]
 
 
-@pytest.mark.parametrize("window", [1, 3, 100])
-def test_the_shuffled_order_is_the_documented_one_and_differs_per_epoch(local_ds, tmp_path, window):
-    ds = _dataset(local_ds, tmp_path, window_shards=window)
+@pytest.mark.parametrize("window, block", [(1, 1), (3, 2), (100, 3), (2, 100)])
+def test_the_shuffled_order_is_the_documented_one_and_differs_per_epoch(
+    local_ds, tmp_path, window, block
+):
+    ds = _dataset(local_ds, tmp_path, window_shards=window, block_groups=block)
     loader = unbroken.DataLoader(ds, batch_size=16, shuffle=True, seed=5)
-    rows = _shard_rows(local_ds)
+    groups = _shard_groups(local_ds)
     epochs = [torch.cat([b["id"] for b in loader]).tolist() for _ in range(2)]
     for epoch, got in enumerate(epochs):
-        assert got == _reference_order(rows, window, 5, epoch)
+        assert got == _reference_order(groups, window, block, 5, epoch)
         assert sorted(got) == list(range(N))
     assert epochs[0] != epochs[1]
 
 
 @given(
-    rows=st.lists(st.integers(0, 9), min_size=1, max_size=12).filter(lambda r: sum(r) > 0),
-    window=st.integers(1, 5),
+    groups=st.lists(st.lists(st.integers(1, 5), max_size=4), min_size=1, max_size=10).filter(
+        lambda g: sum(map(sum, g)) > 0
+    ),
+    window=st.integers(1, 4),
+    block=st.integers(1, 4),
     key=st.integers(0, 2**64 - 1),
 )
-@settings(max_examples=60, deadline=None)
-def test_the_window_shuffle_is_a_bijection_local_to_its_windows(rows, window, key):
-    order = WindowShuffle(np.array(rows), window, key)
+@settings(max_examples=80, deadline=None)
+def test_the_window_shuffle_is_a_bijection_local_to_its_windows_and_blocks(
+    groups, window, block, key
+):
+    order = WindowShuffle(groups, window, block, key)
     got = order.at(np.arange(order.n))
-    assert sorted(got.tolist()) == list(range(sum(rows)))
+    assert sorted(got.tolist()) == list(range(order.n))
     assert order.range(0, order.n) == got.tolist()
-    # Positions of window w are exactly the rows of that window's shards.
-    first = np.concatenate(([0], np.cumsum(rows)[:-1]))
+    # Each window's positions are exactly the rows of that window's shards, and each block
+    # within it holds rows of at most `block` row groups.
+    ends = np.cumsum([g for sizes in groups for g in sizes])
+    first = np.concatenate(([0], np.cumsum([sum(g) for g in groups])[:-1]))
     position = 0
-    for start in range(0, len(rows), window):
+    for start in range(0, len(groups), window):
         members = order.shards[start : start + window].tolist()
-        size = sum(rows[s] for s in members)
-        expected = {int(first[s]) + r for s in members for r in range(rows[s])}
+        size = sum(sum(groups[s]) for s in members)
+        expected = {int(first[s]) + r for s in members for r in range(sum(groups[s]))}
         assert set(got[position : position + size].tolist()) == expected
+        window_groups = sum(len(groups[s]) for s in members)
+        touched = np.searchsorted(ends, got[position : position + size], side="right")
+        assert len(set(touched.tolist())) == window_groups
         position += size
+
+
+def test_the_window_shuffle_matches_the_reference_for_a_drawn_key():
+    groups = [[3, 2], [4], [1, 1, 1], [5, 2], []]
+    key = derive_key(11, 2, 1)
+    assert WindowShuffle(groups, 2, 2, key).range(0, 19) == _reference_order(groups, 2, 2, 11, 2)
 
 
 @pytest.mark.parametrize("workers, resume_workers", [(0, 0), (2, 0), (0, 2)])
@@ -151,7 +186,7 @@ def test_a_fresh_dataset_and_loader_resume_anywhere(local_ds, tmp_path_factory, 
         return unbroken.DataLoader(ds, batch_size=batch, shuffle=True, seed=1)
 
     whole = torch.cat([b["id"] for b in make()]).tolist()
-    assert whole == _reference_order(_shard_rows(local_ds), window, 1, 0)
+    assert whole == _reference_order(_shard_groups(local_ds), window, 8, 1, 0)
     first = make()
     taken: list[int] = []
     iterator = iter(first)
@@ -167,7 +202,7 @@ def test_a_fresh_dataset_and_loader_resume_anywhere(local_ds, tmp_path_factory, 
 
 
 def test_ranks_share_one_global_order_and_resume_on_another_world_size(local_ds, tmp_path):
-    order = _reference_order(_shard_rows(local_ds), 2, 4, 0)
+    order = _reference_order(_shard_groups(local_ds), 2, 8, 4, 0)
 
     def loaders(world):
         return [
@@ -207,6 +242,7 @@ def test_a_state_resumes_only_on_the_same_dataset_and_windows(local_ds, tmp_path
     next(iter(loader))
     state = loader.state_dict()
     assert state["fingerprint"]["dataset"]["window_shards"] == 4
+    assert state["fingerprint"]["dataset"]["block_groups"] == 8
     other_windows = unbroken.DataLoader(
         _dataset(local_ds, tmp_path, window_shards=2), batch_size=8, shuffle=True, seed=0
     )
@@ -233,17 +269,33 @@ def test_prefetch_fetches_the_shards_of_the_future_order_in_order_and_stays_in_b
         next(iterator)
     state = loader.state_dict()
     assert (state["epoch"], state["samples"]) == (0, 112)
-    future = _reference_order(_shard_rows(local_ds), 2, 2, 0)[112:]
+    future = _reference_order(_shard_groups(local_ds), 2, 8, 2, 0)[112:]
     ends = np.cumsum(_shard_rows(local_ds))
     first_touch = list(dict.fromkeys(np.searchsorted(ends, future, side="right").tolist()))
-    plan = loader._source.plan_reads(loader.seed, 0, unbroken.data.sources.Cursor(112, 7))
-    # The shards of the batch being read (its window's 2), then 3 shards' bytes ahead; nothing
-    # is received, so it stops there.
-    deadline = time.monotonic() + 10
-    while len(plan.fetched) < 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)
-    assert plan.fetched == first_touch[:5]
+    first_use = {}  # shard -> the first batch (from the cursor) that reads it
+    for position, shard in enumerate(np.searchsorted(ends, future, side="right").tolist()):
+        first_use.setdefault(shard, position // 16)
+    sizes = [s["bytes"] for s in index["shards"]]
+    cursor = unbroken.data.sources.Cursor(112, 7)
+    plan = loader._source.plan_reads(loader.seed, 0, cursor)
+
+    def settled(count):
+        deadline = time.monotonic() + 10
+        while len(plan.fetched) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        return list(plan.fetched)
+
+    # Before the first batch is received: that batch's shards only (in parallel).
+    first_batch = [s for s in first_touch if first_use[s] == 0]
+    assert settled(len(first_batch)) == first_batch
+    cursor.batches += 1  # the user received it: the prefetcher runs ahead, within its budget
+    fetched = settled(len(first_batch) + 1)
+    assert fetched == first_touch[: len(fetched)] and len(fetched) > len(first_batch)
+    ahead = [sizes[s] for s in fetched if first_use[s] > 1]  # not reached by the reader
+    assert sum(ahead) <= ds.prefetch_bytes or len(ahead) == 1
+    following = first_touch[len(fetched)]
+    assert sum(ahead) + sizes[following] > ds.prefetch_bytes  # stopped by the budget only
     plan.close()
     # As the loader's user receives batches, the prefetcher moves on: by the end of an epoch it
     # fetched every shard, in the order of first use, though 3 shards' bytes is its budget.
@@ -256,7 +308,7 @@ def test_prefetch_fetches_the_shards_of_the_future_order_in_order_and_stays_in_b
     for _ in fresh:
         time.sleep(0.005)
     plans[0].join(timeout=10)
-    order = _reference_order(_shard_rows(local_ds), 2, 2, 0)
+    order = _reference_order(_shard_groups(local_ds), 2, 8, 2, 0)
     assert plans[0].fetched == list(
         dict.fromkeys(np.searchsorted(ends, order, side="right").tolist())
     )
@@ -298,7 +350,7 @@ def test_from_s3_a_resume_downloads_only_the_shards_of_its_first_batches(s3, s3_
         return ds.cache.downloaded_bytes, first
 
     shards = _dataset_index(s3, s3_ds, tmp_path)
-    order = _reference_order([s.rows for s in shards], 2, 8, 0)
+    order = _reference_order([s.row_groups for s in shards], 2, 8, 8, 0)
     biggest = max(s.bytes for s in shards)
     for fraction in (0.01, 0.5, 0.99):
         downloaded, first = resume_at(fraction, tmp_path / f"cache-{fraction}")
@@ -552,7 +604,7 @@ def test_eviction_keeps_the_cache_under_its_limit_while_reading_exactly(local_ds
         got += batch["id"].tolist()
         sizes = [f.stat().st_size for f in cache.glob("*.parquet")]
         assert sum(sizes) <= limit
-    assert got == _reference_order(_shard_rows(local_ds), 2, 6, 0)
+    assert got == _reference_order(_shard_groups(local_ds), 2, 8, 6, 0)
     # Each shard is read in one window only: evicting what was read never costs a download.
     assert ds.cache.downloaded_bytes == total and ds.cache.downloads == len(index["shards"])
 

@@ -192,8 +192,10 @@ class NativeOrder(IndexSource):
         shuffle = self.order.permutation(self.n, seed, epoch) if self.shuffle else None
         block = step * max(1, _BLOCK // step)
         start, end = cursor.samples, self.epoch_samples
-        for block_start in range(start, end, block):
-            block_end = min(block_start + block, end)
+        # The first block is one batch: the first batch after a resume waits for nothing more.
+        starts = [start, *range(start + step, end, block)] if start < end else []
+        for block_start in starts:
+            block_end = min(block_start + (step if block_start == start else block), end)
             indices: range | list[int]
             if shuffle is None:
                 indices = range(block_start, block_end)

@@ -6,13 +6,14 @@ of a few integers, any ``num_workers`` and any number of ranks on resume, and pe
 randomness derived from (seed, epoch, position). What is particular to object storage lives
 beside it:
 
-- ``shuffle=True`` uses the dataset's ``WindowShuffle`` (``order``): shards permuted, rows
-  permuted within windows of ``window_shards`` shards, so a reader needs a few shards at once.
+- ``shuffle=True`` uses the dataset's ``WindowShuffle`` (``order``): shards permuted in windows
+  of ``window_shards``, a window's row groups permuted in blocks of ``block_groups``, a
+  block's rows permuted, so a reader needs a few shards downloaded and one block decoded.
 - Shards are downloaded whole into a ``ShardCache`` shared by every process on the machine,
   verified against the index before use.
 - ``plan_reads`` starts a ``Prefetcher`` on the loader's exact future order.
-- Reading decodes one Parquet row group at a time and keeps the most recent ones decoded, so
-  a window's rows are decoded once per process, not once per sample.
+- Reading decodes one Parquet row group at a time and keeps the most recent ones decoded (two
+  blocks' worth), so a block's rows are decoded once per process, not once per sample.
 
 Items are dicts of column values (Python objects, as ``pyarrow``'s ``to_pylist`` gives them).
 For decoding and random augmentations per sample, ``dataset.map(fn)``: a dataset of
@@ -36,7 +37,7 @@ from ..errors import CorruptShard
 from .cache import ShardCache
 from .index import Shard, read_index
 from .order import WindowShuffle
-from .prefetch import Prefetcher, shards_in_order
+from .prefetch import Prefetcher, first_uses_in
 from .remote import Remote
 
 
@@ -55,8 +56,11 @@ class StreamingDataset(torch.utils.data.Dataset):
     - ``cache_dir``: the local cache (default ``default_cache_dir()``); ``cache_limit``: its
       size limit in bytes (default: none). It must hold at least the shards of two windows
       plus ``prefetch_bytes``, or reading would evict what it is about to read.
-    - ``window_shards``: how many shards a shuffled epoch mixes at once (default 4): more mixes
-      better, and needs more cache and memory (each reading process keeps a window decoded).
+    - ``window_shards``, ``block_groups``: how a shuffled epoch mixes (defaults 4 and 8): each
+      batch draws its rows from one block of ``block_groups`` row groups, drawn at random from
+      the ``window_shards`` shards of a window. Larger mixes better; a larger window needs more
+      cache, a larger block more decoding before the first batch and more memory (each
+      reading process keeps two blocks decoded).
     - ``prefetch_bytes``, ``prefetch_threads``: how far ahead, in bytes of shards not yet
       reached, and with how many parallel downloads the loader's future order is fetched.
     - ``columns``: the columns to read (default all); ``storage_options``: for fsspec (e.g. an
@@ -71,6 +75,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         cache_dir: str | None = None,
         cache_limit: int | None = None,
         window_shards: int = 4,
+        block_groups: int = 8,
         prefetch_bytes: int = 64 << 20,
         prefetch_threads: int = 4,
         columns: Sequence[str] | None = None,
@@ -79,6 +84,7 @@ class StreamingDataset(torch.utils.data.Dataset):
     ) -> None:
         for name, value, low in (
             ("window_shards", window_shards, 1),
+            ("block_groups", block_groups, 1),
             ("prefetch_bytes", prefetch_bytes, 0),
             ("prefetch_threads", prefetch_threads, 1),
         ):
@@ -94,7 +100,8 @@ class StreamingDataset(torch.utils.data.Dataset):
                 f"columns {missing or list(columns)} not in the dataset's {all_columns}"
             )
         self.columns = list(columns)
-        self.window_shards, self.prefetch_bytes = window_shards, prefetch_bytes
+        self.window_shards, self.block_groups = window_shards, block_groups
+        self.prefetch_bytes = prefetch_bytes
         self.prefetch_threads = prefetch_threads
         rows = np.array([s.rows for s in self.shards], dtype=np.int64)
         self._ends = np.cumsum(rows)  # index i is in shard searchsorted(ends, i, "right")
@@ -122,8 +129,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         # Per process: open Parquet files and decoded row groups (a window's worth).
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._decoded: dict[int, dict[str, list]] = {}  # by row group, oldest first
-        most_groups = max(len(s.row_groups) for s in self.shards)
-        self._keep_groups = (self.window_shards + 1) * most_groups
+        self._keep_groups = 2 * self.block_groups + 2
         self._keep_files = self.window_shards + 2
 
     def __getstate__(self) -> dict[str, Any]:
@@ -195,12 +201,17 @@ class StreamingDataset(torch.utils.data.Dataset):
 
     def shuffle_order(self, key: int) -> WindowShuffle:
         """The epoch's shuffled order for ``unbroken.DataLoader(shuffle=True)``."""
-        return WindowShuffle(np.diff(self._ends, prepend=0), self.window_shards, key)
+        groups = [s.row_groups for s in self.shards]
+        return WindowShuffle(groups, self.window_shards, self.block_groups, key)
 
     def order_fingerprint(self) -> dict[str, Any]:
         """What a loader's state records of this dataset: resuming needs the same index and
-        the same windows."""
-        return {"index": self.index_digest, "window_shards": self.window_shards}
+        the same windows and blocks."""
+        return {
+            "index": self.index_digest,
+            "window_shards": self.window_shards,
+            "block_groups": self.block_groups,
+        }
 
     def plan_reads(self, batches: Iterator[list[int]], received: Callable[[], int]) -> Prefetcher:
         """Start downloading the shards of ``batches`` (the loader's remaining batches of this
@@ -212,7 +223,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         return Prefetcher(
             batches,
             received,
-            shards_in_order(self._ends),
+            first_uses_in(self._ends),
             fetch,
             lambda shard: self.shards[shard].bytes,
             self.prefetch_bytes,

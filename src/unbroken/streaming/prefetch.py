@@ -13,9 +13,12 @@ is guessed: on resume the first shards fetched are those of the first batches.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import threading
+import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,33 +26,52 @@ import numpy as np
 
 
 class Prefetcher:
-    """Downloads ``shards_of(batch)`` for each planned batch ahead of the reader."""
+    """Downloads the shards of the planned batches ahead of the reader.
+
+    ``first_uses(batches, number)`` gives, for a list of consecutive batches whose first is
+    batch ``number``, the ``(batch, shard)`` of each shard they touch, at its first use, in
+    order. Batches are read in chunks (one numpy pass each), and after the shards of the first
+    batch are submitted the planning waits until the reader has received that batch: on a
+    resume the first batch's downloads run in parallel, and nothing competes with the reader
+    (for the interpreter's lock) before its first batch.
+    """
+
+    _CHUNK = 64  # batches per planning pass
 
     def __init__(
         self,
         batches: Iterator[list[int]],
         received: Callable[[], int],
-        shards_of: Callable[[list[int]], Iterable[int]],
+        first_uses: Callable[[list[list[int]], int], list[tuple[int, int]]],
         fetch: Callable[[int], Any],
         size_of: Callable[[int], int],
         max_bytes: int,
         threads: int,
     ) -> None:
         self._batches, self._received = batches, received
-        self._shards_of, self._fetch, self._size_of = shards_of, fetch, size_of
+        self._first_uses, self._fetch, self._size_of = first_uses, fetch, size_of
         self._max_bytes, self._threads = max_bytes, threads
         self._stop = threading.Event()
         self.fetched: list[int] = []  # shards submitted, in order (for tests and reports)
         self._thread = threading.Thread(target=self._run, name="unbroken-prefetch", daemon=True)
+        if not _live:
+            atexit.register(_stop_all)  # once per process at most: unregistered again below
+        _live.add(self)
         self._thread.start()
+
+    def _chunks(self) -> Iterator[tuple[int, list[list[int]]]]:
+        number, size = 0, 1  # the first batch alone, then chunks
+        while chunk := list(itertools.islice(self._batches, size)):
+            yield number, chunk
+            number, size = number + len(chunk), self._CHUNK
 
     def _run(self) -> None:
         pool = ThreadPoolExecutor(self._threads, thread_name_prefix="unbroken-download")
         ahead: deque[tuple[int, int]] = deque()  # (first batch that needs it, bytes)
         seen: set[int] = set()
         try:
-            for number, batch in enumerate(self._batches):
-                for shard in self._shards_of(batch):
+            for number, chunk in self._chunks():
+                for batch, shard in self._first_uses(chunk, number):
                     if shard in seen:
                         continue
                     seen.add(shard)
@@ -65,9 +87,11 @@ class Prefetcher:
                         self._stop.wait(0.005)
                     if self._stop.is_set():
                         return
-                    ahead.append((number, size))
+                    ahead.append((batch, size))
                     self.fetched.append(shard)
                     pool.submit(self._quietly, shard)
+                while number == 0 and self._received() < 1 and not self._stop.is_set():
+                    self._stop.wait(0.002)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -88,13 +112,30 @@ class Prefetcher:
         self._thread.join(timeout)
 
 
-def shards_in_order(ends: np.ndarray) -> Callable[[list[int]], list[int]]:
-    """For shards whose rows end at ``ends`` (cumulative), the shards a batch of indices
-    touches, in order of first touch."""
+# The prefetchers still running when the interpreter exits (a loop left with its iterator alive)
+# are stopped and joined before it tears down the libraries their threads may be inside.
+_live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
-    def shards_of(batch: list[int]) -> list[int]:
-        found = np.searchsorted(ends, np.asarray(batch, dtype=np.int64), side="right")
-        unique, first = np.unique(found, return_index=True)
-        return unique[np.argsort(first)].tolist()
 
-    return shards_of
+def _stop_all() -> None:
+    atexit.unregister(_stop_all)
+    for prefetcher in list(_live):
+        prefetcher.close()
+    for prefetcher in list(_live):
+        prefetcher.join(timeout=5)
+
+
+def first_uses_in(ends: np.ndarray) -> Callable[[list[list[int]], int], list[tuple[int, int]]]:
+    """For shards whose rows end at ``ends`` (cumulative): ``(batch, shard)`` at each shard's
+    first use in a list of consecutive batches numbered from ``number``, in order."""
+
+    def first_uses(batches: list[list[int]], number: int) -> list[tuple[int, int]]:
+        indices = np.fromiter(itertools.chain.from_iterable(batches), dtype=np.int64)
+        lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+        batch_of = np.repeat(np.arange(number, number + len(batches)), lengths)
+        shards = np.searchsorted(ends, indices, side="right")
+        unique, first = np.unique(shards, return_index=True)
+        order = np.argsort(first, kind="stable")
+        return list(zip(batch_of[first[order]].tolist(), unique[order].tolist()))
+
+    return first_uses
