@@ -17,6 +17,7 @@ workers prefetched never count.
 
 from __future__ import annotations
 
+import itertools
 import math
 from abc import abstractmethod
 from collections import deque
@@ -193,7 +194,7 @@ class NativeOrder(IndexSource):
         block = step * max(1, _BLOCK // step)
         start, end = cursor.samples, self.epoch_samples
         # The first block is one batch: the first batch after a resume waits for nothing more.
-        starts = [start, *range(start + step, end, block)] if start < end else []
+        starts = itertools.chain((start,), range(start + step, end, block)) if start < end else ()
         for block_start in starts:
             block_end = min(block_start + (step if block_start == start else block), end)
             indices: range | list[int]
