@@ -364,6 +364,38 @@ def _dataset_index(s3, url, tmp_path):
     return StreamingDataset(url, cache_dir=str(tmp_path), storage_options=s3.storage_options).shards
 
 
+def test_a_warm_restart_contacts_no_server_and_refresh_index_rereads_it(s3, tmp_path):
+    import socket
+
+    s3.make_bucket("unbroken-refresh")
+    url, options = "s3://unbroken-refresh/ds", s3.storage_options
+    write_shards((_row(i) for i in range(40)), url, storage_options=options)
+    first = StreamingDataset(url, cache_dir=str(tmp_path), storage_options=options)
+    assert first.__getitems__(list(range(40))) == [_row(i) for i in range(40)]
+    with socket.socket() as probe:  # the same URL behind an endpoint that nothing answers
+        probe.bind(("127.0.0.1", 0))
+        dead = {**options, "endpoint_url": f"http://127.0.0.1:{probe.getsockname()[1]}"}
+    # The cache is keyed by URL and endpoint: copy the warm entry to the dead endpoint's key.
+    key = f"{url}\n{options['endpoint_url']}"
+    first.cache.keep_index(f"{url}\n{dead['endpoint_url']}", first.cache.cached_index(key))
+    offline = StreamingDataset(url, cache_dir=str(tmp_path), storage_options=dead, retries=0)
+    assert offline.__getitems__(list(range(40))) == [_row(i) for i in range(40)]
+    with pytest.raises(RemoteUnavailable):
+        StreamingDataset(
+            url, cache_dir=str(tmp_path), storage_options=dead, retries=0, refresh_index=True
+        )
+    # Rewritten at the same URL: the cache's copy until refresh_index=True.
+    write_shards(({**_row(i), "label": 99} for i in range(40)), url, storage_options=options)
+    stale = StreamingDataset(url, cache_dir=str(tmp_path), storage_options=options)
+    assert stale.index_digest == first.index_digest
+    fresh = StreamingDataset(
+        url, cache_dir=str(tmp_path), storage_options=options, refresh_index=True
+    )
+    assert fresh.index_digest != first.index_digest and fresh[3]["label"] == 99
+    again = StreamingDataset(url, cache_dir=str(tmp_path), storage_options=options)
+    assert again.index_digest == fresh.index_digest  # the refreshed copy is kept
+
+
 def test_two_processes_share_one_cache_and_download_each_shard_once(s3, s3_ds, tmp_path):
     import subprocess
     import sys

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import os
 import threading
 
@@ -51,6 +52,28 @@ class ShardCache:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, downloaded_bytes=0, downloads=0)
+
+    def _index_path(self, key: str) -> str:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+        return os.path.join(self.directory, f"index-{digest}.json")
+
+    def cached_index(self, key: str) -> bytes | None:
+        """The copy of a dataset's index kept under ``key`` (its URL and endpoint), if any."""
+        try:
+            with open(self._index_path(key), "rb") as file:
+                return file.read()
+        except FileNotFoundError:
+            return None
+
+    def keep_index(self, key: str, raw: bytes) -> None:
+        """Keep a copy of a dataset's index (written whole or not at all)."""
+        path = self._index_path(key)
+        part = f"{path}.part-{os.getpid()}-{threading.get_ident()}"
+        with open(part, "wb") as file:
+            file.write(raw)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(part, path)
 
     def path(self, shard: Shard) -> str:
         digest = shard.checksum.partition(":")[2][:32]
@@ -92,9 +115,10 @@ class ShardCache:
                     os.remove(part)
         raise CorruptShard(
             f"shard {shard.name} ({remote.where(shard.name)}) does not match the dataset's "
-            f"index: {problem}, twice. The shard or the index was changed after the index was "
-            "written; rewrite the dataset, or rebuild the index with "
-            "unbroken.streaming.index_parquet"
+            f"index: {problem}, twice. The shard was changed after the index was written: "
+            "rewrite the dataset, or rebuild the index with unbroken.streaming.index_parquet; "
+            "if the dataset was rewritten at its URL, pass refresh_index=True (the cache keeps "
+            "the index it read first)"
         )
 
     @staticmethod

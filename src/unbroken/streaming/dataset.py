@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CorruptShard
 from .cache import ShardCache
-from .index import Shard, read_index
+from .index import Shard, fetch_index, read_index
 from .order import WindowShuffle
 from .prefetch import Prefetcher, first_uses_in
 from .remote import Remote
@@ -66,6 +66,11 @@ class StreamingDataset(torch.utils.data.Dataset):
     - ``columns``: the columns to read (default all); ``storage_options``: for fsspec (e.g. an
       S3 ``endpoint_url``, ``key``, ``secret``); ``retries``: attempts after the first for a
       request that fails to connect, with exponential backoff.
+    - ``refresh_index``: read the index from the storage even if the cache keeps a copy. The
+      copy is taken the first time a cache directory sees the dataset (keyed by URL and
+      endpoint) and used from then on, so a dataset rewritten at the same URL needs
+      ``refresh_index=True`` (or a new URL); shards are cached by checksum, so a refreshed
+      index never reads stale shards.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         columns: Sequence[str] | None = None,
         storage_options: dict[str, Any] | None = None,
         retries: int = 3,
+        refresh_index: bool = False,
     ) -> None:
         for name, value, low in (
             ("window_shards", window_shards, 1),
@@ -91,7 +97,16 @@ class StreamingDataset(torch.utils.data.Dataset):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.remote = Remote(url, storage_options, retries)
-        self.shards, all_columns, self.index_digest = read_index(self.remote)
+        self.cache = ShardCache(cache_dir or default_cache_dir(), cache_limit)
+        # The index is read from the storage once per cache directory, then from the cache's
+        # copy: a warm restart contacts no server before its first batch (creating an S3
+        # client alone takes ~0.2 s), and a run keeps reading the index it started with.
+        key = f"{self.remote.url}\n{self.remote.storage_options.get('endpoint_url')}"
+        raw = None if refresh_index else self.cache.cached_index(key)
+        if raw is None:
+            raw = fetch_index(self.remote)
+            self.cache.keep_index(key, raw)
+        self.shards, all_columns, self.index_digest = read_index(self.remote, raw)
         if columns is None:
             columns = all_columns
         missing = [c for c in columns if c not in all_columns]
@@ -121,7 +136,6 @@ class StreamingDataset(torch.utils.data.Dataset):
                 f"prefetch_bytes={prefetch_bytes}, {needed} bytes. Raise cache_limit, or lower "
                 "window_shards or prefetch_bytes"
             )
-        self.cache = ShardCache(cache_dir or default_cache_dir(), cache_limit)
         self.cache.sweep()
         self._init_readers()
 

@@ -83,17 +83,21 @@ def _footer(file: Any) -> bytes:
     return file.read(length + 8)
 
 
-def read_index(remote: Remote) -> tuple[list[Shard], list[str], str]:
-    """The shards and columns of the dataset at ``remote``, and a digest of its index (which
-    the loader's fingerprint records: a state resumes only on the same dataset)."""
+def fetch_index(remote: Remote) -> bytes:
+    """The index of the dataset at ``remote``, as stored."""
     try:
-        raw = remote.read(INDEX_NAME)
+        return remote.read(INDEX_NAME)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no sharded dataset at {remote.url}: {remote.where(INDEX_NAME)} does not exist. "
             "Write one with unbroken.streaming.write_shards, or index existing Parquet files "
             "with unbroken.streaming.index_parquet"
         ) from None
+
+
+def read_index(remote: Remote, raw: bytes) -> tuple[list[Shard], list[str], str]:
+    """The shards and columns in the index ``raw`` of the dataset at ``remote``, and a digest
+    of it (which the loader's fingerprint records: a state resumes only on the same dataset)."""
     where = remote.where(INDEX_NAME)
     try:
         index = json.loads(raw)
