@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unbroken-installed
 
-.PHONY: test demo demo-loader demo-ddp demo-stream bench mutate clean
+.PHONY: test demo demo-loader demo-ddp demo-stream bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/stream_overhead.py
 	$(PY) benchmarks/ddp_loader.py
 	$(PY) benchmarks/ddp_checkpoint.py
+	$(PY) benchmarks/stream_peers.py
+
+# unbroken vs MosaicML Streaming and LitData from a local S3 server (creates .venv-peers/ once).
+bench-stream: $(STAMP)
+	$(PY) benchmarks/stream_peers.py
 
 # Mutation testing of the core modules with mutmut (slow: see TESTING.md). Configured in
 # pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken._shuffle*"` runs one module,
@@ -57,4 +62,4 @@ mutate: $(STAMP)
 	$(VENV)/bin/mutmut results
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis demo_output bench_output mutants
+	rm -rf $(VENV) .venv-peers .pytest_cache .hypothesis demo_output bench_output mutants

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from train_digits import ConvNet  # the main demo's model (demo/ is on sys.path)
 
 import unbroken
 
@@ -60,24 +61,6 @@ def train_sample(row: dict):
 def val_sample(row: dict):
     image = torch.frombuffer(bytearray(row["image"]), dtype=torch.float32).view(1, 8, 8)
     return image, row["label"]
-
-
-class ConvNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Dropout(0.2),
-            nn.Linear(32 * 4 * 4, 10),
-        )
-
-    def forward(self, x):
-        return self.net(x)
 
 
 class Status:

@@ -1,0 +1,410 @@
+"""Streaming datasets from a local S3-protocol server, side by side: MosaicML Streaming 0.13
+(MDS, written by ``MDSWriter``), LitData 0.2.76 (written by ``optimize``) and unbroken's
+``unbroken.streaming`` (written by ``write_shards``).
+
+One run starts one S3 server (moto, ``unbroken.testing.S3Server``) and runs
+``stream_peer_worker.py`` once per library, each in its own virtual environment (the peers'
+pins may conflict with ours): ``.venv-peers/streaming`` and ``.venv-peers/litdata`` (created
+here when missing, with ``torch==2.13.0`` and the peer), and the project's ``.venv`` for
+unbroken. The libraries run one after the other against the same server, so the ratios are
+comparable. The data: ``--samples`` samples (default 200,000), sample i = {"x": 1024 bytes (its
+id, then pseudo-random bytes), "y": i % 10}; ~8 MiB shards; batch 64; shuffle on, seed 0.
+
+Measured per library (see the worker's docstring for the details): write time; samples/s of
+one full shuffled epoch with num_workers 0 and 2, cold cache (empty local cache dir) and warm
+(the second epoch); resume latency (build the loader, load the state saved at 1%, 50%, 99% of
+an epoch, first batch) with a warm and an empty cache, the bytes downloaded by then and whether
+the batch is the one the uninterrupted run had; whether the order depends on num_workers;
+shuffle quality; what a SIGKILL mid-epoch leaves behind and whether a restart on the same cache
+works and is exact.
+
+    .venv/bin/python benchmarks/stream_peers.py                       # full size
+    .venv/bin/python benchmarks/stream_peers.py --samples 20000       # quick
+    .venv/bin/python benchmarks/stream_peers.py --libraries unbroken  # one library
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "stream_peer_worker.py"
+PEERS_DIR = REPO / ".venv-peers"
+TORCH = "torch==2.13.0"
+PEERS = {
+    "streaming": {"package": "mosaicml-streaming==0.13.0", "module": "streaming"},
+    "litdata": {"package": "litdata==0.2.76", "module": "litdata"},
+}
+LIBRARIES = ("streaming", "litdata", "unbroken")
+
+
+# ---------------------------------------------------------------------------------------------
+# Virtual environments
+# ---------------------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
+    print("+ " + " ".join(cmd), flush=True)
+    return subprocess.run(cmd, **kw)
+
+
+def _imports(python: Path, module: str) -> tuple[bool, str]:
+    out = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True)
+    return out.returncode == 0, out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
+
+
+def ensure_peer_venv(name: str) -> dict[str, Any]:
+    """Create ``.venv-peers/NAME`` if it is missing or cannot import the peer; report the time."""
+    spec = PEERS[name]
+    venv = PEERS_DIR / name
+    python = venv / "bin" / "python"
+    if python.exists():
+        ok, err = _imports(python, spec["module"])
+        if ok:
+            return {"python": str(python), "created": False}
+        print(f"[venv] {venv}: `import {spec['module']}` fails ({err}); recreating", flush=True)
+        shutil.rmtree(venv)
+    t0 = time.perf_counter()
+    PEERS_DIR.mkdir(exist_ok=True)
+    print(f"[venv] creating {venv} for {spec['package']}", flush=True)
+    _run(["python3", "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+    notes = []
+    first = _run([*pip, TORCH, spec["package"]])
+    if first.returncode != 0:
+        notes.append(f"{spec['package']} refused {TORCH}; pip picks the torch it wants")
+        _run([*pip, spec["package"]], check=True)
+    ok, err = _imports(python, spec["module"])
+    if not ok and "torchvision" in err:
+        # MosaicML Streaming imports torchvision at import time (streaming.vision). The local
+        # mirror has only CUDA builds of torchvision, which cannot load against the CPU build of
+        # torch 2.13 ("operator torchvision::nms does not exist"); let pip install the torch and
+        # torchvision pair it resolves together instead.
+        notes.append(
+            f"torchvision does not load against {TORCH} ({err}); reinstalled the "
+            "torch + torchvision pair pip resolves"
+        )
+        _run([*pip, "--upgrade", "torch", "torchvision"], check=True)
+        ok, err = _imports(python, spec["module"])
+    if not ok:
+        raise RuntimeError(f"{venv}: `import {spec['module']}` still fails: {err}")
+    seconds = time.perf_counter() - t0
+    print(f"[venv] {venv} ready in {seconds:.0f}s", flush=True)
+    return {"python": str(python), "created": True, "seconds": seconds, "notes": notes}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the workers
+# ---------------------------------------------------------------------------------------------
+
+
+def run_worker(
+    lib: str, python: str, endpoint: str, samples: int, work: Path, timeout: float
+) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "S3_ENDPOINT_URL": endpoint,
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ALLOW_HTTP": "true",
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    env.pop("PYTHONPATH", None)
+    if lib == "unbroken":
+        env["PYTHONPATH"] = str(REPO / "src")
+    cmd = [
+        python,
+        str(WORKER),
+        "--library",
+        lib,
+        "--endpoint",
+        endpoint,
+        "--remote",
+        f"s3://bench/{lib}",
+        "--work",
+        str(work / lib),
+        "--samples",
+        str(samples),
+    ]
+    print(f"\n=== {lib}: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    log = work / f"{lib}.stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, _ = proc.communicate()
+            return {"library": lib, "error": f"timed out after {timeout:.0f}s (log: {log})"}
+    seconds = time.perf_counter() - t0
+    text = log.read_text()
+    steps = [line for line in text.splitlines() if line.startswith(f"[{lib}]")]
+    for line in steps:
+        print("   " + line)
+    result = None
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+                break
+            except ValueError:
+                pass
+    if result is None:
+        return {
+            "library": lib,
+            "error": f"no JSON (exit {proc.returncode}); log tail: " + text[-2000:],
+        }
+    result["worker_seconds"] = seconds
+    if "error" in result:
+        print(f"   {lib} FAILED: {result['error']}\n{result.get('trace', '')}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+def _get(d: dict[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+def _fmt(v: Any, unit: str) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if unit == "s":
+        return f"{v:.3f} s" if v < 10 else f"{v:.1f} s"
+    if unit == "/s":
+        return f"{v:,.0f}"
+    if unit == "MB":
+        return f"{v / 1e6:.1f} MB"
+    if unit == "f":
+        return f"{v:.3f}"
+    return str(v)
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    libs = [lib for lib in LIBRARIES if lib in results]
+    rows: list[tuple[str, str, str, str]] = [  # label, path, unit, better ("hi"/"lo"/"")
+        ("write to S3", "write.seconds", "s", "lo"),
+        ("samples/s, 0 workers, cold cache", "throughput.w0_cold", "/s", "hi"),
+        ("samples/s, 0 workers, warm cache", "throughput.w0_warm", "/s", "hi"),
+        ("samples/s, 2 workers, cold cache", "throughput.w2_cold", "/s", "hi"),
+        ("samples/s, 2 workers, warm cache", "throughput.w2_warm", "/s", "hi"),
+        ("first batch of a cold epoch (0 workers)", "throughput.w0_cold_first_batch_s", "s", "lo"),
+    ]
+    for pos in ("1%", "50%", "99%"):
+        rows += [
+            (f"resume at {pos}, warm cache: to 1st batch", f"resume.{pos}.warm.seconds", "s", "lo"),
+            (f"resume at {pos}, warm cache: exact", f"resume.{pos}.warm.exact", "", ""),
+            (
+                f"resume at {pos}, empty cache: to 1st batch",
+                f"resume.{pos}.cold.seconds",
+                "s",
+                "lo",
+            ),
+            (
+                f"resume at {pos}, empty cache: downloaded",
+                f"resume.{pos}.cold.cache_bytes",
+                "MB",
+                "lo",
+            ),
+            (f"resume at {pos}, empty cache: exact", f"resume.{pos}.cold.exact", "", ""),
+        ]
+    rows += [
+        ("same order with 0 and 2 workers (epoch 0)", "order_w0_vs_w2.epoch0.same_order", "", ""),
+        ("same order with 0 and 2 workers (epoch 1)", "order_w0_vs_w2.epoch1.same_order", "", ""),
+        ("shuffle: mean |id[k+1]-id[k]| / N", "shuffle.mean_jump", "f", ""),
+        ("shuffle: median |id[k+1]-id[k]| / N", "shuffle.median_jump", "f", ""),
+        ("shuffle: distinct shards per batch of 64", "shuffle.shards_per_batch", "f", ""),
+        ("shuffle: shards in the data set", "shuffle.shards", "", ""),
+        ("shuffle: distinct samples in the epoch", "shuffle.distinct", "", ""),
+        ("kill: /dev/shm entries left", "kill.shm_left_after_kill", "n", ""),
+        (
+            "kill: other non-empty files in cache (partial/markers)",
+            "kill.cache_partial_files",
+            "n",
+            "",
+        ),
+        ("kill: empty (lock/marker) files in cache", "kill.cache_empty_files", "n", ""),
+        ("kill: restart on same cache works", "kill.restart.works", "", ""),
+        ("kill: restart exact (same order, bytes)", "kill.restart.exact", "", ""),
+    ]
+    peers = [lib for lib in libs if lib != "unbroken"]
+    head = ["metric", *libs] + (["unbroken vs best peer"] if "unbroken" in libs and peers else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, path, unit, better in rows:
+        vals = {lib: _get(results[lib], path) for lib in libs}
+        if unit == "n":
+            vals = {k: (len(v) if isinstance(v, list) else None) for k, v in vals.items()}
+        cells = []
+        nums = {
+            k: v for k, v in vals.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        best = None
+        if better and nums:
+            best = max(nums.values()) if better == "hi" else min(nums.values())
+        for lib in libs:
+            cell = _fmt(vals[lib], unit)
+            if best and lib in nums and nums[lib] and len(nums) > 1:
+                factor = (best / nums[lib]) if better == "hi" else (nums[lib] / best)
+                cell += " (best)" if factor == 1 else f" ({factor:.2f}x)"
+            cells.append(cell)
+        if "unbroken" in libs and peers:
+            u = nums.get("unbroken")
+            pv = [nums[p] for p in peers if p in nums]
+            if better and u and pv:
+                bp = max(pv) if better == "hi" else min(pv)
+                ratio = (u / bp) if better == "hi" else (bp / u)
+                cells.append(
+                    f"{ratio:.2f}x {'(faster)' if ratio > 1 else '(slower)' if ratio < 1 else ''}".strip()
+                    if better
+                    else ""
+                )
+            else:
+                cells.append("")
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    lines.append("")
+    lines.append(
+        "Cells: value (factor vs the best of the three: x times slower / larger; 1 = best). "
+        "Last column: unbroken's speed relative to the best peer (>1 = unbroken faster)."
+    )
+    return "\n".join(lines)
+
+
+def details(results: dict[str, dict[str, Any]]) -> str:
+    out = []
+    for lib in LIBRARIES:
+        r = results.get(lib)
+        if r is None:
+            continue
+        if "error" in r:
+            out.append(f"- {lib}: FAILED: {r['error']}")
+            continue
+        k = r.get("kill", {})
+        out.append(
+            f"- {lib} {r.get('version')} (torch {r.get('torch')}): write {r['write']}; "
+            f"shard bounds from {r['shuffle'].get('shard_bounds')}; state JSON-able: "
+            f"{r.get('state_json')}; worker wall time {r.get('worker_seconds', 0):.0f}s"
+        )
+        out.append(
+            f"  - kill: killed after {k.get('killed_after_batches')}/{k.get('of_batches')} "
+            f"batches, {k.get('cache_bytes_at_kill', 0) / 1e6:.1f} MB in cache; /dev/shm left: "
+            f"{k.get('shm_left_after_kill')}; other files in cache: {k.get('cache_other_files')}; "
+            f"restart: {k.get('restart')}"
+        )
+        if "restart_after_clean_stale_shared_memory" in k:
+            out.append(
+                f"  - restart after clean_stale_shared_memory(): "
+                f"{k['restart_after_clean_stale_shared_memory']}"
+            )
+        for pos, e in (r.get("resume") or {}).items():
+            for kind in ("warm", "cold"):
+                v = e.get(kind, {})
+                if "error" in v or v.get("exact") is False:
+                    out.append(f"  - resume {pos} {kind}: {json.dumps(v)[:1500]}")
+        o = r.get("order_w0_vs_w2", {})
+        out.append(f"  - order 0 vs 2 workers: {o}")
+        if r.get("shm_left_at_end"):
+            out.append(f"  - /dev/shm entries new at the end: {r['shm_left_at_end']}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--samples", type=int, default=200_000)
+    ap.add_argument("--out", default=str(REPO / "bench_output" / "stream_peers.json"))
+    ap.add_argument("--libraries", default=",".join(LIBRARIES))
+    ap.add_argument("--work", default=None, help="scratch dir (default: a new temp dir, removed)")
+    ap.add_argument("--timeout", type=float, default=3600, help="per library, seconds")
+    args = ap.parse_args()
+    libs = [lib.strip() for lib in args.libraries.split(",") if lib.strip()]
+
+    pythons: dict[str, str] = {}
+    venvs: dict[str, Any] = {}
+    for lib in libs:
+        if lib in PEERS:
+            venvs[lib] = ensure_peer_venv(lib)
+            pythons[lib] = venvs[lib]["python"]
+        elif lib == "unbroken":
+            python = REPO / ".venv" / "bin" / "python"
+            ok, err = _imports(python, "unbroken.streaming")
+            if not ok:
+                print(f"[unbroken] `import unbroken.streaming` fails: {err}; skipped", flush=True)
+                venvs[lib] = {"error": err}
+                continue
+            pythons[lib] = str(python)
+
+    sys.path.insert(0, str(REPO / "src"))
+    from unbroken.testing import S3Server
+
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="stream-peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        with S3Server() as s3:
+            s3.make_bucket("bench")
+            print(f"S3 server: {s3.endpoint}; scratch: {work}", flush=True)
+            for lib in libs:
+                if lib in pythons:
+                    results[lib] = run_worker(
+                        lib, pythons[lib], s3.endpoint, args.samples, work, args.timeout
+                    )
+                else:
+                    results[lib] = {"library": lib, "error": f"not available: {venvs[lib]}"}
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "n/a"
+    header = (
+        f"Streaming from a local S3 server (moto), {args.samples:,} samples of 1 KiB, "
+        f"8 MiB shards, batch 64; started {started}; load average at the end {load}; "
+        f"{os.cpu_count()} CPUs"
+    )
+    print("\n" + header + "\n")
+    print(table(results))
+    print()
+    print(details(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {"header": header, "samples": args.samples, "venvs": venvs, "results": results},
+            indent=1,
+        )
+    )
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
