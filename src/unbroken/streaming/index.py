@@ -133,7 +133,7 @@ def read_index(remote: Remote, raw: bytes) -> tuple[list[Shard], list[str], str]
             and _count(shard.rows)
             and _count(shard.bytes)
             and isinstance(counts, list)
-            and all(_count(c) and c > 0 for c in counts)
+            and all(_count(c) for c in counts)
             and sum(counts) == shard.rows
             and isinstance(shard.checksum, str)
             and shard.checksum.partition(":")[0] in _CHECKSUM_KINDS
@@ -276,8 +276,8 @@ def index_parquet(
                 f"{remote.where(name)} has another schema than {remote.where(first)}: "
                 f"{file_schema} != {schema}; index files of one schema together"
             )
+        # Empty row groups stay: the reader addresses row groups by their number in the file.
         groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-        groups = [g for g in groups if g > 0]
         if checksums:
             checksum = _remote_sha256(remote, name)
         else:

@@ -43,7 +43,7 @@ class Prefetcher:
         batches: Iterator[list[int]],
         received: Callable[[], int],
         first_uses: Callable[[list[list[int]], int], list[tuple[int, int]]],
-        fetch: Callable[[int], Any],
+        fetch: Callable[[int, Callable[[], bool]], Any],
         size_of: Callable[[int], int],
         max_bytes: int,
         threads: int,
@@ -54,8 +54,10 @@ class Prefetcher:
         self._stop = threading.Event()
         self.fetched: list[int] = []  # shards submitted, in order (for tests and reports)
         self._thread = threading.Thread(target=self._run, name="unbroken-prefetch", daemon=True)
-        if not _live:
-            atexit.register(_stop_all)  # once per process at most: unregistered again below
+        global _registered
+        if not _registered:  # once per process, on first use: no side effect at import
+            atexit.register(_stop_all)
+            _registered = True
         _live.add(self)
         self._thread.start()
 
@@ -89,18 +91,23 @@ class Prefetcher:
                         return
                     ahead.append((batch, size))
                     self.fetched.append(shard)
-                    pool.submit(self._quietly, shard)
+                    pool.submit(self._quietly, shard, batch)
                 while number == 0 and self._received() < 1 and not self._stop.is_set():
                     self._stop.wait(0.002)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _quietly(self, shard: int) -> None:
-        # A failed prefetch is not an error yet: the reader fetches the shard again when it
-        # needs it, and raises what the storage said then.
-        if not self._stop.is_set():
+    def _quietly(self, shard: int, batch: int) -> None:
+        # Too late once the reader has received the batch that first needs the shard: it
+        # fetched the shard itself, and the cache may have evicted it since. A failed prefetch
+        # is not an error yet: the reader fetches the shard again when it needs it, and raises
+        # what the storage said then.
+        def wanted() -> bool:
+            return not self._stop.is_set() and self._received() <= batch
+
+        if wanted():
             try:
-                self._fetch(shard)
+                self._fetch(shard, wanted)  # asked again once the shard's lock is held
             except Exception:
                 pass
 
@@ -115,10 +122,10 @@ class Prefetcher:
 # The prefetchers still running when the interpreter exits (a loop left with its iterator alive)
 # are stopped and joined before it tears down the libraries their threads may be inside.
 _live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+_registered = False
 
 
 def _stop_all() -> None:
-    atexit.unregister(_stop_all)
     for prefetcher in list(_live):
         prefetcher.close()
     for prefetcher in list(_live):

@@ -10,6 +10,7 @@ object is not retried: ``FileNotFoundError`` says so at once.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -25,12 +26,30 @@ T = TypeVar("T")
 _CLIENT_PACKAGES = {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google"}
 
 
+# Errors of this machine, not of the connection: a full or read-only disk, paths, permissions.
+_LOCAL_ERRNOS = {
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EISDIR,
+    errno.ENOTDIR,
+}
+
+
 def _transient(error: Exception) -> bool:
-    """Whether a failed request may succeed if tried again."""
+    """Whether a failed request may succeed if tried again: a connection that failed or timed
+    out, not credentials, paths or a full local disk."""
+    if isinstance(error, OSError) and error.errno in _LOCAL_ERRNOS:
+        return False
     if isinstance(error, (PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False  # credentials or paths: trying again cannot help
+        return False
     if isinstance(error, (OSError, TimeoutError)):
         return True
+    name = type(error).__name__
+    if "Credential" in name or "ParamValidation" in name or "Forbidden" in name:
+        return False  # botocore's NoCredentialsError, ParamValidationError; google's 403
     return type(error).__module__.partition(".")[0] in _CLIENT_PACKAGES
 
 
