@@ -208,7 +208,8 @@ def main() -> int:
     print(f"  interrupted run finished after {len(kills)} kills and {len(kills) + 1} processes")
     subprocess.run([*command, str(reference)], check=True)
     print(f"  uninterrupted run finished ({time.perf_counter() - started:.0f} s in all)")
-    verdict = _compare(interrupted, reference)
+    verdict, text = compare_runs(interrupted, reference)
+    print(text)
     _plot(interrupted, reference, kills, OUTPUT / "loss_curves.png")
     print(f"  loss curves with kill points: {OUTPUT / 'loss_curves.png'}")
     return verdict
@@ -240,27 +241,31 @@ def _kill_when(process: subprocess.Popen, directory: Path, target: str, earliest
     return False
 
 
-def _compare(interrupted: Path, reference: Path) -> int:
+def compare_runs(interrupted: Path, reference: Path) -> tuple[int, str]:
+    """(0, "IDENTICAL: ...") or (1, "DIFFERENT: " and the first difference): the final
+    weights (every tensor, ``torch.equal``) and ``metrics.csv`` byte for byte. Shared by the
+    demos (``train_digits_ddp``, ``train_digits_stream``)."""
     weights = torch.load(interrupted / "final_weights.pt", weights_only=True)
     expected = torch.load(reference / "final_weights.pt", weights_only=True)
+    if weights.keys() != expected.keys():
+        return 1, "DIFFERENT: the final weights have other tensors"
     for name, tensor in expected.items():
         if not torch.equal(weights[name], tensor):
-            print(f"DIFFERENT: final weight {name} differs")
-            return 1
-    got = (interrupted / "metrics.csv").read_text().splitlines()
-    want = (reference / "metrics.csv").read_text().splitlines()
-    for i, (a, b) in enumerate(zip(got, want)):
+            return 1, f"DIFFERENT: final weight {name} differs from the uninterrupted run's"
+    got, want = (interrupted / "metrics.csv").read_bytes(), (reference / "metrics.csv").read_bytes()
+    lines = list(zip(got.decode().splitlines(), want.decode().splitlines()))
+    for i, (a, b) in enumerate(lines):
         if a != b:
-            print(f"DIFFERENT: logged value at line {i + 1}: {a!r} != {b!r}")
-            return 1
-    if len(got) != len(want):
-        print(f"DIFFERENT: {len(got)} logged lines vs {len(want)}")
-        return 1
-    print(
-        f"IDENTICAL: all {len(expected)} final weight tensors (torch.equal) and all "
-        f"{len(want) - 1} logged values are bit for bit those of the uninterrupted run"
+            return 1, f"DIFFERENT: metrics.csv line {i + 1}: {a!r} != {b!r}"
+    if got != want:
+        return (
+            1,
+            f"DIFFERENT: metrics.csv has {len(got)} bytes, the uninterrupted run's {len(want)}",
+        )
+    return 0, (
+        f"IDENTICAL: all {len(expected)} final weight tensors (torch.equal) and metrics.csv byte "
+        f"for byte ({len(lines) - 1} logged values) are those of the uninterrupted run"
     )
-    return 0
 
 
 def _plot(interrupted: Path, reference: Path, kills: list, path: Path) -> None:

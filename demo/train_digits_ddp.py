@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from train_digits import compare_runs  # the main demo's (demo/ is on sys.path)
 
 import unbroken
 
@@ -301,7 +302,8 @@ def main(kill_seed: int) -> int:
         f"    finished after {restarts} restarts; partial checkpoints left: {leftovers or 'none'}"
     )
     timings.append((f"killed {restarts} times", seconds))
-    identical, verdicts = _compare(killed, reference), []
+    code, message = compare_runs(killed, reference)
+    identical, verdicts = (code, f"killed 2-rank job vs uninterrupted: {message}"), []
 
     print(f"3. 2 ranks, SIGTERM to rank 1 alone after global batch {PREEMPT_AT} (epoch 1)")
     preempted = OUTPUT / "preempted"
@@ -341,31 +343,6 @@ def main(kill_seed: int) -> int:
         + f"; {time.perf_counter() - started:.0f} s in all (torchrun logs: {OUTPUT}/*.log)"
     )
     return max(code for code, _message in [identical, *verdicts])
-
-
-def _compare(run: Path, reference: Path) -> tuple[int, str]:
-    """(0, "IDENTICAL: ...") or (1, "DIFFERENT: " and the first difference)."""
-    weights = torch.load(run / "final_weights.pt", weights_only=True)
-    expected = torch.load(reference / "final_weights.pt", weights_only=True)
-    if weights.keys() != expected.keys():
-        return 1, "DIFFERENT: the final weights have other tensors"
-    for name, tensor in expected.items():
-        if not torch.equal(weights[name], tensor):
-            return 1, f"DIFFERENT: final weight {name} differs from the uninterrupted run's"
-    got, want = (run / "metrics.csv").read_bytes(), (reference / "metrics.csv").read_bytes()
-    lines = list(zip(got.decode().splitlines(), want.decode().splitlines()))
-    for i, (a, b) in enumerate(lines):
-        if a != b:
-            return 1, f"DIFFERENT: metrics.csv line {i + 1}: {a!r} != {b!r}"
-    if got != want:
-        return (
-            1,
-            f"DIFFERENT: metrics.csv has {len(got)} bytes, the uninterrupted run's {len(want)}",
-        )
-    return 0, (
-        f"IDENTICAL: killed 2-rank job vs uninterrupted: all {len(expected)} final weight tensors "
-        f"(torch.equal) and metrics.csv byte for byte ({len(lines) - 1} logged values)"
-    )
 
 
 def _each_sample_once(run: Path, name: str) -> tuple[int, str]:

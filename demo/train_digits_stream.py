@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from train_digits import ConvNet  # the main demo's model (demo/ is on sys.path)
+from train_digits import ConvNet, compare_runs  # the main demo's (demo/ is on sys.path)
 
 import unbroken
 
@@ -291,7 +291,7 @@ def main(kill_seed: int | None) -> int:
             f"{sum(p.name.endswith('.lock') for p in files)}; partial downloads (.part-*): "
             f"{parts or 'none'}"
         )
-    verdict = _compare(killed, reference)
+    verdict = compare_runs(killed, reference)
     print(f"verdict: {verdict[1]}")
     if parts:
         print("   but partial downloads were left in the cache")
@@ -364,31 +364,6 @@ def _failed(run: Path, code: int) -> int:
         print(logs[-1].read_text()[-3000:])
     print(f"training process exited with {code}; its output: {logs[-1] if logs else run}")
     return 1
-
-
-def _compare(interrupted: Path, reference: Path) -> tuple[int, str]:
-    """(0, "IDENTICAL: ...") or (1, "DIFFERENT: " and the first difference)."""
-    weights = torch.load(interrupted / "final_weights.pt", weights_only=True)
-    expected = torch.load(reference / "final_weights.pt", weights_only=True)
-    if weights.keys() != expected.keys():
-        return 1, "DIFFERENT: the final weights have other tensors"
-    for name, tensor in expected.items():
-        if not torch.equal(weights[name], tensor):
-            return 1, f"DIFFERENT: final weight {name} differs from the uninterrupted run's"
-    got, want = (interrupted / "metrics.csv").read_bytes(), (reference / "metrics.csv").read_bytes()
-    lines = list(zip(got.decode().splitlines(), want.decode().splitlines()))
-    for i, (a, b) in enumerate(lines):
-        if a != b:
-            return 1, f"DIFFERENT: metrics.csv line {i + 1}: {a!r} != {b!r}"
-    if got != want:
-        return (
-            1,
-            f"DIFFERENT: metrics.csv has {len(got)} bytes, the uninterrupted run's {len(want)}",
-        )
-    return 0, (
-        f"IDENTICAL: all {len(expected)} final weight tensors (torch.equal) and metrics.csv byte "
-        f"for byte ({len(lines) - 1} logged values) are those of the uninterrupted run"
-    )
 
 
 if __name__ == "__main__":
