@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CorruptShard
 from .cache import ShardCache
-from .index import Shard, fetch_index, read_index
+from .index import fetch_index, read_index
 from .order import WindowShuffle
 from .prefetch import Prefetcher, first_uses_in
 from .remote import Remote
@@ -247,9 +247,6 @@ class StreamingDataset(torch.utils.data.Dataset):
     def map(self, fn: Callable[[dict[str, Any]], Any]) -> Mapped:
         """A dataset of ``fn(row)``, read in this dataset's order and with its prefetch."""
         return Mapped(self, fn)
-
-    def shard_of(self, index: int) -> Shard:
-        return self.shards[int(np.searchsorted(self._ends, index, side="right"))]
 
 
 class Mapped(torch.utils.data.Dataset):

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import CorruptShard
@@ -61,26 +61,29 @@ def checksum_of(path: str, kind: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         if kind == "footer-sha256":
-            digest.update(_footer(file))
+            size = os.fstat(file.fileno()).st_size
+
+            def read_end(count: int) -> bytes:
+                file.seek(size - count)
+                return file.read(count)
+
+            digest.update(_footer(read_end, size) or b"")
         else:
             while chunk := file.read(_CHUNK):
                 digest.update(chunk)
     return f"{kind}:{digest.hexdigest()}"
 
 
-def _footer(file: Any) -> bytes:
-    """The Parquet footer of an open file: metadata, its 4-byte length, ``PAR1``."""
-    file.seek(0, os.SEEK_END)
-    size = file.tell()
+def _footer(read_end: Callable[[int], bytes], size: int) -> bytes | None:
+    """The Parquet footer of a file of ``size`` bytes (its metadata, their 4-byte length and
+    ``PAR1``), from ``read_end(n)``, its last n bytes; None if it has none."""
     if size < 12:
-        return b""
-    file.seek(size - 8)
-    tail = file.read(8)
+        return None
+    tail = read_end(8)
     length = int.from_bytes(tail[:4], "little")
-    if tail[4:] != b"PAR1" or length + 8 > size:
-        return b""
-    file.seek(size - 8 - length)
-    return file.read(length + 8)
+    if tail[4:] != b"PAR1" or not 0 < length <= size - 12:
+        return None
+    return read_end(length + 8)
 
 
 def fetch_index(remote: Remote) -> bytes:
@@ -288,11 +291,10 @@ def index_parquet(
 
 
 def _remote_footer(remote: Remote, name: str, size: int) -> bytes:
-    tail = remote.read(name, start=-8) if size >= 12 else b""
-    length = int.from_bytes(tail[:4], "little") if len(tail) == 8 else -1
-    if tail[4:] != b"PAR1" or not 0 < length <= size - 12:
+    footer = _footer(lambda count: remote.read(name, start=-count), size)
+    if footer is None:
         raise CorruptShard(f"{remote.where(name)} is not a Parquet file (no footer)")
-    return remote.read(name, start=-(length + 8))
+    return footer
 
 
 def _remote_sha256(remote: Remote, name: str) -> str:
