@@ -317,19 +317,6 @@ def test_only_per_rank_sources_on_several_ranks_record_the_rank():
     _stream(0, 1).load_state_dict(one_rank.state_dict())
 
 
-def test_a_version_1_state_which_recorded_no_ranks_loads_on_any_rank():
-    # unbroken 0.1.0 never recorded ranks, also under torchrun: its states load as they did
-    reference = _sampled("stateful", 1, 2)
-    iterator = iter(reference)
-    next(iterator)
-    state = json.loads(json.dumps(reference.state_dict()))
-    del state["fingerprint"]["rank"], state["fingerprint"]["world_size"]
-    state["version"] = 1
-    resumed = _sampled("stateful", 1, 2)
-    resumed.load_state_dict(state)
-    assert [b["index"].tolist() for b in resumed] == [b["index"].tolist() for b in iterator]
-
-
 @given(
     edit=st.sampled_from(["drop rank", "drop world_size", "rank", "world_size"]),
     value=st.one_of(st.integers(-2, 4), st.booleans(), st.none(), st.just("1")),

@@ -5,8 +5,9 @@ changes both (an epoch-blind shuffle, a dataset's ``__getitems__`` ignored) pass
 the uninterrupted stream itself is checked against what the README promises, computed by hand:
 
 - map-style: every epoch is a permutation (or its drop_last prefix) in whole batches, a pure
-  function of (seed, epoch) that changes with both; every sample's randomness comes from the
-  seed of (seed, epoch, position), whatever the batch size or ``num_workers``;
+  function of (seed, epoch) that changes with both; each batch's global generators are seeded
+  from (seed, epoch, its first position) and its samples draw in turn, whatever
+  ``num_workers``; ``sample_seed()``/``sample_rng()`` follow the sample's own position;
 - user samplers and batch samplers: the loader's order is the sampler's own;
 - iterable datasets: the dataset iterated directly, batched, and with workers torch's
   round-robin over the per-worker batches;
@@ -33,7 +34,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 import unbroken
 from unbroken.data.combined import MODES, CombinedLoader
 from unbroken.data.orders import _BLOCK
-from unbroken.data.rng import sample_seed_at
+from unbroken.data.rng import batch_seeds, sample_rng_seed, sample_seed_at
 from unbroken.data.shuffle import IndexShuffle, derive_key
 
 
@@ -65,13 +66,20 @@ class Probe(Dataset):
         }
 
 
-def _draws(seed):
-    """What a sample seeded with ``seed`` draws from the global generators, computed apart."""
-    return {
-        "torch": torch.rand(2, generator=torch.Generator().manual_seed(seed)).tolist(),
-        "numpy": np.random.RandomState(seed & 0xFFFFFFFF).rand(2).tolist(),
-        "random": random.Random(seed).random(),
-    }
+def _batch_draws(key, first, count):
+    """What the batch of ``count`` samples starting at position ``first`` draws from the global
+    generators, computed apart: seeded once from its first position, then drawn in turn."""
+    torch_seed, numpy_seed, random_seed = batch_seeds(key, first)
+    torch_gen = torch.Generator().manual_seed(torch_seed)
+    numpy_gen, random_gen = np.random.RandomState(numpy_seed), random.Random(random_seed)
+    return [
+        {
+            "torch": torch.rand(2, generator=torch_gen).tolist(),
+            "numpy": numpy_gen.rand(2).tolist(),
+            "random": random_gen.random(),
+        }
+        for _ in range(count)
+    ]
 
 
 def _run(n, batch_size, shuffle, drop_last, seed, workers=0, epochs=3, **kw):
@@ -102,13 +110,18 @@ def _check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch):
         assert len(set(indices)) == count and set(indices) <= set(range(n))
         if not drop_last:
             assert sorted(indices) == list(range(n))
-    for position, sample in enumerate(samples):
-        # The documented derivation: the seed of (seed, epoch, position), whatever the index.
-        expected = sample_seed_at(derive_key(seed, epoch), position)
-        assert sample["seed"] == expected, f"epoch {epoch} position {position}"
-        got = {name: sample[name] for name in ("torch", "numpy", "random")}
-        assert got == _draws(expected), f"epoch {epoch} position {position}"
-        assert sample["own"] != sample["torch"]  # sample_rng() is a stream of its own
+    key, position = derive_key(seed, epoch), 0
+    for batch in batches:
+        # The documented derivation: the batch seeded from its first position, whatever indices.
+        expected = _batch_draws(key, position, len(batch))
+        for sample, draws in zip(batch, expected):
+            assert sample["seed"] == sample_seed_at(key, position), f"epoch {epoch} {position}"
+            got = {name: sample[name] for name in ("torch", "numpy", "random")}
+            assert got == draws, f"epoch {epoch} position {position}"
+            own = torch.Generator().manual_seed(sample_rng_seed(key, position))
+            assert sample["own"] == torch.rand(2, generator=own).tolist()
+            assert sample["own"] != sample["torch"]  # sample_rng() is a stream of its own
+            position += 1
     return indices
 
 
@@ -127,10 +140,10 @@ def test_a_map_style_stream_is_what_the_contract_says(n, batch_size, shuffle, dr
         _check_epoch(batches, n, batch_size, shuffle, drop_last, seed, epoch)
         for epoch, batches in enumerate(epochs)
     ]
-    # Samples are a pure function of (seed, epoch, position): a fresh loader told the epoch
-    # repeats them, whatever its batch size, and drop_last only cuts the epoch short.
+    # Samples are a pure function of (seed, epoch, position, batch size): a fresh loader told
+    # the epoch repeats them, and drop_last only cuts the epoch short.
     fresh = unbroken.DataLoader(
-        Probe(n), batch_size=1, shuffle=shuffle, seed=seed, collate_fn=_as_list
+        Probe(n), batch_size=batch_size, shuffle=shuffle, seed=seed, collate_fn=_as_list
     )
     fresh.set_epoch(2)
     last = [s for batch in epochs[2] for s in batch]
@@ -163,23 +176,23 @@ def test_a_map_style_stream_with_workers_is_what_the_contract_says(
     ]
     if shuffle:
         assert orders[0] != orders[1]
-    # Every sample (index and draws, sample_rng()'s too) as in process, in batches of one.
-    _, in_process = _run(n, 1, shuffle, False, seed, epochs=2)
+    # Every sample (index and draws, sample_rng()'s too) as in process.
+    _, in_process = _run(n, batch_size, shuffle, False, seed, epochs=2)
     for batches, reference in zip(epochs, in_process):
         samples = [s for batch in batches for s in batch]
         assert samples == [s for batch in reference for s in batch][: len(samples)]
 
 
 def test_randomness_follows_the_position_not_the_index():
-    # Shuffled or not, position p of epoch e draws the same numbers: the seed of (seed, e, p).
+    # Shuffled or not, position p of epoch e draws the same numbers: seeds of (seed, e, p).
     _, ordered = _run(16, 4, False, False, 5, epochs=2)
-    _, shuffled = _run(16, 3, True, False, 5, epochs=2)
+    _, shuffled = _run(16, 4, True, False, 5, epochs=2)
     for a, b in zip(ordered, shuffled):
         strip = lambda batches: [
             {k: v for k, v in s.items() if k != "index"} for batch in batches for s in batch
         ]
         assert strip(a) == strip(b)
-    assert [s["index"] for s in shuffled[0][0]] != [0, 1, 2]
+    assert [s["index"] for s in shuffled[0][0]] != [0, 1, 2, 3]
 
 
 # --- user samplers and batch samplers ----------------------------------------------------------
@@ -290,10 +303,12 @@ def test_a_datasets_own_getitems_is_called_once_per_batch_and_seeded(tmp_path, w
     for epoch, batches in enumerate(epochs):
         for number, batch in enumerate(batches):
             assert {s["via"] for s in batch} == {"__getitems__"}
-            # Seeded from the batch's first position: the seed of (4, epoch, 3 * number).
-            seed = sample_seed_at(derive_key(4, epoch), 3 * number)
+            # Seeded from the batch's first position: the seeds of (4, epoch, 3 * number).
+            key = derive_key(4, epoch)
+            seed = sample_seed_at(key, 3 * number)
             assert [s["seed"] for s in batch] == [seed] * len(batch)
-            expected = torch.rand(len(batch), generator=torch.Generator().manual_seed(seed))
+            torch_seed = batch_seeds(key, 3 * number)[0]
+            expected = torch.rand(len(batch), generator=torch.Generator().manual_seed(torch_seed))
             assert [s["draw"] for s in batch] == expected.tolist()
     # A resume continues with the same calls: batch 2 of epoch 1, seeded as in the full run.
     saved = unbroken.DataLoader(

@@ -1,9 +1,19 @@
+import random
+
+import numpy as np
 import pytest
 import torch
 from pipelines import Augmented
 
 import unbroken
-from unbroken.data.rng import check_global_rngs
+from unbroken.data.rng import (
+    batch_seeds,
+    check_global_rngs,
+    sample_rng_seed,
+    sample_seed_at,
+    stream32,
+)
+from unbroken.data.shuffle import derive_key
 from unbroken.testing import assert_same
 
 
@@ -83,7 +93,7 @@ def test_global_rngs_are_checked():
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_a_sample_draws_the_same_whatever_batch_it_is_in(shuffle):
+def test_sample_rng_and_sample_seed_do_not_depend_on_the_batch(shuffle):
     def samples(batch_size):
         loader = unbroken.DataLoader(Augmented(10), batch_size=batch_size, shuffle=shuffle, seed=3)
         rows = {}
@@ -94,6 +104,71 @@ def test_a_sample_draws_the_same_whatever_batch_it_is_in(shuffle):
 
     by_one, by_four = samples(1), samples(4)
     assert sorted(by_one) == list(range(10))
-    for index in range(10):
-        assert_same(by_four[index], by_one[index], f"sample {index}")
+    for index in range(10):  # the global generators are seeded per batch: those differ
+        assert_same(by_four[index]["own"], by_one[index]["own"], f"sample {index}")
     assert len({row["torch"][0].item() for row in by_one.values()}) == 10
+    assert len({row["torch"][0].item() for row in by_four.values()}) == 10
+
+
+def test_seeds_are_a_bijection_of_the_position_within_an_epoch():
+    # The issue that made them so: an epoch of 1,281,167 samples seeded from a 64-bit hash
+    # truncated to 32 bits had 164 pairs of positions drawing identical numbers.
+    key = derive_key(123, 4)
+    positions = range(1_281_167)
+    assert len({stream32(key, p) for p in positions}) == len(positions)
+    assert len({sample_rng_seed(key, p) for p in positions}) == len(positions)
+    assert all(0 <= stream32(key, p) < 2**32 for p in (0, 1, 2**32 - 1, 2**40 + 7))
+    assert stream32(key, 5) != stream32(derive_key(123, 5), 5)  # another epoch, another seed
+    torch_seed, numpy_seed, random_seed = batch_seeds(key, 8)
+    assert len({torch_seed, numpy_seed, random_seed, sample_rng_seed(key, 8)}) == 4
+
+
+def test_torch_and_numpy_do_not_draw_one_stream():
+    # torch's CPU generator and numpy's legacy one are both MT19937: seeded with the same 32
+    # bits they emit the same raw numbers, which correlates a torch flip with a numpy crop.
+    class Raw(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, index):
+            return torch.randint(0, 2**31, (16,)), torch.from_numpy(np.random.randint(0, 2**31, 16))
+
+    for batch_torch, batch_numpy in unbroken.DataLoader(Raw(), batch_size=2, seed=0):
+        assert not set(batch_torch.flatten().tolist()) & set(batch_numpy.flatten().tolist())
+
+
+class _Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 11
+
+    def __getitem__(self, index):
+        return {
+            "torch": torch.rand(2),
+            "numpy": torch.from_numpy(np.random.rand(2)),
+            "random": torch.tensor(random.random(), dtype=torch.float64),
+            "own": torch.rand(2, generator=unbroken.sample_rng()),
+            "seed": torch.tensor(unbroken.sample_seed() >> 1),  # 63 bits fit an int64
+        }
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_draws_what_the_documented_derivation_gives(workers):
+    """Checked against the README's derivation computed here, without the loader: the batch's
+    generators seeded from its first position, its samples drawing in turn."""
+    loader = unbroken.DataLoader(_Probe(), batch_size=3, shuffle=True, seed=6, num_workers=workers)
+    for epoch in range(2):
+        key = derive_key(6, epoch)
+        for number, batch in enumerate(loader):
+            first = 3 * number
+            torch_seed, numpy_seed, random_seed = batch_seeds(key, first)
+            torch_gen = torch.Generator().manual_seed(torch_seed)
+            numpy_gen = np.random.RandomState(numpy_seed)
+            random_gen = random.Random(random_seed)
+            for i in range(len(batch["torch"])):
+                position = first + i
+                assert torch.equal(batch["torch"][i], torch.rand(2, generator=torch_gen))
+                assert batch["numpy"][i].tolist() == numpy_gen.rand(2).tolist()
+                assert batch["random"][i].item() == random_gen.random()
+                own = torch.Generator().manual_seed(sample_rng_seed(key, position))
+                assert torch.equal(batch["own"][i], torch.rand(2, generator=own))
+                assert batch["seed"][i].item() == sample_seed_at(key, position) >> 1

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils.data import IterableDataset, get_worker_info
 
 import unbroken
-from unbroken.data.rng import sample_seed_at
+from unbroken.data.rng import batch_seeds, sample_seed_at
 from unbroken.data.shuffle import derive_key
 from unbroken.testing import assert_resumes_exactly
 
@@ -170,14 +170,21 @@ def test_per_item_randomness_is_derived_from_seed_epoch_worker_and_item_count():
             worker = index % 2  # _shard: worker w holds w, w + 2, ...
             count = index // 2 if epoch % 2 == 0 else 3 - index // 2  # reversed on odd epochs
             # Worker w's key tuple is (seed, epoch, 3, w) since state version 2 (data/keys.py).
-            expected = sample_seed_at(derive_key(3, epoch, 3, worker), count)
+            key = derive_key(3, epoch, 3, worker)
+            expected = sample_seed_at(key, count)
             high, low = item["seed"].tolist()
             assert (high << 32) | low == expected, f"epoch {epoch} item {index}"
-            generator = torch.Generator().manual_seed(expected)
-            assert torch.equal(item["torch"], torch.rand(2, generator=generator))
-            numpy_draw = np.random.RandomState(expected & 0xFFFFFFFF).rand()
+            # The worker's batch of 2 is seeded from its first item's count; items draw in turn.
+            first, offset = count - count % 2, count % 2
+            torch_seed, numpy_seed, random_seed = batch_seeds(key, first)
+            generator = torch.Generator().manual_seed(torch_seed)
+            torch_draws = [torch.rand(2, generator=generator) for _ in range(offset + 1)]
+            assert torch.equal(item["torch"], torch_draws[offset])
+            numpy_draw = float(np.random.RandomState(numpy_seed).rand(offset + 1)[offset])
             assert torch.equal(item["numpy"], torch.tensor(numpy_draw))
-            assert torch.equal(item["random"], torch.tensor(random.Random(expected).random()))
+            random_gen = random.Random(random_seed)
+            random_draw = [random_gen.random() for _ in range(offset + 1)][offset]
+            assert torch.equal(item["random"], torch.tensor(random_draw))
     seeds = {tuple(item["seed"].tolist()) for items in epochs for item in items}
     assert len(seeds) == 16  # every (epoch, worker, count) its own: epochs and workers differ
     other = {tuple(item["seed"].tolist()) for items in _seeds_and_draws(4) for item in items}

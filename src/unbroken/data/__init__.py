@@ -6,8 +6,8 @@
   loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
 - ``combined``, ``iterable`` (``resumable``), ``shuffling`` (``shuffle_buffer``): iterables
   built on that protocol.
-- ``rng`` and ``shuffle``: per-sample randomness and the per-index shuffle, pure functions of
-  (seed, epoch, position); ``workers``: what DataLoader workers do with preemption signals.
+- ``rng`` and ``shuffle``: per-batch and per-sample randomness and the per-index shuffle, pure
+  functions of (seed, epoch, position); ``workers``: what DataLoader workers do with preemption signals.
 """
 
 from .combined import CombinedLoader

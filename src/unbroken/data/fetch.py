@@ -1,31 +1,27 @@
-"""The dataset the inner torch DataLoader sees: the user's, with each sample's RNGs seeded.
+"""The dataset the inner torch DataLoader sees: the user's, with each batch's RNGs seeded.
 
-torch's fetcher hands a whole batch of keys to ``__getitems__``. For each sample we seed the
-chosen global generators from (epoch key, position) and call the user's ``__getitem__``, so
-the sample's random transforms do not depend on which worker runs it. A user dataset with its
-own ``__getitems__`` (batched reads) keeps it: it is called once per batch, seeded from the
-batch's first position, which is as deterministic but ties the randomness to batch boundaries.
+torch's fetcher hands a whole batch of keys to ``__getitems__``. We seed the chosen global
+generators once, from (epoch key, the batch's first position), then call the user's
+``__getitem__`` for each sample, telling ``sample_seed()``/``sample_rng()`` which position is
+being fetched, so the batch's random transforms do not depend on which worker runs it. A user
+dataset with its own ``__getitems__`` (batched reads) keeps it: it is called once per batch,
+with ``sample_seed()`` the batch's first position's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from torch.utils.data import Dataset
+import torch
+from torch.utils.data import Dataset, get_worker_info
 
-from .rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
+from .rng import CURRENT, make_seeder
 
-
-class Keys(list):
-    """A batch of dataset indices; ``epoch_key`` and ``start`` let a worker seed each sample."""
-
-    def __init__(self, indices: Any, epoch_key: int, start: int) -> None:
-        super().__init__(indices)
-        self.epoch_key = epoch_key
-        self.start = start
-
-    def __reduce__(self) -> Any:  # workers receive batches pickled; keep it small and explicit
-        return (Keys, (list(self), self.epoch_key, self.start))
+# A batch as the inner torch loader's batch sampler yields it and a worker receives it: the
+# dataset indices, the epoch's key and the position of its first sample in the epoch's global
+# order. A plain tuple: one is built per batch, and a class of our own costs ~0.5 us more.
+Keys = tuple[Sequence[int], int, int]
 
 
 class SeededDataset(Dataset):
@@ -33,6 +29,11 @@ class SeededDataset(Dataset):
         self.dataset = dataset
         self.global_rngs = global_rngs
         self._seed = make_seeder(global_rngs)
+        # In the training process itself (num_workers=0), torch's generator is put back after
+        # each batch, so the training step draws the same numbers whatever the loader did and
+        # whatever num_workers is (~1.3 us a batch). numpy's and random's are not: saving them
+        # costs ~57 us and ~10 us (the README's resume contract says what that means).
+        self._keeps_torch = "torch" in global_rngs
         batched = getattr(dataset, "__getitems__", None)
         self._user_getitems = batched if callable(batched) else None
 
@@ -46,25 +47,36 @@ class SeededDataset(Dataset):
         return len(self.dataset)
 
     def __getitems__(self, keys: Keys) -> list:
-        seed, dataset, epoch_key, start = self._seed, self.dataset, keys.epoch_key, keys.start
-        saved = keep_main_torch_rng(self.global_rngs)
+        indices, key, start = keys
+        current = CURRENT
+        saved = _GET_STATE() if self._keeps_torch and get_worker_info() is None else None
         try:
+            self._seed(key, start)
             if self._user_getitems is not None:
-                seed(sample_seed_at(epoch_key, start))
-                return self._user_getitems(list(keys))
-            out = []
-            for offset, index in enumerate(keys):
-                seed(sample_seed_at(epoch_key, start + offset))
+                return self._user_getitems(list(indices))
+            dataset, out = self.dataset, []
+            for position, index in enumerate(indices, start):
+                current.position = position
                 out.append(dataset[index])
             return out
         finally:
-            clear_sample(saved)
+            current.key = None
+            if saved is not None:
+                _SET_STATE(saved)
 
     def __getitem__(self, keys: Keys) -> Any:
-        # Without automatic batching (batch_size=None) every Keys holds one index.
-        saved = keep_main_torch_rng(self.global_rngs)
+        # Without automatic batching (batch_size=None) every batch holds one index, fetched
+        # with the dataset's __getitem__, as torch does.
+        (index,), key, start = keys
+        saved = _GET_STATE() if self._keeps_torch and get_worker_info() is None else None
         try:
-            self._seed(sample_seed_at(keys.epoch_key, keys.start))
-            return self.dataset[keys[0]]
+            self._seed(key, start)
+            return self.dataset[index]
         finally:
-            clear_sample(saved)
+            CURRENT.key = None
+            if saved is not None:
+                _SET_STATE(saved)
+
+
+_GET_STATE = torch.default_generator.get_state
+_SET_STATE = torch.default_generator.set_state

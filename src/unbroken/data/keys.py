@@ -16,9 +16,9 @@ window w of a shuffle buffer  ``(seed, epoch, 4, w)``             ``shuffle_buff
 
 The first three are unchanged since the first state format (version 1), so map-style and
 global-cursor states of version 1 still resume exactly; the last two changed with version 2
-(see ``unbroken.data.states``). A sample's seed is ``sample_seed_at(key, position)``; its
-``sample_rng()`` generator is seeded with ``mix64`` of that seed, a stream apart from the
-global generators that got the seed itself.
+(see ``unbroken.data.states``). Under a key, ``rng`` derives the global generators' seeds of
+the batch starting at a position (``batch_seeds``), a sample's ``sample_seed_at`` and its
+``sample_rng()`` seed (``sample_rng_seed``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _SHUFFLE, _TORCH_WORKERS, _STREAM_WORKER, _WINDOW = 1, 2, 3, 4
 
 
 def samples(seed: int, epoch: int) -> int:
-    """The key of the per-sample seeds along an epoch's global order."""
+    """The key of the batches' and samples' seeds along an epoch's global order."""
     return derive_key(seed, epoch)
 
 

@@ -10,10 +10,10 @@ received.
 
 State: ``LoaderState`` (``states``), a few integers plus the source's part (a user sampler's
 or the dataset's own state, if it has one).
-Per-batch cost, measured alone (benchmarks/RESULTS.md): ~1.7 us for a batch of 2 (the batch
-sampler's generator, the fetch wrapper, a deque append/pop), plus the per-sample seeding
-described in the README's "Randomness" section (``global_rngs`` chooses it) and, with
-``num_workers=0``, ~1.2 us to put the training process's torch generator back.
+Per-batch cost: see benchmarks/RESULTS.md (the batch sampler's generator, the fetch wrapper,
+the cursor), plus the per-batch seeding described in the README's "Randomness" section
+(``global_rngs`` chooses it) and, with ``num_workers=0``, ~2 us to put the training process's
+torch generator back.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from .select import make_source
 from .sources import SKIP, Cursor
 from .states import LOADER, LoaderState
 from .streams import StreamSource
-from .worker_streams import PerWorkerStream
 from .workers import signals_blocked, worker_init
 
 _SEED_LIMIT = 1 << 64
@@ -51,9 +50,9 @@ class DataLoader(EpochIterable[Cursor]):
       sample's randomness derive from it. ``None`` picks a random one (or
       ``generator.initial_seed()`` if a ``generator`` is given); ``load_state_dict`` then
       adopts the saved seed, so a restarted run continues the same order.
-    - ``global_rngs``: which process-global generators are seeded before each sample:
+    - ``global_rngs``: which process-global generators are seeded before each batch:
       any of ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves
-      its seeding cost (about 1 us per sample for torch, 1.3 us for numpy, 3.5 us for
+      its seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for
       ``random``; the README's "Randomness" section) but makes draws from it inside
       ``__getitem__`` depend on the worker, so they no longer repeat after a resume;
       ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay exact either way.
@@ -212,23 +211,24 @@ class DataLoader(EpochIterable[Cursor]):
         saved and the current value if it is from another version, or was saved with a
         different dataset length, seed, batch size, drop_last, shuffle, sampler or (for a
         per-worker iterable dataset) ``num_workers``, or, for a dataset iterated per rank, on
-        another ``rank`` or ``world_size`` (``ranks``). Both are ``ValueError``s. A version 1
-        state loads unless it is a per-worker iterable dataset's (``states``). Nothing changes
-        unless the whole state is valid.
+        another ``rank`` or ``world_size`` (``ranks``). Both are ``ValueError``s. States of
+        versions 1 and 2 (seeded per sample) are refused with a ``StateMismatch`` that says
+        why (``states``). Nothing changes unless the whole state is valid.
         """
         what = "unbroken.DataLoader"
         reader = StateReader(state, what, LOADER)
-        if reader.version == 1 and isinstance(self._source, PerWorkerStream):
+        if reader.version != LOADER.version:  # an older one: the Format reads no other
             raise StateMismatch(
                 what,
                 "version",
-                1,
+                reader.version,
                 LOADER.version,
                 message=(
-                    f"{what}: the state was saved with version=1, whose iterable-dataset workers "
-                    "seeded their items from other keys than this version does, so the rest of the "
-                    "epoch would draw other random numbers than the run that saved it. Finish that "
-                    "run with unbroken 0.1.0, or start a new one."
+                    f"{what}: the state was saved with version={reader.version}, which seeded the "
+                    "global generators once per sample (and sample_rng() from other seeds); this "
+                    f"version={LOADER.version} seeds them once per batch, so the rest of the epoch "
+                    "would draw other random numbers than the run that saved it. Finish that run "
+                    "with the unbroken release that started it (0.1.x), or start a new one."
                 ),
             )
         saved_seed = reader.int("seed", 0, _SEED_LIMIT - 1)
@@ -260,7 +260,7 @@ class DataLoader(EpochIterable[Cursor]):
                 "fingerprint",
             )
         if not self._source.shared_by_ranks:
-            check_ranks(saved_print, (self.rank, self.world_size), reader.version, what)
+            check_ranks(saved_print, (self.rank, self.world_size), what)
         cursor = Cursor(reader.int("samples"), reader.int("batches"), state["source"])
         self._source.check_cursor(cursor, what)
         epoch = reader.int("epoch")

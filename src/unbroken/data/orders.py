@@ -4,7 +4,7 @@ An epoch's *global order* is the sequence of dataset indices it visits; the load
 counts how much of it the user has received. An ``IndexSource`` turns (seed, epoch, cursor)
 into the remaining batches (``batches``); the inner torch loader draws them through
 ``_EpochPlan``, its batch sampler, and fetches them through ``SeededDataset``, which seeds
-each sample from (seed, epoch, position). Every batch drawn is recorded (in ``done``) with the
+each batch from (seed, epoch, its first position). Every batch drawn is recorded (in ``done``) with the
 cursor it leads to, and the cursor moves to it when the batch is *received*, so batches that
 workers prefetched never count.
 
@@ -185,7 +185,7 @@ class NativeOrder(IndexSource):
             return None
         start = cursor.batches
         future = self.batches(seed, epoch, cursor.copy(), deque(maxlen=1))
-        return self.order.plan_reads((list(b) for b in future), lambda: cursor.batches - start)
+        return self.order.plan_reads((list(b[0]) for b in future), lambda: cursor.batches - start)
 
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         epoch_key = keys.samples(seed, epoch)
@@ -206,4 +206,4 @@ class NativeOrder(IndexSource):
                 first = block_start + offset
                 last = min(first + step, block_end)
                 done.append((last, None))
-                yield Keys(indices[offset : offset + step], epoch_key, first)
+                yield indices[offset : offset + step], epoch_key, first

@@ -12,10 +12,8 @@ state's fingerprint, and a state loads only on the rank and world size that save
 
 A state without them was saved by a single process (or with ``world_size=1``): it loads in one
 process as before, and is refused on rank r of W > 1 (``world_size`` 1 against W), since that
-rank iterates another stream. Version 1 states (unbroken 0.1.0, which never recorded ranks, also
-under torchrun, where each rank saved its own) are the exception: they load on any rank, as they
-did in 0.1.0, and it is up to the caller to give each rank the state it saved. The state format
-is unchanged otherwise, hence no new version.
+rank iterates another stream. (States of version 1, which never recorded ranks, are refused
+before this check: they were seeded per sample, ``unbroken.data.states``.)
 """
 
 from __future__ import annotations
@@ -42,16 +40,12 @@ def rank_fields(source: BatchSource, ranks: tuple[int, int] | None) -> dict[str,
     return {"rank": ranks[0], "world_size": ranks[1]}
 
 
-def check_ranks(
-    saved_print: dict, current: tuple[int, int], version: int | None, what: str
-) -> None:
+def check_ranks(saved_print: dict, current: tuple[int, int], what: str) -> None:
     """Refuse a per-rank source's state saved on another rank or world size than ``current``
     (``(0, 1)`` in a single process): ``StateMismatch`` on ``world_size``, then on ``rank``."""
     present = [field for field in RANK_FIELDS if field in saved_print]
     note = ""
     if not present:
-        if version == 1:
-            return  # 0.1.0 never recorded the ranks: accepted as it was then (module docstring)
         saved = (0, 1)
         note = "The state records no ranks: a single process saved it. "
     elif len(present) == 1:

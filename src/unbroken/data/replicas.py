@@ -22,7 +22,7 @@ from typing import Any
 
 from .._state import COUNT_LIMIT, check_user_state, encode_or_defer, from_jsonable, has_state
 from ..errors import CorruptState
-from .rng import clear_sample, keep_main_torch_rng, sample_seed_at
+from .rng import clear_sample, keep_main_torch_rng
 from .streams import RangeStream, StreamSource, set_epoch
 from .worker_streams import Opened, PerWorkerStream, ReplicaStart
 
@@ -157,8 +157,10 @@ class ReplayStream(PerWorkerStream):
         set_epoch(self.dataset, plan["epoch"])
         items, count = iter(self.dataset), saved["items"]
         saved_rng = keep_main_torch_rng(global_rngs)
+        step = self.batch_size or 1
         for skipped in range(count):  # seeded as when they were read, for their side effects
-            seed(sample_seed_at(key, skipped))
+            if skipped % step == 0:  # a batch's first item (every batch but the last is full)
+                seed(key, skipped)
             if next(items, _END) is _END:
                 raise self.shorter(worker, count, "items", skipped)
         clear_sample(saved_rng)

@@ -1,19 +1,30 @@
-"""Per-sample randomness derived from (seed, epoch, position), never captured.
+"""Randomness derived from (seed, epoch, position), never captured.
 
-Before each sample is fetched, ``seed_sample`` seeds the process-global torch, numpy and
-``random`` generators from a 64-bit value derived from the loader's seed, the epoch and the
-sample's position in the epoch's global order. A random transform inside ``__getitem__``
-therefore draws the same numbers whichever worker runs it and however many workers there
-are, and a resumed run needs no RNG state at all.
+**Global generators, per batch.** Before each batch is fetched, ``make_seeder``'s function seeds
+the process-global torch, numpy and ``random`` generators from the epoch's key and the batch's
+first position in the epoch's global order; the batch's samples then draw from them in turn. A
+batch is fetched whole by one worker and its samples are fixed by the state's fingerprint (the
+order, ``batch_size``), so a batch draws the same numbers whichever worker fetches it, however many
+workers there are, and after any resume (which always starts at a batch boundary). On several
+ranks, rank r's batches are positions ``[m*B, (m+1)*B)`` of the global order whatever the world
+size, so they draw the same numbers too. Seeding once per batch rather than once per sample
+divides the cost by the batch size: it is the seeding calls themselves that cost (measured in
+benchmarks/RESULTS.md: torch's CPU generator ~1.2 us, numpy's legacy global ~1.5 us, ``random``
+~4 us a call on this project's CI machine).
 
-``sample_rng()`` gives the current sample its own ``torch.Generator`` (seeded lazily, only
-when asked for) and ``sample_seed()`` its 64-bit seed, e.g. for
-``numpy.random.default_rng(unbroken.sample_seed())``.
+**Distinct streams.** torch's CPU generator and numpy's legacy one keep only 32 bits of a seed,
+so seeds drawn at random from a 64-bit hash would repeat by the birthday bound (an epoch of
+1.28M samples seeded per sample had 164 pairs of positions drawing identical numbers). The
+32-bit seed is therefore a keyed *bijection* of the position (``stream32``): two batches of one
+epoch never share a seed. torch, numpy and ``random`` get three different seeds (the plain
+position's seed xor a constant per generator): MT19937 seeded alike in torch and numpy gives the
+same raw stream, which would correlate a torch flip with a numpy crop of the same sample.
 
-Cost per sample, measured on this project's 2-core CI machine (see benchmarks/RESULTS.md):
-torch's CPU generator ~1.0 us (``torch.default_generator.manual_seed``; ``torch.manual_seed``
-also walks every accelerator and costs ~100 us), numpy's legacy global generator ~1.3 us,
-``random`` ~3.4 us. ``global_rngs`` on the DataLoader chooses which are seeded.
+**Per sample, on demand.** ``sample_rng()`` gives the sample being fetched its own
+``torch.Generator`` (seeded with ``stream32`` of its own position, on first use only, so samples
+that don't ask pay nothing) and ``sample_seed()`` its 64-bit seed, e.g. for
+``numpy.random.default_rng(unbroken.sample_seed())``. These two depend on the sample's position
+only, not on its batch.
 """
 
 from __future__ import annotations
@@ -25,16 +36,31 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .shuffle import mix64
-
 GLOBAL_RNGS = ("torch", "numpy", "random")
 _U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+# Xor'ed into a batch's seed per generator, so torch, numpy and random never share a stream.
+_NUMPY, _RANDOM, _SAMPLE_RNG = 0x5BD1E995, 0x2545F491, 0x68E31DA4
 
-# The sample being fetched in this process (each DataLoader worker is its own process).
-_current_seed: int | None = None
-_sample_generator: torch.Generator | None = None
-_generator_seeded_for: int | None = None
+Seeder = Callable[[int, int], None]
+
+
+class _Current:
+    """The sample being fetched in this process (each DataLoader worker is its own process):
+    its epoch key (None outside a fetch) and position, and what ``sample_rng()`` was last seeded
+    for. One object with slots: setting a field per sample costs ~30 ns."""
+
+    __slots__ = ("key", "position", "generator", "seeded_for")
+
+    def __init__(self) -> None:
+        self.key: int | None = None
+        self.position = 0
+        self.generator: torch.Generator | None = None
+        self.seeded_for: tuple[int, int] | None = None
+
+
+CURRENT = _Current()
 
 
 def check_global_rngs(global_rngs: Iterable[str]) -> tuple[str, ...]:
@@ -48,39 +74,65 @@ def check_global_rngs(global_rngs: Iterable[str]) -> tuple[str, ...]:
     return tuple(name for name in GLOBAL_RNGS if name in chosen)
 
 
-def make_seeder(global_rngs: tuple[str, ...]) -> Callable[[int], None]:
-    """Return ``seed(sample_seed)`` that seeds the chosen global generators, fast.
+def stream32(key: int, position: int) -> int:
+    """A 32-bit seed for ``position`` of the epoch keyed by ``key`` (64 bits): for a fixed key,
+    a bijection of ``position mod 2**32``, so distinct positions of an epoch get distinct seeds.
+    Each step is invertible modulo 2**32 (adding the key, multiplying by an odd number taken
+    from the key, an xorshift); MT19937's own seeding then spreads the bits."""
+    x = ((position + key) * ((key >> 32) | 1)) & _U32
+    return x ^ (x >> 16)
 
-    Bound methods are looked up once here: the call runs once per sample.
+
+def batch_seeds(key: int, position: int) -> tuple[int, int, int]:
+    """The seeds of torch's, numpy's and ``random``'s global generators for the batch whose
+    first sample is at ``position`` of the epoch keyed by ``key``: the documented derivation."""
+    seed = stream32(key, position)
+    return seed, seed ^ _NUMPY, seed ^ _RANDOM
+
+
+def make_seeder(global_rngs: tuple[str, ...]) -> Seeder:
+    """Return ``seed(key, position)``: seed the chosen global generators for the batch starting
+    at ``position``, and make that batch the current one for ``sample_seed()``/``sample_rng()``.
+
+    Bound methods are looked up once here: the call runs once per batch.
     """
     torch_seed = torch.default_generator.manual_seed if "torch" in global_rngs else None
     numpy_seed = np.random.seed if "numpy" in global_rngs else None
     random_seed = random.seed if "random" in global_rngs else None
+    current = CURRENT
 
-    def seed(value: int) -> None:
-        global _current_seed, _generator_seeded_for
-        _current_seed = value
-        _generator_seeded_for = None  # the same sample fetched twice must restart its stream
+    def seed(key: int, position: int) -> None:
+        current.key, current.position = key, position
+        current.seeded_for = None  # the same sample fetched again must restart its stream
+        if torch_seed is None and numpy_seed is None and random_seed is None:
+            return
+        value = stream32(key, position)
         if torch_seed is not None:
             torch_seed(value)
         if numpy_seed is not None:
-            numpy_seed(value & 0xFFFFFFFF)  # numpy's legacy seeding takes 32 bits
+            numpy_seed(value ^ _NUMPY)
         if random_seed is not None:
-            random_seed(value)
+            random_seed(value ^ _RANDOM)
 
     return seed
 
 
-def sample_seed_at(epoch_key: int, position: int) -> int:
-    """The 64-bit seed of the sample at ``position`` of the epoch keyed by ``epoch_key``."""
-    x = ((epoch_key + position * _GOLDEN) & _U64) * 0xBF58476D1CE4E5B9 & _U64
+def sample_seed_at(key: int, position: int) -> int:
+    """The 64-bit seed of the sample at ``position`` of the epoch keyed by ``key``."""
+    x = ((key + position * _GOLDEN) & _U64) * 0xBF58476D1CE4E5B9 & _U64
     return x ^ (x >> 31)
+
+
+def sample_rng_seed(key: int, position: int) -> int:
+    """The 32-bit seed of ``sample_rng()`` for the sample at ``position``: distinct per position
+    of an epoch, and never the global generators' seed of the batch the sample starts."""
+    return stream32(key ^ _SAMPLE_RNG, position)
 
 
 def keep_main_torch_rng(global_rngs: tuple[str, ...]) -> torch.Tensor | None:
     """In the training process itself (``num_workers=0``), the state of torch's generator to put
     back once the batch is fetched, so that dropout and the rest of the training step draw the
-    same numbers whatever the loader did and whatever ``num_workers`` is. ~1.2 us a batch.
+    same numbers whatever the loader did and whatever ``num_workers`` is. ~2 us a batch.
 
     numpy's and ``random``'s global generators are not put back: saving and restoring them costs
     ~57 us and ~10 us a batch. With ``num_workers=0`` they are left as the batch's last sample
@@ -92,10 +144,18 @@ def keep_main_torch_rng(global_rngs: tuple[str, ...]) -> torch.Tensor | None:
 
 
 def clear_sample(saved_torch_state: torch.Tensor | None = None) -> None:
-    global _current_seed
-    _current_seed = None
+    CURRENT.key = None
     if saved_torch_state is not None:
         torch.default_generator.set_state(saved_torch_state)
+
+
+def _current() -> _Current:
+    if CURRENT.key is None:
+        raise RuntimeError(
+            "unbroken.sample_seed()/sample_rng() are only defined while unbroken.DataLoader "
+            "fetches a sample: call them inside your dataset's __getitem__"
+        )
+    return CURRENT
 
 
 def sample_seed() -> int:
@@ -103,12 +163,9 @@ def sample_seed() -> int:
 
     Call it inside ``__getitem__`` of a dataset loaded by ``unbroken.DataLoader``.
     """
-    if _current_seed is None:
-        raise RuntimeError(
-            "unbroken.sample_seed()/sample_rng() are only defined while unbroken.DataLoader "
-            "fetches a sample: call them inside your dataset's __getitem__"
-        )
-    return _current_seed
+    current = _current()
+    assert current.key is not None
+    return sample_seed_at(current.key, current.position)
 
 
 def sample_rng() -> torch.Generator:
@@ -118,12 +175,12 @@ def sample_rng() -> torch.Generator:
     calls within one sample return the same generator, continuing its stream. Don't keep it
     across samples: the next sample re-seeds it.
     """
-    global _sample_generator, _generator_seeded_for
-    seed = sample_seed()
-    if _sample_generator is None:
-        _sample_generator = torch.Generator()
-    if _generator_seeded_for != seed:
-        # A different stream from the global generator's, which got ``seed`` itself.
-        _sample_generator.manual_seed(mix64(seed))
-        _generator_seeded_for = seed
-    return _sample_generator
+    current = _current()
+    key, position = current.key, current.position
+    assert key is not None
+    if current.generator is None:
+        current.generator = torch.Generator()
+    if current.seeded_for != (key, position):
+        current.generator.manual_seed(sample_rng_seed(key, position))
+        current.seeded_for = (key, position)
+    return current.generator

@@ -204,7 +204,7 @@ class UserSampler(_UserOrder):
             last = not following or (len(following) < step and self.drop_last)
             # The sampler may reset itself once exhausted, so "end" says what its state can't.
             done.append((position + len(batch), {"state": state, "end": last}))
-            yield Keys(batch, epoch_key, position)
+            yield batch, epoch_key, position
             position += len(batch)
             batch = following
 
@@ -233,6 +233,6 @@ class UserBatchSampler(_UserOrder):
             state = self._sampler_state()
             batch, following = list(batch), next(batches, None)
             done.append((position + len(batch), {"state": state, "end": following is None}))
-            yield Keys(batch, epoch_key, position)
+            yield batch, epoch_key, position
             position += len(batch)
             batch = following

@@ -37,7 +37,7 @@ slice of a global order is an ``IndexSource`` whose ``batches`` yields that rank
             key = keys.samples(seed, epoch)
             for k in range(cursor.samples, len(self)):
                 done.append((k + 1, None))          # what the cursor says once it is received
-                yield Keys([2 * k], key, k)
+                yield [2 * k], key, k
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@
 
 Versions:
 
-- ``unbroken.DataLoader`` 2: stream worker w's per-item seeds moved to their own key
-  (``unbroken.data.keys``). Version 1 states still load, except those of a per-worker iterable
-  dataset (whose remaining items would draw other randomness than the run that saved them):
-  those are refused with a ``StateMismatch`` on ``version``.
+- ``unbroken.DataLoader`` 3: the global generators are seeded once per batch, from a 32-bit
+  bijection of the batch's position, and ``sample_rng()`` from one of the sample's (``rng``);
+  versions 1 and 2 seeded them per sample from a 64-bit hash. The rest of an epoch saved by
+  them would draw other numbers than the run that saved it, so their states are refused with a
+  ``StateMismatch`` on ``version`` that says why (2 had moved stream worker w's seeds to their
+  own key, ``unbroken.data.keys``).
 - ``unbroken.shuffle_buffer`` 2: windows are permuted with keys of their own; version 1 states
   are refused the same way.
 - ``unbroken.resumable`` 1, ``unbroken.CombinedLoader`` 1: unchanged.
@@ -99,7 +101,7 @@ class CombinedState(TypedDict):
     loaders: list[ChildPosition]
 
 
-LOADER = Format("unbroken.DataLoader", 2, LoaderState, readable=(1,))
+LOADER = Format("unbroken.DataLoader", 3, LoaderState, readable=(1, 2))
 RESUMABLE = Format("unbroken.resumable", 1, ResumableState)
 SHUFFLE_BUFFER = Format("unbroken.shuffle_buffer", 2, ShuffleBufferState)
 COMBINED = Format("unbroken.CombinedLoader", 1, CombinedState)

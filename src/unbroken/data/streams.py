@@ -14,7 +14,8 @@ when the batch is *received* (never when it is prefetched). Two kinds of stream:
 - per-worker streams (``worker_streams``): any other iterable; each replica's own state
   travels with its batches, and ``num_workers`` must stay the same on resume.
 
-Randomness: before each item, the global RNGs are seeded from the item's key and position.
+Randomness: before each batch, the global RNGs are seeded from the stream's key and the batch's
+first position (``rng``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from torch.utils.data import (
 
 from ..errors import CorruptState
 from . import keys
-from .rng import clear_sample, keep_main_torch_rng, make_seeder, sample_seed_at
+from .rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
 from .sources import SKIP, BatchSource, Cursor, Receiver
 
 PLACEHOLDER = -1  # Tagged.items of a placeholder: a worker's turn that already came
@@ -91,19 +92,17 @@ def identity(batch: Any) -> Any:
 
 
 def read_items(
-    items: Iterator,
-    count: int,
-    seed: Callable[[int], None],
-    key: int,
-    position: int,
-    global_rngs: tuple[str, ...],
+    items: Iterator, count: int, seed: Seeder, key: int, position: int, global_rngs: tuple[str, ...]
 ) -> list:
-    """Up to ``count`` items, each read with the RNGs seeded for its position; in the training
-    process itself, torch's generator is put back afterwards (see ``keep_main_torch_rng``)."""
+    """Up to ``count`` items, a batch starting at ``position``: the RNGs are seeded once for it,
+    and ``sample_seed()`` follows each item; in the training process itself, torch's generator
+    is put back afterwards (see ``keep_main_torch_rng``)."""
     batch: list = []
     saved_rng = keep_main_torch_rng(global_rngs)
-    for offset in range(count):
-        seed(sample_seed_at(key, position + offset))
+    seed(key, position)
+    current = CURRENT
+    for item_position in range(position, position + count):
+        current.position = item_position
         try:
             batch.append(next(items))
         except StopIteration:

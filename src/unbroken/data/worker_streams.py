@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from .._state import Unsaveable, check_int, schema_fields
 from ..errors import CorruptState, StateMismatch
 from . import keys
-from .rng import make_seeder
+from .rng import Seeder, make_seeder
 from .sources import SKIP, Cursor
 from .states import WorkerPosition, WorkersPosition
 from .streams import PLACEHOLDER, StreamSource, StreamWorker, Tagged, read_items
@@ -34,8 +34,8 @@ class ReplicaStart(NamedTuple):
     plan: dict  # the epoch's plan (seed, epoch, every worker's saved position, ...)
     saved: WorkerPosition  # this worker's saved position
     worker: int
-    seed: Callable[[int], None]  # seeds the global RNGs for one item
-    key: int  # the key of this worker's per-item seeds
+    seed: Seeder  # seeds the global RNGs for the batch at an item count
+    key: int  # the key of this worker's seeds
     global_rngs: tuple[str, ...]  # the worker's items, and its state after a batch
 
 

@@ -1,7 +1,8 @@
 """Data parallelism for map-style datasets: each rank's share of one global order.
 
 Every rank derives the same global order from (seed, epoch), as a single process would (the
-same shuffle, the same per-sample seeds). Global batch k is positions
+same shuffle, the same seeds: a batch's are those of its first position, and rank r's batches
+are positions [m * B, (m + 1) * B) of that order whatever W is). Global batch k is positions
 [k * B * W, (k + 1) * B * W) of that order for ``batch_size`` B and W ranks; rank r receives
 positions [k * B * W + r * B, k * B * W + (r + 1) * B). The loader's state is the *global*
 cursor (samples and global batches received), identical on every rank, so any rank's state
@@ -18,7 +19,7 @@ randomness are.
 The epoch's tail, as ``DistributedSampler`` does it, so that every rank yields the same number
 of batches and none waits alone in a collective: with ``drop_last=True`` the last incomplete
 global batch is dropped; otherwise it is split evenly, ``ceil(rest / W)`` samples per rank, and
-ranks past the end repeat samples of that last global batch (their own seeds derive from
+ranks past the end repeat samples of that last global batch (their batches are seeded from
 positions past the end, so a repeated sample is augmented anew).
 """
 
@@ -119,7 +120,7 @@ class ShardedOrder(NativeOrder):
             indices = self._indices(positions, shuffle)
             for j in range(count):
                 done.append((start + (block + j + 1) * size, None))
-                yield Keys(indices[j * step : (j + 1) * step], epoch_key, int(firsts[j]))
+                yield indices[j * step : (j + 1) * step], epoch_key, int(firsts[j])
         first = start + whole * size
         rest = end - first
         if rest and not self.drop_last:  # the last, incomplete global batch, split evenly
@@ -128,7 +129,7 @@ class ShardedOrder(NativeOrder):
             real = first + (positions - first) % rest  # past the end: repeat the batch's own
             indices = self._indices(real, shuffle)
             done.append((end, None))
-            yield Keys(indices, epoch_key, int(positions[0]))
+            yield indices, epoch_key, int(positions[0])
 
     def _indices(self, positions: np.ndarray, shuffle: Permutation | None) -> list[int]:
         if shuffle is None:

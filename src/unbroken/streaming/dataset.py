@@ -2,8 +2,8 @@
 
 Global index i is row ``i - first_row[s]`` of shard s (shards in the index's order), so
 ``unbroken.DataLoader`` gives it everything a map-style dataset has: O(1) resume from a cursor
-of a few integers, any ``num_workers`` and any number of ranks on resume, and per-sample
-randomness derived from (seed, epoch, position). What is particular to object storage lives
+of a few integers, any ``num_workers`` and any number of ranks on resume, and randomness
+derived from (seed, epoch, position). What is particular to object storage lives
 beside it:
 
 - ``shuffle=True`` uses the dataset's ``WindowShuffle`` (``order``): shards permuted in windows
@@ -17,8 +17,9 @@ beside it:
 
 Items are dicts of column values (Python objects, as ``pyarrow``'s ``to_pylist`` gives them).
 For decoding and random augmentations per sample, ``dataset.map(fn)``: a dataset of
-``fn(row)`` that keeps the hooks above and has no ``__getitems__``, so the loader seeds each
-sample on its own (this dataset's batched ``__getitems__`` draws no randomness). A wrapper of
+``fn(row)`` that keeps the hooks above and has no ``__getitems__``, so the loader fetches each
+sample with ``__getitem__``, tracking its position for ``sample_seed()``/``sample_rng()``
+(this dataset's batched ``__getitems__`` draws no randomness). A wrapper of
 your own must forward ``shuffle_order``, ``order_fingerprint`` and ``plan_reads`` too, or the
 loader sees a plain map-style dataset: a uniform shuffle over all shards, and no prefetch.
 """
@@ -250,8 +251,9 @@ class StreamingDataset(torch.utils.data.Dataset):
 
 
 class Mapped(torch.utils.data.Dataset):
-    """``fn`` applied to each row of a ``StreamingDataset``, one sample at a time (so each is
-    seeded on its own), with the dataset's order and prefetch hooks."""
+    """``fn`` applied to each row of a ``StreamingDataset``, one sample at a time (so
+    ``sample_seed()``/``sample_rng()`` are each sample's), with the dataset's order and
+    prefetch hooks."""
 
     def __init__(self, dataset: StreamingDataset, fn: Callable[[dict[str, Any]], Any]) -> None:
         self.dataset, self.fn = dataset, fn
