@@ -138,6 +138,29 @@ def test_a_replayed_dataset_warns_once_and_resumes_exactly():
         assert assert_resumes_exactly(_make(Replayed, 9, 2, False, 2), epochs=2, cuts=[3, 6])
 
 
+class Drifting(IterableDataset):
+    """No state, and each item carries what every earlier one drew (a random walk over the
+    global generators), so a replay must draw exactly as the first read did: seeded once per
+    batch of the loader, at the batch's first item."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        walk = 0.0
+        for i in _shard(self.n):
+            walk += random.random() + float(torch.rand(())) + float(np.random.rand())
+            yield {"index": torch.tensor(i), "walk": torch.tensor(walk, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("batch_size, workers", [(3, 0), (2, 2)])
+def test_a_replay_draws_as_the_first_read_did(batch_size, workers):
+    with pytest.warns(UserWarning, match="re-reads"):
+        assert assert_resumes_exactly(
+            _make(Drifting, 11, batch_size, False, workers), epochs=1, cuts=[1, 2, 3]
+        )
+
+
 class SeedProbe(StatefulStream):
     """Each item also carries its sample_seed(), as two 32-bit halves."""
 
