@@ -137,6 +137,7 @@ trainer = unbroken.Trainer(
     checkpoint_every_seconds=None,
     progress_bar=False,
     tensorboard=False,
+    log_every=1,  # Chaos records each batch's loss from `logs`
     callbacks=[Chaos()],
     preemption_check_every=OPTIONS.get("check_every", 1),
 )

@@ -22,7 +22,7 @@ def _saved(**changes) -> dict:
     """A Progress state as a run with CONFIG saves it after a few batches, with `changes`."""
     progress = Progress(CONFIG)
     for loss in (1.0, 2.0, 3.0):
-        progress.batch_done(loss)
+        progress.batch_done(torch.tensor(loss))
     return {**progress.state_dict(), **changes}
 
 

@@ -170,6 +170,7 @@ def run(
     context=None,
     clip_grad_norm=0.5,
     loader_seed=None,
+    log_every=1,  # every batch's values: the tests read each row
     **trainer_options,
 ) -> nn.Module:
     from torchmetrics.classification import MulticlassAccuracy
@@ -222,7 +223,7 @@ def run(
         scheduler_interval=scheduler_interval,
         callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
         progress_bar=False,
-        tensorboard_every=1,
+        log_every=log_every,
         **trainer_options,
     )
     trainer.fit(

@@ -11,12 +11,15 @@ Cost: one ``write`` per value and one ``flush`` per checkpoint.
 ``open_tensorboard`` does the same for TensorBoard when it is installed: events are stepped by
 the loop's tick count, and a resumed writer purges the events its killed predecessor wrote
 after the checkpoint (TensorBoard's ``purge_step``), so the curves show no replayed stretch.
-``RunLog`` is where the Trainer's values go: both, and the latest value of each.
+``RunLog`` is where the Trainer's values go: both, and the latest value of each. It takes
+tensors as they are and reads each on the host once, when it writes it (a sync on a GPU): the
+Trainer calls it on the batches it logs (every ``log_every``) and at the end of each phase.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,21 +115,19 @@ def open_tensorboard(wanted: bool | None, directory: Path, purge_from: int) -> A
 
 
 class RunLog:
-    """The Trainer's values: every one to the CSV log and ``latest``; to TensorBoard (if any)
-    every one, except per-batch values, which go every ``every`` batches: its writer costs
-    ~40 us a value without TensorFlow (a pure-Python CRC). ``write=False`` (ranks other than
-    0 of a data-parallel job) keeps ``latest`` only: one rank writes the run's files."""
+    """The Trainer's values: each to the CSV log, TensorBoard (if any; its writer costs ~40 us
+    a value without TensorFlow, a pure-Python CRC) and ``latest``. ``write=False`` (ranks other
+    than 0 of a data-parallel job) keeps ``latest`` only: one rank writes the run's files."""
 
     def __init__(
         self,
         directory: Path,
         tensorboard: bool | None,
-        every: int,
         latest: dict[str, float],
         write: bool = True,
     ) -> None:
         self.csv = CSVLog(directory / "metrics.csv") if write else None
-        self.directory, self.tensorboard, self.every = directory, tensorboard, every
+        self.directory, self.tensorboard = directory, tensorboard
         self.write = write
         self.board: Any = None
         self.latest = latest
@@ -142,22 +143,16 @@ class RunLog:
         if self.csv is not None:
             self.csv.restart()
 
-    def log(
-        self,
-        values: dict[str, float],
-        phase: str,
-        step: int,
-        epoch: int,
-        tick: int,
-        per_batch: bool,
-    ) -> None:
-        board = self.board if not per_batch or step % self.every == 0 else None
+    def log(self, values: Mapping[str, Any], phase: str, step: int, epoch: int, tick: int) -> None:
+        """Write ``values`` (floats, or one-element tensors: read here) at ``step`` of ``phase``;
+        TensorBoard steps them by ``tick``, the loop's count of all batches."""
         for name, value in values.items():
+            number = float(value)  # the one host read of a logged tensor
             if self.csv is not None:
-                self.csv.log(step, epoch, phase, name, value)
-            self.latest[f"{phase}/{name}"] = float(value)
-            if board is not None:
-                board.add_scalar(f"{phase}/{name}", float(value), global_step=tick)
+                self.csv.log(step, epoch, phase, name, number)
+            self.latest[f"{phase}/{name}"] = number
+            if self.board is not None:
+                self.board.add_scalar(f"{phase}/{name}", number, global_step=tick)
 
     def flush_board(self) -> None:
         if self.board is not None:

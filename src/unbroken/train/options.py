@@ -6,7 +6,7 @@ the value received and what is expected. Costs a few ``isinstance`` checks per c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._state import has_state
@@ -21,7 +21,7 @@ def check_arguments(trainer: Any) -> None:
     checkpoint_every_seconds = trainer.checkpoint_every_seconds
     checkpoint_every_steps = trainer.checkpoint_every_steps
     accumulate, deterministic = trainer.accumulate, trainer.deterministic
-    scheduler_interval, tensorboard_every = trainer.scheduler_interval, trainer.tensorboard_every
+    scheduler_interval = trainer.scheduler_interval
     positive("max_epochs", max_epochs)
     for name, value in (
         ("max_steps", max_steps),
@@ -45,7 +45,7 @@ def check_arguments(trainer: Any) -> None:
         raise ValueError(
             f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}"
         )
-    positive("tensorboard_every", tensorboard_every)
+    positive("log_every", trainer.log_every)
     positive("preemption_check_every", trainer.preemption_check_every)
     timeout = trainer.checkpoint_timeout
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
@@ -57,12 +57,16 @@ def positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def hooks(callbacks: Iterable[Any], hook: str) -> tuple[Callable[..., Any], ...]:
+    """The ``hook`` methods of the callbacks that have one, in order (duck-typed): looked up
+    once before a loop, so a batch with no callback for it costs an empty ``for``."""
+    return tuple(method for c in callbacks if callable(method := getattr(c, hook, None)))
+
+
 def call_hooks(callbacks: Iterable[Any], hook: str, trainer: Any, *args: Any) -> None:
     """Call ``hook(trainer, *args)`` on every callback that has it (duck-typed, in order)."""
-    for callback in callbacks:
-        method = getattr(callback, hook, None)
-        if callable(method):
-            method(trainer, *args)
+    for method in hooks(callbacks, hook):
+        method(trainer, *args)
 
 
 def check_loaders(train_loader: Iterable, val_loader: Iterable | None) -> None:

@@ -1,9 +1,10 @@
 """One step of the Trainer's loop: the user's step functions and the optimizer step.
 
 ``step_function`` turns ``model.training_step`` into a step function when ``fit`` is given none;
-``loss_and_logs`` reads what a step returned (a loss tensor, or a dict with ``"loss"``);
-``optimizer_step`` ends an accumulation window: unscale, clip, step, zero the gradients and
-step a per-step scheduler. No host syncs here: the loop reads ``loss.item()`` itself.
+``step_loss`` and ``step_values`` read what a step returned (a loss tensor, or a dict with
+``"loss"`` and other scalars); ``optimizer_step`` ends an accumulation window: unscale, clip,
+step, zero the gradients and step a per-step scheduler. No host syncs here: values stay
+tensors, and the loop's log reads them on the host only on the batches it writes.
 """
 
 from __future__ import annotations
@@ -24,21 +25,27 @@ def step_function(model: torch.nn.Module, name: str) -> StepFn:
     return lambda _model, batch: method(batch)
 
 
-def loss_and_logs(output: Any) -> tuple[torch.Tensor, dict[str, float]]:
-    """A step's loss tensor and its other scalars (floats) to log."""
+def step_loss(output: Any) -> torch.Tensor:
+    """The loss tensor of what a step returned: the tensor itself, or the dict's ``"loss"``."""
     if isinstance(output, torch.Tensor):
-        return output, {}
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        logs = {
-            k: float(v.detach() if isinstance(v, torch.Tensor) else v)
-            for k, v in output.items()
-            if k != "loss"
-        }
-        return output["loss"], logs
+        return output
+    if isinstance(output, dict):
+        loss = output.get("loss")
+        if isinstance(loss, torch.Tensor):
+            return loss
     raise TypeError(
         "a step function must return the loss tensor or a dict with a 'loss' tensor and other "
         f"scalars to log; got {type(output).__name__}"
     )
+
+
+def step_values(output: Any) -> dict[str, Any]:
+    """What to log of a step's ``output`` (checked by ``step_loss``): its loss first, as
+    ``"loss"``, then its other scalars in their order; tensors are detached, not read."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output.detach()}
+    values = {"loss": output["loss"], **output}  # "loss" keeps the first place, then the rest
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
 
 
 def optimizer_step(

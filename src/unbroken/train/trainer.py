@@ -11,6 +11,11 @@ checkpoint (every ``checkpoint_every_seconds`` of wall-clock time, by default 10
 every ``checkpoint_every_steps`` optimizer steps). A checkpoint can be taken inside either phase
 and resumes there.
 
+No host sync per batch: a batch's loss is added to the phase's running sum where it lives
+(``LossSum``: on the host for a CPU loss, on the device otherwise), and its values are read on
+the host only on the batches that are logged, every ``log_every`` (a read on a GPU waits for
+every queued kernel). The sum is read at a phase's end and in a checkpoint.
+
 Under ``torchrun`` (an initialized process group of more than one rank) every rank runs this
 loop on its share of the data, with the user's DDP-wrapped model: checkpoints hold the whole
 job (``Checkpointer``: rank 0 writes what is replicated, every rank its ``PerRank`` parts), the
@@ -27,7 +32,7 @@ at every place a checkpoint can be taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,11 +47,11 @@ from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
 from .lock import DirectoryLock
-from .options import call_hooks, check_arguments, check_loaders
+from .options import call_hooks, check_arguments, check_loaders, hooks
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, TrainerConfig, bar, say
 from .ranks import Job
-from .steps import StepFn, loss_and_logs, optimizer_step, step_function
+from .steps import StepFn, optimizer_step, step_function, step_loss, step_values
 
 
 class Trainer:
@@ -71,10 +76,14 @@ class Trainer:
       the computation, are recorded and must match on resume.
     - ``callbacks``: objects with any of ``on_fit_start``, ``on_train_batch_end``,
       ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``, ``on_preempted``,
-      ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are checkpointed.
+      ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are checkpointed. The
+      ``logs`` the hooks get hold the latest logged value of each name.
+    - ``log_every``: a batch's loss and the other scalars its step returns are logged (CSV,
+      TensorBoard, ``logs``, the progress bar's postfix) on every ``log_every``-th batch of its
+      phase (default 50, as Lightning's ``log_every_n_steps``): only these batches' values are
+      read on the host. Epoch values (``epoch_loss``, metrics) are logged at every phase's end.
     - ``progress_bar``: a tqdm bar. ``tensorboard``: ``None`` writes TensorBoard events if it
-      is installed, ``True`` requires it, ``False`` never; ``tensorboard_every``: per-batch
-      values go to TensorBoard every this many batches (the CSV log gets every one).
+      is installed, ``True`` requires it, ``False`` never.
     - ``signals``: the preemption signals (default SIGTERM, SIGUSR1). They are handled from
       the moment the Trainer is built until ``fit`` returns; one that comes before training
       starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
@@ -106,7 +115,7 @@ class Trainer:
         signals: Iterable[int] = DEFAULT_SIGNALS,
         async_save: bool = False,
         tensorboard: bool | None = None,
-        tensorboard_every: int = 50,
+        log_every: int = 50,
         deterministic: bool | None = None,
         preemption_check_every: int = 1,
         checkpoint_timeout: float = 600.0,
@@ -122,7 +131,7 @@ class Trainer:
         self.progress_bar, self.signals = progress_bar, tuple(signals)
         self.seed = seed
         self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
-        self.tensorboard_every = tensorboard_every
+        self.log_every = log_every
         self.preemption_check_every = preemption_check_every
         self.checkpoint_timeout = checkpoint_timeout
         check_arguments(self)
@@ -209,7 +218,6 @@ class Trainer:
         self.run_log = RunLog(
             self.directory,
             self.tensorboard,
-            self.tensorboard_every,
             self.logs,
             write=self.job.first,  # one rank writes the log; the others keep `logs` only
         )
@@ -254,23 +262,29 @@ class Trainer:
             self.run_log.close()
 
     def _train_epoch(self, loader: Iterable) -> None:
-        progress, model = self.progress, self.model
+        progress, model, log_every = self.progress, self.model, self.log_every
         model.train()
         if progress.epoch_batches == 0:
             reset_metrics(self.train_metrics)
             progress.start_phase()
+        on_batch_end = hooks(self.callbacks, "on_train_batch_end")  # looked up once, not per batch
         with bar(self.progress_bar and self.job.first, loader, progress, "train") as batches:
             for batch in batches:
-                loss, logs = loss_and_logs(self.training_step(model, batch))
+                output = self.training_step(model, batch)
+                loss = step_loss(output)
                 # Dividing by 1 would add a no-op node to the graph: skip it.
                 scaled = loss / self.accumulate if self.accumulate > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-                progress.batch_done(loss.item())
+                progress.batch_done(loss)  # adds the loss to the epoch's sum, without a sync
                 if progress.micro == self.accumulate:
                     self._optimizer_step()
-                self.log({"loss": loss.item(), **logs}, "train", per_batch=True)
-                batches.show(loss.item())
-                call_hooks(self.callbacks, "on_train_batch_end", self, self.logs)
+                # The one place a batch's values reach the host: a sync on a GPU, so only on
+                # the batches that are logged.
+                if progress.batches % log_every == 0:
+                    self.log(step_values(output), "train")
+                    batches.show(self.logs["train/loss"])
+                for hook in on_batch_end:
+                    hook(self, self.logs)
                 if self._max_steps_reached():
                     break
                 self._after_batch()
@@ -300,13 +314,16 @@ class Trainer:
         if progress.val_batches == 0:
             reset_metrics(self.val_metrics)
             progress.start_phase()
+        on_batch_end, log_every = hooks(self.callbacks, "on_validation_batch_end"), self.log_every
         with bar(self.progress_bar and self.job.first, loader, progress, "val") as batches:
             for batch in batches:
-                loss, logs = loss_and_logs(step(model, batch))
-                progress.val_batch_done(loss.item())
-                self.log({"loss": loss.item(), **logs}, "val", per_batch=True)
-                batches.show(loss.item())
-                call_hooks(self.callbacks, "on_validation_batch_end", self, self.logs)
+                output = step(model, batch)
+                progress.val_batch_done(step_loss(output))
+                if progress.val_batches % log_every == 0:  # as in training: the one host read
+                    self.log(step_values(output), "val")
+                    batches.show(self.logs["val/loss"])
+                for hook in on_batch_end:
+                    hook(self, self.logs)
                 self._after_batch()
         epoch_loss = self.job.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.val_metrics)}, "val")
@@ -364,17 +381,13 @@ class Trainer:
 
     # -- logging and callbacks --------------------------------------------------------------
 
-    def log(
-        self, values: dict[str, float], phase: str = "train", *, per_batch: bool = False
-    ) -> None:
-        """Log scalars at the current step (for callbacks): CSV, TensorBoard, ``logs``.
-
-        ``per_batch=True`` (the loss of each batch) reaches TensorBoard every
-        ``tensorboard_every`` batches only; the CSV log and ``logs`` get every value.
-        """
+    def log(self, values: Mapping[str, Any], phase: str = "train") -> None:
+        """Log scalars at the current step of ``phase`` (for callbacks): CSV, TensorBoard,
+        ``logs``. A value may be a one-element tensor: it is read on the host here (on a GPU,
+        a sync: call this every few batches, not every batch)."""
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
-        self.run_log.log(values, phase, step, progress.epoch, progress.ticks, per_batch)
+        self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
 
 
 def _exit_to_be_requeued() -> NoReturn:

@@ -1,0 +1,198 @@
+"""What the Trainer logs, and when it reads values on the host: per-batch values every
+``log_every`` batches of a phase, epoch values at every phase's end, and no host read in
+between (``LossSum`` keeps the running loss where the loss lives)."""
+
+import random
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from trainer_job import SignalAt, run
+
+import unbroken
+from unbroken.train.csvlog import CSVLog
+from unbroken.train.preemption import EXIT_CODE
+from unbroken.train.progress import LossSum, Progress, TrainerConfig
+
+# ---------------------------------------------------------------------------------- LossSum
+
+
+def _losses(count: int, seed: int) -> list[torch.Tensor]:
+    """float32 scalars over many magnitudes, so that float64 sums round at most steps."""
+    rng = random.Random(seed)
+    return [
+        torch.tensor(rng.uniform(-1, 1) * 10 ** rng.uniform(-6, 6), dtype=torch.float32)
+        for _ in range(count)
+    ]
+
+
+def test_the_device_way_sums_to_the_same_bits_as_the_host_way():
+    for seed in range(5):
+        host, device = LossSum(on_device=False), LossSum(on_device=True)
+        expected = 0.0
+        for loss in _losses(2000, seed):
+            host.add(loss)
+            device.add(loss)
+            expected += float(loss)  # what the Trainer did before LossSum: a Python float sum
+        assert host.value() == device.value() == expected
+        assert device._device is not None and device._device.dtype == torch.float64
+        assert host._device is None
+
+
+def test_a_loss_that_requires_grad_is_added_without_joining_the_graph():
+    weight = torch.ones((), requires_grad=True)
+    device = LossSum(on_device=True)
+    device.add(weight * 2)
+    device.add((weight * 3).reshape(1))  # a one-element loss of another shape
+    assert device.value() == 5.0
+    assert device._device is not None and not device._device.requires_grad
+
+
+@pytest.mark.parametrize("first, second", [(True, False), (False, True), (True, True)])
+def test_a_resumed_sum_continues_bit_for_bit_whichever_way_each_run_adds(first, second):
+    """A checkpoint's float, loaded into either way, continues the sum of the uninterrupted run."""
+    config = TrainerConfig(seed=0, accumulate=1, clip_grad_norm=None, scheduler_interval="step")
+    losses = _losses(1000, seed=7)
+    uninterrupted = Progress(config)
+    for loss in losses:
+        uninterrupted.batch_done(loss)
+
+    killed = Progress(config)
+    killed.loss = LossSum(on_device=first)
+    for loss in losses[:377]:
+        killed.batch_done(loss)
+    state = killed.state_dict()
+    assert isinstance(state["loss_sum"], float)
+    resumed = Progress(config)
+    resumed.loss = LossSum(on_device=second)
+    resumed.load_state_dict(state)
+    for loss in losses[377:]:
+        resumed.batch_done(loss)
+    assert resumed.state_dict() == uninterrupted.state_dict()
+    assert resumed.phase_mean() == uninterrupted.phase_mean()
+
+
+# ------------------------------------------------------------------------------ log_every
+
+
+def test_per_batch_rows_are_at_multiples_of_log_every_and_epoch_rows_at_every_phase_end(tmp_path):
+    every = 3  # trainer_job: 10 training batches (steps 1-30 over 3 epochs), 5 val batches
+    run(tmp_path, log_every=every)
+    rows = CSVLog.read(tmp_path / "metrics.csv")
+    per_batch = {"loss", "mean_logit"}  # what trainer_job's steps return
+    for name in per_batch:
+        train = [
+            (r["epoch"], r["step"]) for r in rows if r["phase"] == "train" and r["name"] == name
+        ]
+        assert train == [(s // 10 - (s % 10 == 0), s) for s in range(every, 31, every)], name
+        val = [(r["epoch"], r["step"]) for r in rows if r["phase"] == "val" and r["name"] == name]
+        assert val == [(epoch, 3) for epoch in range(3)], name
+    epoch_rows = [(r["phase"], r["step"], r["name"]) for r in rows if r["name"] not in per_batch]
+    assert epoch_rows == [
+        row
+        for epoch in range(3)
+        for row in (
+            ("train", 10 * (epoch + 1), "epoch_loss"),
+            ("train", 10 * (epoch + 1), "accuracy"),
+            ("val", 5, "epoch_loss"),
+            ("val", 5, "accuracy"),
+            ("train", 10 * (epoch + 1), "callback_batches"),  # trainer_job's Counter
+        )
+    ]
+
+
+def test_a_resumed_run_logs_the_uninterrupted_runs_rows_with_log_every(tmp_path):
+    reference, interrupted = tmp_path / "reference", tmp_path / "interrupted"
+    run(reference, log_every=4)
+    # Preempted mid-training (batch 7: after the rows of 4, before those of 8) and mid-validation.
+    for signal_at in (SignalAt("train", 7), SignalAt("val", 27)):
+        with pytest.raises(SystemExit) as exit:
+            run(interrupted, log_every=4, callbacks=[signal_at])
+        assert exit.value.code == EXIT_CODE
+    run(interrupted, log_every=4)
+    assert (interrupted / "metrics.csv").read_bytes() == (reference / "metrics.csv").read_bytes()
+
+
+def test_callbacks_see_the_latest_logged_values_between_log_batches(tmp_path):
+    seen = []
+
+    class Record:
+        def on_train_batch_end(self, trainer, logs):
+            seen.append((trainer.progress.batches, logs.get("train/loss")))
+
+    run(tmp_path, epochs=1, log_every=4, callbacks=[Record()])
+    assert [batch for batch, _ in seen] == list(range(1, 11))
+    assert [value for _, value in seen[:3]] == [None] * 3  # nothing logged yet
+    assert seen[3][1] == seen[4][1] == seen[5][1] == seen[6][1] is not None
+    assert seen[7][1] != seen[3][1]
+
+
+def test_log_every_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="log_every must be a positive int, got 0"):
+        unbroken.Trainer("unused", max_epochs=1, log_every=0, signals=())
+
+
+# ---------------------------------------------------------------------- no host sync per batch
+
+HOST_READS = {"item", "__float__", "__int__", "__bool__", "__index__", "__format__", "tolist"}
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts the tensor methods that copy a value to the host (a sync on an accelerator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _host_reads(directory, batches: int, log_every: int) -> list[str]:
+    """The host reads of a fit of 2 epochs of ``batches`` training and validation batches each,
+    with the running loss forced onto the device way (as for a loss on a GPU)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(batches * 2, 4), torch.randn(batches * 2, 1)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    train = unbroken.DataLoader(dataset, batch_size=2, shuffle=True, seed=0)
+    val = unbroken.DataLoader(dataset, batch_size=2, seed=0)
+    model = torch.nn.Linear(4, 1)
+
+    def step(model, batch):
+        out = model(batch[0])
+        return {"loss": torch.nn.functional.mse_loss(out, batch[1]), "mean": out.mean()}
+
+    trainer = unbroken.Trainer(
+        directory,
+        max_epochs=2,
+        log_every=log_every,
+        checkpoint_every_seconds=None,
+        progress_bar=False,
+        tensorboard=False,
+        signals=(),
+    )
+    trainer.progress.loss = LossSum(on_device=True)
+    with CountHostReads() as counter:
+        trainer.fit(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            train,
+            val,
+            training_step=step,
+            validation_step=step,
+        )
+    return counter.reads
+
+
+def test_no_host_read_per_batch_on_the_device_way(tmp_path):
+    few = _host_reads(tmp_path / "few", batches=8, log_every=100)
+    many = _host_reads(tmp_path / "many", batches=16, log_every=100)
+    # Twice the batches, no batch logged: the same reads (phase ends and the final checkpoint).
+    assert many == few
+    # Logged batches read their two values once each: 2 phases x 2 epochs x (16-8)/4 more.
+    logged_few = _host_reads(tmp_path / "logged-few", batches=8, log_every=4)
+    logged_many = _host_reads(tmp_path / "logged-many", batches=16, log_every=4)
+    assert len(logged_many) - len(logged_few) == 2 * 2 * 2 * (16 - 8) // 4
