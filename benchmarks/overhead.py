@@ -467,7 +467,7 @@ def main() -> None:
     sys.stdout.flush()
 
     costs = seeding_costs(1 if args.quick else 5)
-    print(f"\n## Per-sample seeding cost (timeit, best of {1 if args.quick else 5})\n")
+    print(f"\n## Per-batch seeding cost (timeit, best of {1 if args.quick else 5})\n")
     print(table(["call", "us per call"], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()]))
     sys.stdout.flush()
 

@@ -196,3 +196,40 @@ def test_no_host_read_per_batch_on_the_device_way(tmp_path):
     logged_few = _host_reads(tmp_path / "logged-few", batches=8, log_every=4)
     logged_many = _host_reads(tmp_path / "logged-many", batches=16, log_every=4)
     assert len(logged_many) - len(logged_few) == 2 * 2 * 2 * (16 - 8) // 4
+
+
+class _Terminal:
+    """stderr as tqdm sees a terminal: it draws its bar instead of turning itself off."""
+
+    def __init__(self):
+        self.text = []
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.text.append(text)
+
+    def flush(self):
+        pass
+
+
+def test_a_drawn_progress_bar_counts_every_batch_and_changes_nothing(tmp_path, monkeypatch):
+    # tqdm turns itself off when stderr is no terminal, and the Trainer then iterates the loader
+    # directly; a drawn bar counts the batches in a generator of its own.
+    import tqdm
+
+    quiet = run(tmp_path / "quiet", epochs=1, log_every=4)
+    terminal, counted = _Terminal(), []
+    update = tqdm.tqdm.update
+    monkeypatch.setattr("sys.stderr", terminal)
+    monkeypatch.setattr(tqdm.tqdm, "update", lambda bar, n=1: (counted.append(n), update(bar, n)))
+    drawn = run(tmp_path / "drawn", epochs=1, log_every=4, progress_bar=True)
+    monkeypatch.undo()
+    text = "".join(terminal.text)
+    assert "epoch 0 train" in text and "epoch 0 val" in text, text[-500:]
+    assert sum(counted) == 10 + 5  # the epoch's training batches, then its validation batches
+    for name, tensor in quiet.state_dict().items():
+        assert torch.equal(tensor, drawn.state_dict()[name]), name
+    quiet_log = (tmp_path / "quiet" / "metrics.csv").read_bytes()
+    assert (tmp_path / "drawn" / "metrics.csv").read_bytes() == quiet_log

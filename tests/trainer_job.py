@@ -222,9 +222,8 @@ def run(
         clip_grad_norm=clip_grad_norm,
         scheduler_interval=scheduler_interval,
         callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
-        progress_bar=False,
         log_every=log_every,
-        **trainer_options,
+        **{"progress_bar": False, **trainer_options},
     )
     trainer.fit(
         model,

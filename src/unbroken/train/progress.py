@@ -246,6 +246,11 @@ class _Bar:
         self._started, self._seen = time.perf_counter(), 0
 
     def __iter__(self) -> Iterator[Any]:
+        if self._bar.disable:  # no bar (turned off, or not a terminal): no frame of ours per batch
+            return iter(self._loader)
+        return self._counted()
+
+    def _counted(self) -> Iterator[Any]:
         update = self._bar.update
         for item in self._loader:
             self._seen += 1
