@@ -244,15 +244,38 @@ def test_two_torchrun_agents_rendezvous_as_two_nodes_and_train_the_same_job(refe
         str(run),
         "{}",
     ]
-    nodes = [
-        subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
-        )
-        for _ in range(2)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    # Each agent writes to a file: with pipes read one after the other, an agent whose pipe filled
+    # while the test waited on the other would block, and its peer with it, in a collective.
+    # One agent hosts the rendezvous store, the other connects to it: left to guess from the
+    # endpoint (both are on 127.0.0.1), two agents starting at once may both try to host it.
+    logs = [tmp_path / f"node-{i}.log" for i in range(2)]
+    nodes = []
+    for log, host in zip(logs, ("true", "false")):
+        with open(log, "w") as out:
+            nodes.append(
+                subprocess.Popen(
+                    [*command[:1], f"--rdzv-conf=is_host={host}", *command[1:]],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=ENV,
+                    start_new_session=True,
+                )
+            )
+    try:
+        for node in nodes:
+            node.wait(timeout=240)  # below pytest's timeout, so that the logs are shown
+    except subprocess.TimeoutExpired:
+        pytest.fail("the two agents did not finish:\n" + _tails(logs))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [node.returncode for node in nodes] == [0, 0], _tails(logs)
     assert_same_run(run, reference)
+
+
+def _tails(logs):
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
 
 
 def test_a_run_directory_locked_by_another_job_is_refused_on_every_rank(tmp_path):
