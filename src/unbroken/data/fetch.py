@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data import Dataset
 
-from .rng import CURRENT, make_seeder
+from .rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
 
 # A batch as the inner torch loader's batch sampler yields it and a worker receives it: the
 # dataset indices, the epoch's key and the position of its first sample in the epoch's global
@@ -29,11 +28,6 @@ class SeededDataset(Dataset):
         self.dataset = dataset
         self.global_rngs = global_rngs
         self._seed = make_seeder(global_rngs)
-        # In the training process itself (num_workers=0), torch's generator is put back after
-        # each batch, so the training step draws the same numbers whatever the loader did and
-        # whatever num_workers is (~1.3 us a batch). numpy's and random's are not: saving them
-        # costs ~57 us and ~10 us (the README's resume contract says what that means).
-        self._keeps_torch = "torch" in global_rngs
         batched = getattr(dataset, "__getitems__", None)
         self._user_getitems = batched if callable(batched) else None
 
@@ -49,7 +43,7 @@ class SeededDataset(Dataset):
     def __getitems__(self, keys: Keys) -> list:
         indices, key, start = keys
         current = CURRENT
-        saved = _GET_STATE() if self._keeps_torch and get_worker_info() is None else None
+        saved = keep_main_torch_rng(self.global_rngs)  # put back below, in the training process
         try:
             self._seed(key, start)
             if self._user_getitems is not None:
@@ -60,23 +54,15 @@ class SeededDataset(Dataset):
                 out.append(dataset[index])
             return out
         finally:
-            current.key = None
-            if saved is not None:
-                _SET_STATE(saved)
+            clear_sample(saved)
 
     def __getitem__(self, keys: Keys) -> Any:
         # Without automatic batching (batch_size=None) every batch holds one index, fetched
         # with the dataset's __getitem__, as torch does.
         (index,), key, start = keys
-        saved = _GET_STATE() if self._keeps_torch and get_worker_info() is None else None
+        saved = keep_main_torch_rng(self.global_rngs)
         try:
             self._seed(key, start)
             return self.dataset[index]
         finally:
-            CURRENT.key = None
-            if saved is not None:
-                _SET_STATE(saved)
-
-
-_GET_STATE = torch.default_generator.get_state
-_SET_STATE = torch.default_generator.set_state
+            clear_sample(saved)
