@@ -36,15 +36,31 @@ demo-ddp: $(STAMP)
 demo-stream: $(STAMP)
 	$(PY) demo/train_digits_stream.py
 
+# Every side-by-side benchmark, in RESULTS.md's order (~25 min on 2 idle cores; stream_peers.py
+# creates .venv-peers/ once), each writing bench_output/NAME.json; then benchmarks/report.py draws
+# benchmarks/plots/*.png and rewrites the generated section of benchmarks/RESULTS.md. A failing
+# benchmark does not stop the others, but make fails at the end. `make bench-quick`: the same with
+# every script's --quick (~5 min, 3 of them stream_peers.py's; checks the pipeline, its numbers are
+# noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
+BENCHMARKS := overhead resume_latency trainer_overhead checkpoint_blocking stream_overhead \
+	ddp_loader ddp_checkpoint stream_peers
+BENCH_FLAGS ?=
+define run-benchmarks
+@failed=""; for b in $(BENCHMARKS); do \
+	rm -f bench_output/$$b.json; \
+	cmd="$(PY) benchmarks/$$b.py --json bench_output/$$b.json $(strip $(1))"; \
+	echo "=== $$cmd"; $$cmd || failed="$$failed $$b"; \
+done; \
+$(PY) benchmarks/report.py --failed "$$failed" --flags="$(strip $(1))" || failed="$$failed report.py"; \
+if [ -n "$$failed" ]; then echo "make bench: failed:$$failed" >&2; exit 1; fi
+endef
+
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/resume_latency.py
-	$(PY) benchmarks/checkpoint_blocking.py
-	$(PY) benchmarks/trainer_overhead.py
-	$(PY) benchmarks/stream_overhead.py
-	$(PY) benchmarks/ddp_loader.py
-	$(PY) benchmarks/ddp_checkpoint.py
-	$(PY) benchmarks/stream_peers.py
+	$(call run-benchmarks,$(BENCH_FLAGS))
+
+.PHONY: bench-quick
+bench-quick: $(STAMP)
+	$(call run-benchmarks,--quick $(BENCH_FLAGS))
 
 # unbroken vs MosaicML Streaming and LitData from a local S3 server (creates .venv-peers/ once).
 bench-stream: $(STAMP)

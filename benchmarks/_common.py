@@ -3,7 +3,10 @@ how busy other processes kept the machine (this VM is shared with other work).""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
+import math
 import os
 import platform
 import shlex
@@ -12,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,8 +49,8 @@ def _load() -> str:
         return "n/a"
 
 
-def environment() -> list[str]:
-    """Markdown bullet lines describing where and on what the benchmark ran."""
+def environment_info() -> dict[str, str]:
+    """Where and on what the benchmark runs, one entry per fact (report.py reads these)."""
     import numpy as np
     import torch
 
@@ -61,15 +65,27 @@ def environment() -> list[str]:
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = _git("status", "--porcelain", "--", "src")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return [
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- command: `{' '.join([Path(sys.executable).name, *sys.argv])}`",
-        f"- machine: {cores} cores usable ({_cpu_model()}), {platform.system()} "
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": f"{cores} cores usable ({_cpu_model()}), {platform.system()} "
         f"{platform.release()}, no GPU used",
-        f"- python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}, "
-        f"torchdata {torchdata_version}, unbroken {unbroken.__version__} "
-        f"(git {commit}{', src/ has uncommitted changes' if dirty else ''})",
-        f"- load average (1/5/15 min) at start: {_load()}",
+        "software": f"python {platform.python_version()}, torch {torch.__version__}, numpy "
+        f"{np.__version__}, torchdata {torchdata_version}, unbroken {unbroken.__version__}",
+        "git": commit + (", src/ has uncommitted changes" if dirty else ""),
+        "load_start": _load(),
+    }
+
+
+def environment() -> list[str]:
+    """Markdown bullet lines describing where and on what the benchmark ran."""
+    info = environment_info()
+    return [
+        f"- date: {info['date']}",
+        f"- command: `{info['command']}`",
+        f"- machine: {info['machine']}",
+        f"- {info['software']} (git {info['git']})",
+        f"- load average (1/5/15 min) at start: {info['load_start']}",
     ]
 
 
@@ -176,3 +192,95 @@ def command_line() -> str:
     except ValueError:
         pass
     return shlex.join([python, *sys.argv])
+
+
+# --------------------------------------------------------------------------- results as JSON
+
+BENCH_OUTPUT = REPO / "bench_output"
+SCHEMA = 1  # bump when report.py must tell an old file's layout from a new one
+
+
+def add_json_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--json PATH``: where the run's numbers go for ``benchmarks/report.py``."""
+    parser.add_argument(
+        "--json",
+        default=str(BENCH_OUTPUT / f"{name}.json"),
+        metavar="PATH",
+        help="write the measured numbers here as JSON, read by benchmarks/report.py "
+        "('' for none; default: %(default)s)",
+    )
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with what JSON cannot hold made plain: tuples and sets become lists, paths
+    strings, and non-finite floats strings (``--quick`` sets ``max_foreign`` to inf, which
+    ``json`` would write as the non-standard ``Infinity``)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def _process_age() -> float:
+    """Seconds since this process started, imports included (``/proc``; 0 elsewhere)."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / _TICK)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Results:
+    """What one benchmark run measured, written as JSON at its end for ``report.py``.
+
+    The scripts print what they printed before; this only keeps, beside it, the markdown tables
+    as printed (``table``), the notes, and the numbers in structured form (``data``, one layout
+    per benchmark, which report.py's plot for it reads). Written atomically, so a run killed
+    midway leaves no file rather than half of one, and report.py then says it is missing.
+    """
+
+    def __init__(self, benchmark: str, path: str | None, args: argparse.Namespace) -> None:
+        self.benchmark, self.path = benchmark, path or None
+        self.quick = bool(getattr(args, "quick", False))
+        self.args = dict(vars(args))
+        self.args.pop("json", None)
+        self.environment = environment_info()
+        self.command = command_line()
+        self._start = time.perf_counter() - _process_age()  # the wall time counts the imports
+        self.tables: list[dict[str, str]] = []
+        self.notes: list[str] = []
+        self.data: dict[str, Any] = {}
+
+    def table(self, title: str, markdown: str) -> str:
+        """Keep a printed table for the report; returns it so that ``print`` is unchanged."""
+        self.tables.append({"title": title, "markdown": markdown})
+        return markdown
+
+    def write(self, wall_s: float | None = None) -> None:
+        if self.path is None:
+            return
+        payload = {
+            "schema": SCHEMA,
+            "benchmark": self.benchmark,
+            "quick": self.quick,
+            "command": self.command,
+            "wall_s": time.perf_counter() - self._start if wall_s is None else wall_s,
+            "environment": {**self.environment, "load_end": _load()},
+            "args": self.args,
+            "tables": self.tables,
+            "notes": self.notes,
+            "data": self.data,
+        }
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(jsonable(payload), indent=1, allow_nan=False) + "\n")
+        partial.replace(path)
+        print(f"[results written to {self.path}]", file=sys.stderr, flush=True)

@@ -18,6 +18,10 @@ Reported: medians over ``--reps`` rounds, and the ratio async/sync of each media
 
     .venv/bin/python benchmarks/checkpoint_blocking.py            # ~1 minute
     .venv/bin/python benchmarks/checkpoint_blocking.py --quick    # smoke run, seconds
+
+The numbers also go to ``bench_output/checkpoint_blocking.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, environment, load_line, table
+from _common import REPO, Results, add_json_option, environment, load_line, table
 
 from unbroken.checkpoint import Checkpointer
 
@@ -72,9 +76,11 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="where the model trains, e.g. cuda")
     parser.add_argument("--quick", action="store_true", help="1 layer, 2 rounds: a smoke run")
+    add_json_option(parser, "checkpoint_blocking")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.reps = 1, 2
+    results = Results("checkpoint_blocking", args.json, args)
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(args.layers)])
@@ -159,13 +165,33 @@ def main() -> None:
             f"{med['async_steps'] / med['sync_steps']:.2f}",
         ],
     ]
-    print(table(["seconds (median)", "blocking=True", "blocking=False", "async/sync"], rows))
     print(
-        f"\nsave + {args.steps} steps without any overlap would take "
+        results.table(
+            "Time the training loop waits, seconds",
+            table(["seconds (median)", "blocking=True", "blocking=False", "async/sync"], rows),
+        )
+    )
+    serial = (
+        f"save + {args.steps} steps without any overlap would take "
         f"{med['sync'] + args.steps * step_s:.3f} s (sync save + steps alone)."
     )
+    print("\n" + serial)
     print()
     print(load_line())
+    results.notes = [serial]
+    results.data = {
+        "device": args.device,
+        "layers": args.layers,
+        "megabytes": _megabytes(state),
+        "reps": args.reps,
+        "steps": args.steps,
+        "step_alone_s": step_s,
+        # medians, seconds: sync = save(blocking=True) returns (committed); async = save(
+        # blocking=False) returns; async_done = then committed; *_steps = save + steps, committed
+        "median_s": med,
+        "times_s": times,
+    }
+    results.write()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,11 @@ Per round (medians over ``--reps``, variants in an order that alternates between
 - ``load_latest``: time until every rank restored it.
 
     .venv/bin/python benchmarks/ddp_checkpoint.py             # ~1 minute on 2 cores
+    .venv/bin/python benchmarks/ddp_checkpoint.py --quick     # smoke run: 2 layers, 2 rounds
+
+The numbers also go to ``bench_output/ddp_checkpoint.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, environment, load_line, table
+from _common import REPO, Results, add_json_option, environment, load_line, table
 
 import unbroken
 import unbroken.distributed
@@ -106,46 +111,67 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 2 layers, 2 rounds (numbers are noise)"
+    )
+    add_json_option(parser, "ddp_checkpoint")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.quick:
+        args.layers, args.reps = 2, 2
+    results = Results("ddp_checkpoint", args.json, args)
     out = tempfile.mkdtemp(prefix="ddp-ckpt-", dir=REPO)
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     command = [torchrun, "--standalone", "--nproc-per-node=2", __file__, "--worker"]
     command += ["--out", out, "--layers", str(args.layers), "--reps", str(args.reps)]
     try:
         subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        results = json.loads(Path(out, "results.json").read_text())
+        measured = json.loads(Path(out, "results.json").read_text())
     finally:
         shutil.rmtree(out, ignore_errors=True)
     megabytes = args.layers * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 1e6
     print("\n".join(environment()))
     print(f"\nstate: {args.layers} x Linear({WIDTH}, {WIDTH}) + AdamW: {megabytes:.0f} MB")
     print(load_line())
-    rows = []
+    rows, medians_ms = [], {}
     for name in ("DDP (rank 0 writes)", "FSDP2 through DCP (Sharded)"):
         medians = {
-            k: statistics.median(results[f"{name}|{k}"]) * 1e3
+            k: statistics.median(measured[f"{name}|{k}"]) * 1e3
             for k in ("sync", "async returns", "async committed", "load")
         }
+        medians_ms[name] = medians
         rows.append([name] + [f"{medians[k]:.0f}" for k in medians])
     print()
     print(
-        table(
-            [
-                "2 ranks, gloo",
-                "save blocking (ms)",
-                "async: loop blocked (ms)",
-                "async: committed (ms)",
-                "load_latest (ms)",
-            ],
-            rows,
+        results.table(
+            "Checkpoints of a 2-rank job, ms (medians)",
+            table(
+                [
+                    "2 ranks, gloo",
+                    "save blocking (ms)",
+                    "async: loop blocked (ms)",
+                    "async: committed (ms)",
+                    "load_latest (ms)",
+                ],
+                rows,
+            ),
         )
     )
     print(
         f"\nmedians of {args.reps} rounds; command: .venv/bin/python benchmarks/ddp_checkpoint.py"
     )
+    results.data = {
+        "layers": args.layers,
+        "megabytes": megabytes,
+        "reps": args.reps,
+        # per variant: sync = save(blocking=True); async returns / async committed =
+        # save(blocking=False) until it returns / until wait() returns; load = load_latest
+        "median_ms": medians_ms,
+        "times_s": measured,
+    }
+    results.write()
 
 
 if __name__ == "__main__":

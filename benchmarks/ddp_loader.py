@@ -46,6 +46,10 @@ aside rounds in which other processes used more than ``--max-foreign`` cores and
 
     .venv/bin/python benchmarks/ddp_loader.py            # full run, ~2 minutes on 2 cores
     .venv/bin/python benchmarks/ddp_loader.py --quick    # smoke run, ~20 seconds
+
+The numbers also go to ``bench_output/ddp_loader.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -54,9 +58,11 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -71,10 +77,13 @@ from torch.utils.data.distributed import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     ForeignLoad,
+    Results,
     _proc_cpu,
     _system_busy,
+    add_json_option,
     command_line,
     environment,
+    jsonable,
     load_line,
     table,
 )
@@ -87,6 +96,9 @@ BATCH = 64
 FEATURES = 64
 NPROC = 2
 ROOT_ENV = "UNBROKEN_BENCH_ROOT_PID"
+# Rank 0 writes its tables and numbers to this file; the launcher adds the environment and wall
+# time and writes the --json results (the ranks do not know the launcher's start or command).
+PARTS_ENV = "UNBROKEN_BENCH_PARTS"
 
 
 # --------------------------------------------------------------------------- datasets, model
@@ -190,12 +202,17 @@ def note(text: str) -> None:
         print(f"[{text}]", file=sys.stderr, flush=True)
 
 
-def median_ci(xs: list[float], resamples: int = 2000) -> str:
+def median_ci_bounds(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
     """A bootstrap 95% confidence interval of the median (percentile method, fixed seed)."""
     values = np.asarray(xs, dtype=float)
     rng = np.random.default_rng(0)
     medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
     low, high = np.percentile(medians, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def median_ci(xs: list[float], resamples: int = 2000) -> str:
+    low, high = median_ci_bounds(xs, resamples)
     return f"{low:.3f}-{high:.3f}"
 
 
@@ -308,7 +325,7 @@ def epoch_part(args, monitor):
     torch.manual_seed(0)
     base = mlp()
     local_us, ddp_us = step_context(base)
-    rows = []
+    rows, entries = [], []
     notes = [
         f"context, batches already in memory (no loader), both ranks at once: the model's step "
         f"alone {local_us:.0f} us, in DDP {ddp_us:.0f} us (the rest is gloo's gradient "
@@ -381,10 +398,23 @@ def epoch_part(args, monitor):
                         "-" if is_torch or workers else f"{data[key][1]:+.1f}",
                     ]
                 )
+                entries.append(
+                    {
+                        "dataset": ds_name,
+                        "workers": workers,
+                        "loader": name,
+                        "label": LABELS[name],
+                        "s_per_epoch": statistics.median(wall),
+                        "ratio": 1.0 if is_torch else statistics.median(ratio),
+                        "ratio_ci95": None if is_torch else list(median_ci_bounds(ratio)),
+                        "ratio_min_max": None if is_torch else [min(ratio), max(ratio)],
+                        "data_only_us_per_sample": data[key][0] if workers == 0 else None,
+                    }
+                )
         text = probe_note(f"epochs, num_workers={workers}", foreign, n_clean, args.rounds)
         notes.append(text)
         note(f"{text}; {time.perf_counter() - start:.0f} s")
-    return rows, notes
+    return rows, notes, {"step_us": {"model": local_us, "ddp": ddp_us}, "rows": entries}
 
 
 # --------------------------------------------------------------------------- part 2: agreement
@@ -475,7 +505,7 @@ def agreement_part(args, monitor):
     )
     reduces = {"never": 0, "every 10": chunk // 10}
     never = [r["never"] for r in used]
-    rows = []
+    rows, entries = [], []
     for name, label in AGREEMENT.items():
         wall = [r[name] for r in used]
         ratio = [r[name] / r["never"] for r in used]
@@ -492,8 +522,20 @@ def agreement_part(args, monitor):
                 "-" if name == "never" else f"{extra / n * 1e6:+.0f}",
             ]
         )
+        entries.append(
+            {
+                "agreement": name,
+                "label": label,
+                "all_reduces_per_round": n,
+                "us_per_step": statistics.median(wall) / chunk * 1e6,
+                "ratio": 1.0 if name == "never" else statistics.median(ratio),
+                "ratio_ci95": None if name == "never" else list(median_ci_bounds(ratio)),
+                "extra_us_per_all_reduce": None if name == "never" else extra / n * 1e6,
+            }
+        )
     text = probe_note("agreement", foreign, n_clean, args.agree_rounds)
-    return (alone, alone_async), rows, text, len(used)
+    data = {"all_reduce_alone_us": alone, "all_reduce_alone_async_us": alone_async}
+    return (alone, alone_async), rows, text, len(used), {**data, "rows": entries}
 
 
 # --------------------------------------------------------------------------- part 3: resume
@@ -580,7 +622,7 @@ def resume_part(args, monitor):
     ok_all = torch.tensor([int(ok)])
     dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
 
-    rows = []
+    rows, entries = [], []
     med = {key: statistics.median(v) for key, v in times.items()}
     for p, k in points.items():
         for mode in modes:
@@ -594,6 +636,17 @@ def resume_part(args, monitor):
                     "1" if mode == "unbroken" else f"{med[(p, mode)] / med[(p, 'unbroken')]:.1f}",
                 ]
             )
+            entries.append(
+                {
+                    "position": p,
+                    "global_batches_done": k,
+                    "steps_per_epoch": steps,
+                    "method": mode,
+                    "median_ms": med[(p, mode)] * 1e3,
+                    "min_ms": min(times[(p, mode)]) * 1e3,
+                    "max_ms": max(times[(p, mode)]) * 1e3,
+                }
+            )
     flat = [[mode, f"{med[(0.99, mode)] / med[(0.01, mode)]:.3f}"] for mode in modes]  # 99% / 1%
     state_bytes = len(json.dumps(captured[0.99]["state"]))
     text = (
@@ -602,7 +655,8 @@ def resume_part(args, monitor):
         f"unbroken state {state_bytes} bytes of JSON; every resumed first batch equal to the "
         f"uninterrupted pass's: {'yes' if ok_all.item() else 'NO'}"
     )
-    return rows, flat, text
+    data = {"samples": args.resume_samples, "exact": bool(ok_all.item()), "rows": entries}
+    return rows, flat, text, data
 
 
 # --------------------------------------------------------------------------- main
@@ -633,6 +687,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: small data, few rounds (numbers are noise)"
     )
+    add_json_option(parser, "ddp_loader")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.rounds, args.max_rounds = 2048, 2, 2
@@ -645,6 +700,9 @@ def parse() -> argparse.Namespace:
 def launch() -> int:
     """Plain run: describe the machine, then run this script on 2 ranks under torchrun."""
     start = time.perf_counter()
+    args = parse()
+    results = Results("ddp_loader", args.json, args)
+    parts = Path(tempfile.mkdtemp(prefix="ddp-loader-")) / "parts.json"
     print("# Data-parallel training (2 ranks, gloo, CPU)\n")
     print(f"Command: `{command_line()}`\n")
     print("\n".join(environment()))
@@ -655,14 +713,27 @@ def launch() -> int:
         flush=True,
     )
     torchrun = Path(sys.executable).parent / "torchrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1", **{ROOT_ENV: str(os.getpid())})
-    rc = subprocess.run(
-        [str(torchrun), "--standalone", f"--nproc-per-node={NPROC}", __file__, *sys.argv[1:]],
-        env=env,
-        check=False,
-    ).returncode
-    print(load_line())
-    print(f"- wall time of the whole run: {time.perf_counter() - start:.0f} s")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", **{ROOT_ENV: str(os.getpid()), PARTS_ENV: str(parts)}
+    )
+    try:
+        rc = subprocess.run(
+            [str(torchrun), "--standalone", f"--nproc-per-node={NPROC}", __file__, *sys.argv[1:]],
+            env=env,
+            check=False,
+        ).returncode
+        print(load_line())
+        print(f"- wall time of the whole run: {time.perf_counter() - start:.0f} s")
+        if rc == 0 and parts.exists():  # a failed run writes no results: report.py says so
+            ranks = json.loads(parts.read_text())
+            results.tables, results.notes, results.data = (
+                ranks["tables"],
+                ranks["notes"],
+                ranks["data"],
+            )
+            results.write()
+    finally:
+        shutil.rmtree(parts.parent, ignore_errors=True)
     return rc
 
 
@@ -673,6 +744,13 @@ def rank_main() -> None:
     assert dist.get_world_size() == NPROC, "run plainly, or under torchrun with 2 processes"
     monitor = TreeLoad(int(os.environ.get(ROOT_ENV, os.getppid())))
     parts = args.parts.split(",")
+    # For the JSON results (rank 0 writes them to PARTS_ENV's file at the end).
+    kept: dict = {"tables": [], "notes": [], "data": {}}
+
+    def keep(title: str, markdown: str) -> str:
+        kept["tables"].append({"title": title, "markdown": markdown})
+        return markdown
+
     say(
         f"- parts 1-2: {args.samples} rows of {FEATURES} floats, batch {BATCH} per rank "
         f"({BATCH * NPROC} global), {-(-args.samples // (BATCH * NPROC))} steps per epoch; "
@@ -683,7 +761,8 @@ def rank_main() -> None:
     )
 
     if "epochs" in parts:
-        rows, notes = epoch_part(args, monitor)
+        rows, notes, kept["data"]["epochs"] = epoch_part(args, monitor)
+        kept["notes"] += notes
         say(
             "\n## 1. Time per epoch, DDP training\n",
             "s/epoch: the slower rank's wall time for one epoch (barrier to last step), median "
@@ -694,29 +773,33 @@ def rank_main() -> None:
             "same loaders iterated for an epoch without training, both ranks at once, in "
             "separate rounds before the training ones: us per sample of a rank (median), and "
             "the difference to torch's in the same round (median).\n",
-            table(
-                [
-                    "dataset",
-                    "workers",
-                    "loader",
-                    "s/epoch",
-                    "ms/step",
-                    "ratio vs torch",
-                    "95% CI",
-                    "ratio min-max",
-                    "+us/sample",
-                    "data-only us/sample",
-                    "data-only +us/sample",
-                ],
-                rows,
-                left=3,
+            keep(
+                "1. Time per epoch, DDP training (2 ranks)",
+                table(
+                    [
+                        "dataset",
+                        "workers",
+                        "loader",
+                        "s/epoch",
+                        "ms/step",
+                        "ratio vs torch",
+                        "95% CI",
+                        "ratio min-max",
+                        "+us/sample",
+                        "data-only us/sample",
+                        "data-only +us/sample",
+                    ],
+                    rows,
+                    left=3,
+                ),
             ),
             "",
             *(f"- {n}" for n in notes),
         )
 
     if "agreement" in parts:
-        alone, rows, text, n_rounds = agreement_part(args, monitor)
+        alone, rows, text, n_rounds, kept["data"]["agreement"] = agreement_part(args, monitor)
+        kept["notes"].append(text)
         say(
             "\n## 2. Preemption agreement: one 1-element all-reduce\n",
             f"Alone, tight loop of {args.allreduce_n} `dist.all_reduce` of a 1-element int32 "
@@ -729,39 +812,51 @@ def rank_main() -> None:
             "loop without agreement in the same round, median over rounds, bootstrap 95% "
             "interval of that median, min-max; +us/all-reduce: the "
             "median extra time over the loop without agreement / the all-reduces per round.\n",
-            table(
-                [
-                    "agreement",
-                    "all-reduces per round",
-                    "us/step",
-                    "ratio vs none",
-                    "95% CI",
-                    "min-max",
-                    "+us/all-reduce",
-                ],
-                rows,
+            keep(
+                "2. Preemption agreement in the training loop",
+                table(
+                    [
+                        "agreement",
+                        "all-reduces per round",
+                        "us/step",
+                        "ratio vs none",
+                        "95% CI",
+                        "min-max",
+                        "+us/all-reduce",
+                    ],
+                    rows,
+                ),
             ),
             "",
             f"- {text}",
         )
 
     if "resume" in parts:
-        rows, flat, text = resume_part(args, monitor)
+        rows, flat, text, kept["data"]["resume"] = resume_part(args, monitor)
+        kept["notes"].append(text)
         say(
             "\n## 3. Resume latency under DDP\n",
             f"{args.resume_samples} rows, batch {BATCH} per rank, num_workers 0, epoch 0. ms: "
             "construct + resume + first batch, the slower rank, median and min-max. "
             "x unbroken: the median over unbroken's at the same point.\n",
-            table(
-                ["position", "global batches done", "method", "ms", "min-max", "x unbroken"],
-                rows,
-                left=3,
-            ),  # fmt: skip
+            keep(
+                "3. Resume latency under DDP",
+                table(
+                    ["position", "global batches done", "method", "ms", "min-max", "x unbroken"],
+                    rows,
+                    left=3,
+                ),
+            ),
             "",
-            table(["method", "99% / 1% (medians)"], flat),
+            keep(
+                "3. Resume latency under DDP: flatness",
+                table(["method", "99% / 1% (medians)"], flat),
+            ),
             "",
             f"- {text}",
         )
+    if dist.get_rank() == 0 and os.environ.get(PARTS_ENV):
+        Path(os.environ[PARTS_ENV]).write_text(json.dumps(jsonable(kept)))
     dist.destroy_process_group()
 
 

@@ -37,6 +37,10 @@ which separates the seeding's cost from the rest of unbroken's machinery.
 
     .venv/bin/python benchmarks/overhead.py            # full run, ~3 minutes on 2 idle cores
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run, ~15 seconds
+
+The numbers also go to ``bench_output/overhead.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, RowDataset, environment, load_line, table
+from _common import ForeignLoad, Results, RowDataset, add_json_option, environment, load_line, table
 
 import unbroken
 
@@ -300,7 +304,8 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 
 
 def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
-    """Rows of the result table for one (loop, num_workers), and a line on how it went."""
+    """Rows of the result table for one (loop, num_workers), a line on how it went, and the
+    same numbers per loader for the JSON results (shares as fractions, not percent)."""
     if loop == "tiny":
         dataset, batch_size, chunk = RowDataset(args.tiny_rows), args.tiny_batch, args.tiny_chunk
         make_model, step, lr = tiny_model, tiny_step, 0.1
@@ -350,18 +355,24 @@ def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
     del runs  # shuts persistent workers down before the next configuration
 
     torch_us = statistics.median(r["torch"][0] for r in used)
-    rows = []
+    rows, entries = [], []
     for name in names:
         wall = [r[name][0] for r in used]
         ratio = [r[name][0] / r["torch"][0] for r in used]
         data = [r[name][1] for r in used] if workers == 0 else None
         lo, hi = quartiles(ratio)
         ci_lo, ci_hi = median_ci(ratio)
-        estimate = "-"
+        estimate, seeding_share = "-", None
         if workers == 0 and name in GLOBAL_RNGS:
             key = f"unbroken per-batch seeding, {LABELS[name].removeprefix('unbroken ')}"
-            estimate = f"+{seed_cost[key] / torch_us * 100:.1f}%"
+            seeding_share = seed_cost[key] / torch_us
+            estimate = f"+{seeding_share * 100:.1f}%"
         is_torch = name == "torch"
+        data_share = (
+            None
+            if is_torch or data is None
+            else statistics.median(r[name][1] - r["torch"][1] for r in used) / torch_us
+        )
         rows.append(
             [
                 loop + (" (disturbed)" if disturbed else ""),
@@ -372,13 +383,28 @@ def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
                 "-" if is_torch else f"{ci_lo:.3f}-{ci_hi:.3f}",
                 "-" if is_torch else f"{lo:.3f}-{hi:.3f}",
                 "-" if data is None else f"{statistics.median(data):.1f}",
-                "-"
-                if is_torch or data is None
-                else f"{statistics.median(r[name][1] - r['torch'][1] for r in used) / torch_us * 100:+.1f}%",
+                "-" if data_share is None else f"{data_share * 100:+.1f}%",
                 estimate,
             ]
         )
-    return rows, note
+        entries.append(
+            {
+                "loop": loop,
+                "workers": workers,
+                "loader": name,
+                "label": LABELS[name],
+                "disturbed": disturbed,
+                "rounds": len(used),
+                "us_per_step": statistics.median(wall),
+                "ratio": 1.0 if is_torch else statistics.median(ratio),
+                "ratio_ci95": None if is_torch else [ci_lo, ci_hi],
+                "ratio_iqr": None if is_torch else [lo, hi],
+                "data_only_us_per_batch": None if data is None else statistics.median(data),
+                "data_only_share": data_share,
+                "seeding_share": seeding_share,
+            }
+        )
+    return rows, note, entries
 
 
 def main() -> None:
@@ -436,12 +462,14 @@ def main() -> None:
         action="store_true",
         help="smoke run: small datasets, little timed work (numbers are noise)",
     )
+    add_json_option(parser, "overhead")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.worker_reps, args.max_rounds = 2, 2, 2
         args.tiny_rows, args.images = 256, 128
         args.max_foreign = float("inf")  # epochs this short are below the load probe's resolution
     torch.set_num_threads(args.threads)
+    results = Results("overhead", args.json, args)
 
     print("# unbroken.DataLoader training-loop overhead\n")
     print("\n".join(environment()))
@@ -468,16 +496,22 @@ def main() -> None:
 
     costs = seeding_costs(1 if args.quick else 5)
     print(f"\n## Per-batch seeding cost (timeit, best of {1 if args.quick else 5})\n")
-    print(table(["call", "us per call"], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()]))
+    print(
+        results.table(
+            "Per-batch seeding cost, us per call (timeit)",
+            table(["call", "us per call"], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()]),
+        )
+    )
     sys.stdout.flush()
 
-    rows, notes = [], []
+    rows, notes, entries = [], [], []
     for loop in args.loops.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
             start = time.perf_counter()
-            loop_rows, note = bench_loop(loop.strip(), workers, args, costs)
+            loop_rows, note, loop_entries = bench_loop(loop.strip(), workers, args, costs)
             rows += loop_rows
             notes.append(note)
+            entries += loop_entries
             print(f"[{note}; {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
 
     print("\n## Time per training step\n")
@@ -495,26 +529,42 @@ def main() -> None:
         "that seeding alone would explain if it cost inside the loop what it costs alone.\n"
     )
     print(
-        table(
-            [
-                "loop",
-                "workers",
-                "loader",
-                "us/step",
-                "ratio vs torch",
-                "95% CI",
-                "ratio IQR",
-                "data-only us/batch",
-                "data-only est.",
-                "seeding est.",
-            ],
-            rows,
-            left=3,
+        results.table(
+            "Time per training step",
+            table(
+                [
+                    "loop",
+                    "workers",
+                    "loader",
+                    "us/step",
+                    "ratio vs torch",
+                    "95% CI",
+                    "ratio IQR",
+                    "data-only us/batch",
+                    "data-only est.",
+                    "seeding est.",
+                ],
+                rows,
+                left=3,
+            ),
         )
     )
     print()
     print("\n".join(f"- {note}" for note in notes))
     print(load_line())
+    results.notes = notes
+    results.data = {
+        "seeding_us_per_call": costs,
+        "setup": {
+            "tiny_rows": args.tiny_rows,
+            "tiny_batch": args.tiny_batch,
+            "images": args.images,
+            "image_batch": args.image_batch,
+            "threads": args.threads,
+        },
+        "rows": entries,
+    }
+    results.write()
 
 
 if __name__ == "__main__":

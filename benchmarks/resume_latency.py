@@ -21,6 +21,10 @@ is timed.
 
     .venv/bin/python benchmarks/resume_latency.py           # 10M samples, ~3.5 minutes
     .venv/bin/python benchmarks/resume_latency.py --quick   # smoke run, ~10 seconds
+
+The numbers also go to ``bench_output/resume_latency.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, environment, load_line, table
+from _common import ForeignLoad, Results, add_json_option, environment, load_line, table
 
 import unbroken
 
@@ -172,12 +176,14 @@ def main() -> None:
         "makes the capture pass slower, not the resume",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 200k samples, 2 reps")
+    add_json_option(parser, "resume_latency")
     args = parser.parse_args()
     if args.quick:
         # Rounds this short are below the load probe's resolution: none is set aside.
         args.samples, args.reps, args.max_foreign = 200_000, 2, float("inf")
     global_rngs = tuple(x for x in args.global_rngs.split(",") if x)
     torch.set_num_threads(1)
+    results = Results("resume_latency", args.json, args)
 
     n_batches = -(-args.samples // BATCH)
     stops = [max(1, round(p * n_batches)) for p in POINTS]
@@ -268,49 +274,84 @@ def main() -> None:
         rows.append(row)
 
     print("\n## Time from load_state_dict to the first batch\n")
-    print(table(header, rows))
+    print(results.table("Time from load_state_dict to the first batch", table(header, rows)))
     print("\n## Flatness and state size\n")
     print(
-        table(
-            [
-                "library",
-                "99% / 1% (medians)",
-                "50% / 1% (medians)",
-                "state bytes at 1%",
-                "state bytes at 99%",
-                "capture pass s",
-            ],
-            [
+        results.table(
+            "Flatness and state size",
+            table(
                 [
-                    lib.name,
-                    f"{med[lib.name][3] / med[lib.name][1]:.3f}",
-                    f"{med[lib.name][2] / med[lib.name][1]:.3f}",
-                    f"{len(blobs[lib.name][1]):,}",
-                    f"{len(blobs[lib.name][3]):,}",
-                    f"{capture_s[lib.name]:.0f}",
-                ]
-                for lib in libs
-            ],
+                    "library",
+                    "99% / 1% (medians)",
+                    "50% / 1% (medians)",
+                    "state bytes at 1%",
+                    "state bytes at 99%",
+                    "capture pass s",
+                ],
+                [
+                    [
+                        lib.name,
+                        f"{med[lib.name][3] / med[lib.name][1]:.3f}",
+                        f"{med[lib.name][2] / med[lib.name][1]:.3f}",
+                        f"{len(blobs[lib.name][1]):,}",
+                        f"{len(blobs[lib.name][3]):,}",
+                        f"{capture_s[lib.name]:.0f}",
+                    ]
+                    for lib in libs
+                ],
+            ),
         )
     )
     print(
         "\nstate bytes: len(json.dumps(state)) for unbroken, len(pickle.dumps(state)) for "
         "torchdata. capture pass: iterating to 99% (+1 batch) and taking the three states."
     )
-    print(
-        "\nresumed first batch == the batch the uninterrupted pass got next: "
-        + ("yes, at every point" if not wrong else "NO: " + ", ".join(sorted(set(wrong))))
+    exact = "resumed first batch == the batch the uninterrupted pass got next: " + (
+        "yes, at every point" if not wrong else "NO: " + ", ".join(sorted(set(wrong)))
     )
+    print("\n" + exact)
     counted = "clean" if args.max_foreign != float("inf") else "unfiltered (--quick)"
-    print(
-        f"\ntiming rounds: {len(clean)} {counted} of {len(rounds)} (other processes' CPU use per "
+    timing = (
+        f"timing rounds: {len(clean)} {counted} of {len(rounds)} (other processes' CPU use per "
         "round, cores: "
         + ", ".join(f"{f:.2f}" for f, _ in rounds)
         + ")"
         + ("" if used is clean else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run")
     )
+    print("\n" + timing)
+    results.notes = [exact, timing]
     print()
     print(load_line())
+    results.data = {
+        "samples": args.samples,
+        "batch_size": BATCH,
+        "global_rngs": list(global_rngs),
+        # 0 is the fresh start without a state; the others the share of the epoch done
+        "positions": [0.0, *POINTS],
+        "position_labels": labels,
+        "samples_before": [0] + [stops[i] * BATCH for i in range(len(stops))],
+        "libraries": {
+            lib.name: {
+                "median_s": med[lib.name],
+                "min_s": [min(ts) for ts in times[lib.name]],
+                "max_s": [max(ts) for ts in times[lib.name]],
+                "resumes": [len(ts) for ts in times[lib.name]],
+                "state_bytes": [None] + [len(b) for b in blobs[lib.name][1:]],
+                "capture_s": capture_s[lib.name],
+            }
+            for lib in libs
+        },
+        "exact": not wrong,
+        "wrong": sorted(set(wrong)),
+        "rounds": {
+            "used": len(used),
+            "clean": len(clean),
+            "total": len(rounds),
+            "foreign_cores": [f for f, _ in rounds],
+            "disturbed": used is not clean,
+        },
+    }
+    results.write()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ fed the same batches in the same order.
 
     .venv/bin/python benchmarks/stream_overhead.py            # full run, ~1-3 minutes
     .venv/bin/python benchmarks/stream_overhead.py --quick    # smoke run, seconds
+
+The numbers also go to ``bench_output/stream_overhead.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ import torch.nn.functional as F
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, command_line, environment, load_line, table
+from _common import (
+    ForeignLoad,
+    Results,
+    add_json_option,
+    command_line,
+    environment,
+    load_line,
+    table,
+)
 
 import unbroken
 
@@ -132,7 +144,9 @@ def run_epochs(loader, model, optimizer, epochs: int) -> tuple[float, float, int
     return time.perf_counter() - start, first, steps
 
 
-def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
+def bench(workers: int, args) -> tuple[list[list[str]], list[str], list[dict]]:
+    """Rows of the result table for one num_workers, notes on how it went, and the same
+    numbers per loader for the JSON results."""
     names = [n for n in LOADERS if n != "torchdata" or StatefulDataLoader is not None]
     torch.manual_seed(0)
     base = torch.nn.Linear(32, 2)
@@ -165,7 +179,7 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
     steps = {n: {rd[n][2] for rd in rounds} for n in names}
     del runs
 
-    rows = []
+    rows, entries = [], []
     for name in names:
         per_step = [rd[name][0] / rd[name][2] * 1e6 for rd in rounds]
         ratio = [rd[name][0] / rd["torch"][0] for rd in rounds]
@@ -186,6 +200,19 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
                 f"{statistics.median(steady):.1f}",
                 "1" if is_torch else f"{statistics.median(steady_ratio):.3f}",
             ]
+        )
+        entries.append(
+            {
+                "workers": workers,
+                "loader": name,
+                "label": LABELS[name],
+                "us_per_step": statistics.median(per_step),
+                "ratio": 1.0 if is_torch else statistics.median(ratio),
+                "ratio_min_max": None if is_torch else [min(ratio), max(ratio)],
+                "first_batch_ms": statistics.median(first_ms),
+                "steady_us_per_step": statistics.median(steady),
+                "steady_ratio": 1.0 if is_torch else statistics.median(steady_ratio),
+            }
         )
     (count,) = steps["torch"]
     notes = [
@@ -216,7 +243,7 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str]]:
             f"num_workers={workers}: every loader's model ends with torch's weights "
             "(torch.equal): same batches, same order"
         )
-    return rows, notes
+    return rows, notes, entries
 
 
 def _steady(result: tuple[float, float, int], epochs: int) -> float:
@@ -241,10 +268,12 @@ def main() -> None:
         action="store_true",
         help="smoke run: 256 rows, 2 rounds of 1 epoch (numbers mean nothing)",
     )
+    add_json_option(parser, "stream_overhead")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.reps, args.epochs = 256, 2, 1
     torch.set_num_threads(args.threads)
+    results = Results("stream_overhead", args.json, args)
 
     print("# Iterable datasets: per-batch overhead of shipping worker state\n")
     print(f"Command: `{command_line()}`\n")
@@ -273,12 +302,13 @@ def main() -> None:
         print("- --quick: a smoke run; its numbers mean nothing")
     sys.stdout.flush()
 
-    rows, notes = [], []
+    rows, notes, entries = [], [], []
     for workers in (int(w) for w in args.workers.split(",")):
         start = time.perf_counter()
-        w_rows, w_notes = bench(workers, args)
+        w_rows, w_notes, w_entries = bench(workers, args)
         rows += w_rows
         notes += w_notes
+        entries += w_entries
         print(
             f"[num_workers={workers}: {time.perf_counter() - start:.0f} s]",
             file=sys.stderr,
@@ -297,24 +327,30 @@ def main() -> None:
     )
     print(f"Command: `{command_line()}`\n")
     print(
-        table(
-            [
-                "workers",
-                "loader",
-                "us/step",
-                "ratio vs torch",
-                "ratio min-max",
-                "first batch ms",
-                "steady us/step",
-                "steady ratio",
-            ],
-            rows,
-            left=2,
+        results.table(
+            "Time per step",
+            table(
+                [
+                    "workers",
+                    "loader",
+                    "us/step",
+                    "ratio vs torch",
+                    "ratio min-max",
+                    "first batch ms",
+                    "steady us/step",
+                    "steady ratio",
+                ],
+                rows,
+                left=2,
+            ),
         )
     )
     print()
     print("\n".join(f"- {note}" for note in notes))
     print(load_line())
+    results.notes = notes
+    results.data = {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
+    results.write()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ works and is exact.
 
     .venv/bin/python benchmarks/stream_peers.py                       # full size
     .venv/bin/python benchmarks/stream_peers.py --samples 20000       # quick
+    .venv/bin/python benchmarks/stream_peers.py --quick               # the same: 20,000 samples
     .venv/bin/python benchmarks/stream_peers.py --libraries unbroken  # one library
+
+The numbers go to ``bench_output/stream_peers.json`` (``--json PATH``, formerly ``--out``),
+from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
+(``make bench``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Results, add_json_option
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "stream_peer_worker.py"
@@ -338,11 +346,20 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--samples", type=int, default=200_000)
-    ap.add_argument("--out", default=str(REPO / "bench_output" / "stream_peers.json"))
+    add_json_option(ap, "stream_peers")
+    ap.add_argument(
+        "--out", dest="json", default=argparse.SUPPRESS, help="the same as --json (its former name)"
+    )
     ap.add_argument("--libraries", default=",".join(LIBRARIES))
     ap.add_argument("--work", default=None, help="scratch dir (default: a new temp dir, removed)")
     ap.add_argument("--timeout", type=float, default=3600, help="per library, seconds")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 20,000 samples (--samples 20000)"
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.samples = 20_000
+    record = Results("stream_peers", args.json, args)
     libs = [lib.strip() for lib in args.libraries.split(",") if lib.strip()]
 
     pythons: dict[str, str] = {}
@@ -392,18 +409,14 @@ def main() -> None:
         f"{os.cpu_count()} CPUs"
     )
     print("\n" + header + "\n")
-    print(table(results))
+    print(record.table("unbroken vs MosaicML Streaming and LitData", table(results)))
     print()
     print(details(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"header": header, "samples": args.samples, "venvs": venvs, "results": results},
-            indent=1,
-        )
-    )
-    print(f"\nwrote {out}")
+    record.notes = [header]
+    record.data = {"header": header, "samples": args.samples, "venvs": venvs, "results": results}
+    record.write()
+    if record.path:
+        print(f"\nwrote {record.path}")
 
 
 if __name__ == "__main__":

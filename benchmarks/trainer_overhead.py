@@ -42,6 +42,10 @@ by the number of saves). Every run's final weights are compared with the plain l
 
     .venv/bin/python benchmarks/trainer_overhead.py            # full run, ~2-3 minutes
     .venv/bin/python benchmarks/trainer_overhead.py --quick    # smoke run, seconds
+
+The numbers also go to ``bench_output/trainer_overhead.json`` (``--json PATH``; ``--json ''``
+for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
+section (``make bench``).
 """
 
 from __future__ import annotations
@@ -62,7 +66,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, RowDataset, command_line, environment, load_line, table
+from _common import (
+    ForeignLoad,
+    Results,
+    RowDataset,
+    add_json_option,
+    command_line,
+    environment,
+    load_line,
+    table,
+)
 
 import unbroken
 
@@ -271,7 +284,9 @@ def run_variant(work: Workload, options: dict | None, parent: str | None) -> Run
 # --------------------------------------------------------------------------- measurement
 
 
-def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
+def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]:
+    """Rows of the result table for one workload, notes on how it went, and the same numbers
+    per variant for the JSON results."""
     labels = [label for label, _ in variants(args.tensorboard)]
     options = dict(variants(args.tensorboard))
     for label in labels:  # warm-up round, untimed
@@ -299,7 +314,7 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
         print(f"[{work.name}: round {r + 1}/{args.reps}]", file=sys.stderr, flush=True)
 
     plain_us = statistics.median(rd[labels[0]].loop / rd[labels[0]].steps for rd in rounds) * 1e6
-    rows = []
+    rows, entries = [], []
     per_save = {}
     for label in labels:
         runs = [rd[label] for rd in rounds]
@@ -314,11 +329,12 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
             ]
             per_save[label] = statistics.median(costs)
             save_ms = f"{per_save[label]:.2f}"
-        fixed = (
-            "-"
+        fixed_ms = (
+            None
             if options[label] is None
-            else f"{statistics.median(run.total - run.loop for run in runs) * 1e3:.1f}"
+            else statistics.median(run.total - run.loop for run in runs) * 1e3
         )
+        fixed = "-" if fixed_ms is None else f"{fixed_ms:.1f}"
         is_plain = options[label] is None
         board = sorted({"on" if run.tensorboard else "off" for run in runs})
         rows.append(
@@ -334,6 +350,21 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
                 save_ms,
                 fixed,
             ]
+        )
+        entries.append(
+            {
+                "workload": work.name,
+                "variant": label,
+                "plain": is_plain,
+                "tensorboard": None if is_plain else board == ["on"],
+                "saves": saves,
+                "us_per_step": statistics.median(us),
+                "ratio": 1.0 if is_plain else statistics.median(ratio),
+                "ratio_min_max": None if is_plain else [min(ratio), max(ratio)],
+                "extra_us_per_step": None if is_plain else statistics.median(delta),
+                "ms_per_save": per_save.get(label),
+                "fixed_ms": fixed_ms,
+            }
         )
 
     notes = [
@@ -362,7 +393,7 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str]]:
             f"{work.name}: every run's final weights equal the plain loop's "
             "(torch.equal): the same training computation in every loop"
         )
-    return rows, notes
+    return rows, notes, entries
 
 
 def _filesystem(path: str) -> str:
@@ -417,12 +448,14 @@ def main() -> None:
         action="store_true",
         help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)",
     )
+    add_json_option(parser, "trainer_overhead")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.boring_rows, args.boring_epochs = 2, 512, 1
         args.cnn_images, args.cnn_epochs = 256, 1
     torch.set_num_threads(args.threads)
     parent = args.dir or tempfile.gettempdir()
+    results = Results("trainer_overhead", args.json, args)
 
     print("# unbroken.Trainer training-loop overhead vs a plain PyTorch loop\n")
     print(f"Command: `{command_line()}`\n")
@@ -455,12 +488,13 @@ def main() -> None:
     )
     sys.stdout.flush()
 
-    rows, notes = [], []
+    rows, notes, entries = [], [], []
     for name in args.workloads.split(","):
         start = time.perf_counter()
-        work_rows, work_notes = bench(make_workload(name.strip(), args), args)
+        work_rows, work_notes, work_entries = bench(make_workload(name.strip(), args), args)
         rows += work_rows
         notes += work_notes
+        entries += work_entries
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
 
     print("\n## Time per training step\n")
@@ -475,26 +509,32 @@ def main() -> None:
     )
     print(f"Command: `{command_line()}`\n")
     print(
-        table(
-            [
-                "workload",
-                "loop",
-                "TensorBoard",
-                "saves",
-                "us/step",
-                "ratio vs plain",
-                "ratio min-max",
-                "+us/step",
-                "ms/save",
-                "fixed ms",
-            ],
-            rows,
-            left=3,
+        results.table(
+            "Time per training step",
+            table(
+                [
+                    "workload",
+                    "loop",
+                    "TensorBoard",
+                    "saves",
+                    "us/step",
+                    "ratio vs plain",
+                    "ratio min-max",
+                    "+us/step",
+                    "ms/save",
+                    "fixed ms",
+                ],
+                rows,
+                left=3,
+            ),
         )
     )
     print()
     print("\n".join(f"- {note}" for note in notes))
     print(load_line())
+    results.notes = notes
+    results.data = {"log_every": LOG_EVERY, "rows": entries}
+    results.write()
 
 
 if __name__ == "__main__":
