@@ -90,7 +90,7 @@ class EpochIterable(Generic[P]):
         held: list = []
         try:
             for item in items:
-                if position is self._pos:
+                if position is self._pos and not self._open:  # one attribute write an epoch
                     self._open = True
                 # Yielded through a list, so that this frame holds no reference while the user
                 # has the item: one that the user drops is freed at once.

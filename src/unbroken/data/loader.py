@@ -18,11 +18,12 @@ torch generator back.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, SequentialSampler, default_collate, default_convert
 
 from .._state import StateReader, same
 from ..distributed.sharding import world_of
@@ -35,21 +36,32 @@ from .rng import GLOBAL_RNGS, check_global_rngs
 from .select import make_source
 from .sources import SKIP, Cursor
 from .states import LOADER, LoaderState
-from .streams import StreamSource
+from .streams import StreamSource, is_stream
+from .views import Adopted, OrderView, adopt
 from .workers import signals_blocked, worker_init
 
 _SEED_LIMIT = 1 << 64
+# torch's DataLoader refuses to change these once built; so does this one.
+_FIXED = frozenset(
+    ("dataset", "batch_size", "batch_sampler", "sampler", "drop_last", "persistent_workers")
+)
 
 
-class DataLoader(EpochIterable[Cursor]):
+class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: ignore[misc]
     """A drop-in for ``torch.utils.data.DataLoader`` whose position survives a restart.
 
-    Takes torch's arguments plus keyword-only ``seed`` and ``global_rngs``:
+    A subclass of torch's DataLoader (``isinstance`` holds) with its attributes (``sampler``,
+    ``batch_sampler``, ``collate_fn``, ``generator``, ``prefetch_factor``, ...; ``views``), built
+    on a torch DataLoader of its own rather than on torch's ``__init__``. Takes torch's
+    arguments plus keyword-only ``seed`` and ``global_rngs``:
 
     - ``seed``: the run's data seed (an int in [0, 2**64)). The shuffle order and every
-      sample's randomness derive from it. ``None`` picks a random one (or
-      ``generator.initial_seed()`` if a ``generator`` is given); ``load_state_dict`` then
-      adopts the saved seed, so a restarted run continues the same order.
+      sample's randomness derive from it. ``None`` takes ``generator.initial_seed()`` if a
+      ``generator`` is given, else the draw torch's ``RandomSampler`` would make from torch's
+      global generator, made on a copy of it (so ``torch.manual_seed(0)`` reproduces the
+      order, and building a loader changes no later draw; two loaders built with no draw in
+      between get the same seed). On several ranks, rank 0's, broadcast once. ``load_state_dict`` then adopts the saved seed, so
+      a restarted run continues the same order.
     - ``global_rngs``: which process-global generators are seeded before each batch:
       any of ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves
       its seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for
@@ -60,7 +72,7 @@ class DataLoader(EpochIterable[Cursor]):
       from the initialized ``torch.distributed`` process group when left out. A map-style
       dataset in unbroken's own order then gives each rank its share of every global batch of
       one global order; the state is the global cursor, the same on every rank, and resumes on
-      any number of ranks. ``seed`` must be given when there is more than one rank. A
+      any number of ranks (without ``seed``, every rank must build its loader: see above). A
       global-cursor stream with ``len()`` is split too. Other iterable datasets (with their
       own state, or a Hugging Face stream split by ``split_dataset_by_node``) and user samplers
       are iterated by each rank on its own (``unbroken.data.ranks``): on more than one rank
@@ -102,20 +114,18 @@ class DataLoader(EpochIterable[Cursor]):
                 "unbroken.DataLoader needs in_order=True: batches delivered out of order would make "
                 "the received position ambiguous, so a resume could repeat or skip batches"
             )
+        # A sampler that describes unbroken's own order (this class's ``sampler``, torch's
+        # Sequential/Random/DistributedSampler over the dataset) becomes settings (``views``).
+        taken = adopt(dataset, shuffle, sampler, batch_sampler, batch_size, drop_last)
+        sampler, batch_sampler = taken.sampler, taken.batch_sampler
+        batch_size, drop_last, shuffle = taken.batch_size, taken.drop_last, taken.shuffle
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
         self.global_rngs = check_global_rngs(global_rngs)
-        self.seed = _check_seed(seed, generator)
-        self._seed_given = seed is not None or generator is not None
-        self.sampler, self.batch_sampler = sampler, batch_sampler
-        ranks = world_of(rank, world_size)
-        if ranks is not None and ranks[1] > 1 and not self._seed_given:
-            raise ValueError(
-                f"unbroken.DataLoader on {ranks[1]} ranks needs seed=: every rank derives the same "
-                "global order from it (a random seed would differ between ranks)"
-            )
+        ranks = world_of(rank, world_size) or taken.ranks
+        self.seed, self._seed_given = _choose_seed(seed, generator, taken, ranks)
         self.rank, self.world_size = ranks if ranks is not None else (0, 1)
         self._source = make_source(
             dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers, ranks
@@ -132,7 +142,7 @@ class DataLoader(EpochIterable[Cursor]):
         inner_dataset, batching = self._source.torch_dataset(
             dataset, collate_fn, batch_size, self.global_rngs
         )
-        self._inner = torch.utils.data.DataLoader(
+        self._inner = inner = torch.utils.data.DataLoader(
             inner_dataset,
             **batching,
             num_workers=num_workers,
@@ -145,7 +155,27 @@ class DataLoader(EpochIterable[Cursor]):
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+        # torch's attributes, as torch's DataLoader sets them (after torch's checks of them).
+        self.sampler, self.batch_sampler = _samplers(self, sampler, batch_sampler)
+        self.collate_fn = collate_fn if collate_fn is not None else _default_collate(self)
+        self.generator = generator
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = inner.multiprocessing_context
+        self.pin_memory, self.pin_memory_device = inner.pin_memory, inner.pin_memory_device
+        self.timeout, self.prefetch_factor = inner.timeout, inner.prefetch_factor
+        self.persistent_workers, self.in_order = persistent_workers, in_order
+        self._built = True
         self._init_epochs()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # As torch's DataLoader: the loader is built from these, so a later change would be
+        # silently ignored.
+        if name in _FIXED and self.__dict__.get("_built"):
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized: "
+                "build a new loader (and load the old one's state_dict() into it)"
+            )
+        object.__setattr__(self, name, value)
 
     def __len__(self) -> int:
         """Batches in a whole epoch (like torch's DataLoader), not in what remains of it."""
@@ -286,11 +316,61 @@ def _length(dataset: Any) -> int | None:
         return None
 
 
-def _check_seed(seed: int | None, generator: torch.Generator | None) -> int:
-    if seed is None:
-        if generator is not None:
-            return generator.initial_seed() % _SEED_LIMIT
-        return secrets.randbits(63)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    return seed
+def _choose_seed(
+    seed: int | None,
+    generator: torch.Generator | None,
+    taken: Adopted,
+    ranks: tuple[int, int] | None,
+) -> tuple[int, bool]:
+    """The data seed and whether the user chose it (then a saved state must have the same)."""
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        return seed, True
+    if generator is not None:
+        return generator.initial_seed() % _SEED_LIMIT, True
+    if taken.seed is not None:
+        return taken.seed % _SEED_LIMIT, taken.seed_given
+    # The draw torch's RandomSampler would make from torch's global generator, so that
+    # torch.manual_seed (or Lightning's seed_everything) reproduces the order and the samples'
+    # randomness; made on a copy, so that building a loader never moves the training process's
+    # draws (Lightning builds a val loader lazily, at a point a resumed run does not repeat).
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    drawn = int(torch.empty((), dtype=torch.int64).random_(generator=copy).item())
+    if ranks is not None and ranks[1] > 1:
+        drawn = _rank0_seed(drawn, ranks[1])
+    return drawn, False
+
+
+def _rank0_seed(drawn: int, world_size: int) -> int:
+    """Rank 0's seed, so that every rank derives one global order even if their global
+    generators differ: one broadcast, which every rank makes as it builds its loader."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+        raise ValueError(
+            f"unbroken.DataLoader on {world_size} ranks needs seed= (or an initialized process "
+            "group of that size, to take rank 0's): every rank derives the same global order "
+            "from it"
+        )
+    box = [drawn]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def _samplers(loader: DataLoader, sampler: Any, batch_sampler: Any) -> tuple[Any, Any]:
+    """``sampler`` and ``batch_sampler`` as torch's DataLoader sets them: the user's, else the
+    loader's own order seen as torch's samplers (``views``); none for an iterable dataset."""
+    if is_stream(loader.dataset):
+        return None, None
+    if batch_sampler is not None:
+        return SequentialSampler(loader.dataset), batch_sampler  # type: ignore[arg-type]  # as torch: set, never used
+    if sampler is None:
+        sampler = OrderView(loader)
+    if loader.batch_size is None:
+        return sampler, None
+    return sampler, BatchSampler(sampler, loader.batch_size, loader.drop_last)
+
+
+def _default_collate(loader: DataLoader) -> Any:
+    auto_collation = loader.batch_size is not None or loader.batch_sampler is not None
+    return default_collate if auto_collation else default_convert

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.utils.data import SequentialSampler
-
 from ..distributed.sharding import ShardedOrder, ShardedRangeStream
 from .orders import DatasetOrder, NativeOrder
 from .replicas import stream_source
@@ -47,10 +45,8 @@ def make_source(
     if sampler is not None:
         if shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
-        if isinstance(sampler, SequentialSampler) and sampler.data_source is dataset:
-            shuffle = False  # unbroken's own sequential order: resumable in O(1), shardable
-        else:
-            return UserSampler(sampler, batch_size, drop_last)
+        # torch's samplers of unbroken's own order were taken in before (views.adopt).
+        return UserSampler(sampler, batch_size, drop_last)
     order = DatasetOrder(dataset)
     if ranks is not None:  # each rank's share of one global order (unbroken.distributed)
         return ShardedOrder(len(dataset), batch_size, drop_last, bool(shuffle), *ranks, order)
