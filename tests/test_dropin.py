@@ -304,3 +304,25 @@ def test_a_default_seed_is_adopted_from_the_saved_state():
 def test_resumes_exactly_when_re_created(shuffle):
     base = unbroken.DataLoader(Indexed(10), batch_size=3, shuffle=shuffle, seed=1)
     assert assert_resumes_exactly(lambda: re_create(base), epochs=2)
+
+
+def test_the_sampler_outlives_its_loader_which_is_freed_at_once():
+    import gc
+    import weakref
+
+    gc.disable()  # freed by reference counting alone: no cycle through the sampler
+    try:
+        loader = unbroken.DataLoader(Indexed(), batch_size=4, shuffle=True, seed=3)
+        expected = indices(loader)  # epoch 0
+        sampler, alive = loader.sampler, weakref.ref(loader)
+        del loader
+        assert alive() is None
+        assert sampler.epoch == 1  # the last epoch it was told
+        sampler.set_epoch(0)
+        assert list(sampler) == expected
+        assert (
+            list(unbroken.DataLoader(Indexed(), batch_size=4, seed=3, shuffle=True).sampler)
+            == expected
+        )
+    finally:
+        gc.enable()

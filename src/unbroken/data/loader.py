@@ -155,6 +155,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+        self._init_epochs()
         # torch's attributes, as torch's DataLoader sets them (after torch's checks of them).
         self.sampler, self.batch_sampler = _samplers(self, sampler, batch_sampler)
         self.collate_fn = collate_fn if collate_fn is not None else _default_collate(self)
@@ -165,7 +166,6 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         self.timeout, self.prefetch_factor = inner.timeout, inner.prefetch_factor
         self.persistent_workers, self.in_order = persistent_workers, in_order
         self._built = True
-        self._init_epochs()
 
     def __setattr__(self, name: str, value: Any) -> None:
         # As torch's DataLoader: the loader is built from these, so a later change would be
@@ -176,6 +176,12 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
                 "build a new loader (and load the old one's state_dict() into it)"
             )
         object.__setattr__(self, name, value)
+
+    def _move(self, epoch: int, position: Cursor) -> None:
+        super()._move(epoch, position)
+        view = self.__dict__.get("sampler")
+        if type(view) is OrderView:
+            view.follow(self.seed, epoch)
 
     def __len__(self) -> int:
         """Batches in a whole epoch (like torch's DataLoader), not in what remains of it."""

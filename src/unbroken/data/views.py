@@ -37,53 +37,45 @@ class OrderView(DistributedSampler):
     Unlike torch's samplers it leaves out what ``drop_last`` drops: it lists what is read."""
 
     # DistributedSampler.__init__ is not called: it asks the process group for what the loader
-    # already knows, and fixes seed and epoch, which here follow the loader.
+    # already knows, and fixes seed and epoch, which here follow the loader (``follow``).
     def __init__(self, loader: DataLoader) -> None:
         assert isinstance(loader._source, IndexSource), "a view of a map-style source only"
-        # A weak reference: a loader must be freed (and its workers stopped) as soon as the user
-        # drops it, which a cycle through its own sampler would delay until a GC pass.
+        # The loader only weakly: it must be freed (and its workers stopped) as soon as the user
+        # drops it, which a cycle through its own sampler would delay until a GC pass; the view
+        # outlives it with the last seed and epoch it was told.
         self._loader_ref, self._source = weakref.ref(loader), loader._source
         self.dataset = loader.dataset
         self.num_replicas, self.rank = loader.world_size, loader.rank
         self.shuffle = bool(getattr(self._source, "shuffle", False))
         self.drop_last = loader.drop_last
+        self.seed_given = loader._seed_given
+        self.follow(loader.seed, loader.epoch)
+
+    def follow(self, seed: int, epoch: int) -> None:
+        """Called by the loader whenever its seed or epoch changes."""
+        self._seed, self._epoch = seed, epoch
 
     @property
-    def _loader(self) -> DataLoader:
-        loader = self._loader_ref()
-        if loader is None:
-            raise ReferenceError("the unbroken.DataLoader this sampler belongs to was freed")
-        return loader
+    def seed(self) -> int:  # type: ignore[override]
+        return self._seed
 
     @property
-    def seed(  # type: ignore[override]
-        self,
-    ) -> int:
-        return self._loader.seed
+    def epoch(self) -> int:  # type: ignore[override]
+        return self._epoch
 
     @property
-    def epoch(  # type: ignore[override]
-        self,
-    ) -> int:
-        return self._loader.epoch
-
-    @property
-    def num_samples(  # type: ignore[override]
-        self,
-    ) -> int:
+    def num_samples(self) -> int:  # type: ignore[override]
         return len(self)
 
     @property
-    def total_size(  # type: ignore[override]
-        self,
-    ) -> int:
+    def total_size(self) -> int:  # type: ignore[override]
         """Samples in the epoch over all ranks (the dataset's length, less what drop_last drops)."""
         return getattr(self._source, "epoch_samples", len(self) * self.num_replicas)
 
     def _batches(self) -> Iterator[Any]:
-        loader, source = self._loader, self._source
+        source = self._source
         start = Cursor(source=source.fresh())
-        return (keys[0] for keys in source.batches(loader.seed, loader.epoch, start, deque()))
+        return (keys[0] for keys in source.batches(self._seed, self._epoch, start, deque()))
 
     def __iter__(self) -> Iterator[int]:
         for indices in self._batches():
@@ -99,8 +91,11 @@ class OrderView(DistributedSampler):
         the loader numbers its own epochs, and a call at every epoch's start (Lightning's, or a
         loop written for DistributedSampler) must not drop a position ``load_state_dict``
         restored."""
-        if epoch != self._loader.epoch:
-            self._loader.set_epoch(epoch)
+        loader = self._loader_ref()
+        if loader is None:
+            self._epoch = epoch
+        elif epoch != loader.epoch:
+            loader.set_epoch(epoch)
 
 
 @dataclass
@@ -148,9 +143,8 @@ def _order_of(
     orders over ``dataset``, else None. Exact types only: a subclass may order otherwise."""
     kind = type(sampler)
     if kind is OrderView and sampler.dataset is dataset:
-        loader = sampler._loader
-        ranks = (loader.rank, loader.world_size) if loader.world_size > 1 else None
-        return sampler.shuffle, loader.seed, loader._seed_given, ranks
+        ranks = (sampler.rank, sampler.num_replicas) if sampler.num_replicas > 1 else None
+        return sampler.shuffle, sampler.seed, sampler.seed_given, ranks
     if kind is SequentialSampler and sampler.data_source is dataset:
         return False, None, False, None
     if (
