@@ -1,7 +1,7 @@
 """A Lightning 2.x training job for tests/test_lightning.py (also run under torchrun).
 
 ``python lightning_job.py OUT --loader unbroken|torch [--workers N] [--kill-at STEP]
-[--signal-at STEP]``: trains a small MLP with dropout on data with random augmentation
+[--signal-at STEP] [--datamodule]``: trains a small MLP with dropout on data with random augmentation
 (drawn from torch's global generator in ``__getitem__``), validating twice an epoch and saving
 ``last.ckpt`` every 5 steps, and resumes from it (``ckpt_path="last"``) when there is one. It
 appends the sample indices of every training step to ``OUT/samples-rank<r>.txt`` and writes the
@@ -40,6 +40,29 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[i] + 0.1 * torch.randn(8), self.y[i], i  # a random augmentation
 
 
+def make_loader(args, train: bool):
+    dataset = Noisy(96 if train else 32)
+    if args.loader == "torch":
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=8, shuffle=train, num_workers=args.workers
+        )
+    return unbroken.DataLoader(dataset, batch_size=8, shuffle=train, num_workers=args.workers)
+
+
+class Data(L.LightningDataModule):
+    """The loaders from a LightningDataModule (``--datamodule``) instead of the model."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.args = args
+
+    def train_dataloader(self):
+        return make_loader(self.args, True)
+
+    def val_dataloader(self):
+        return make_loader(self.args, False)
+
+
 class Model(L.LightningModule):
     def __init__(self, args) -> None:
         super().__init__()
@@ -47,22 +70,6 @@ class Model(L.LightningModule):
         self.net = torch.nn.Sequential(
             torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 2)
         )
-
-    def loader(self, train: bool):
-        dataset = Noisy(96 if train else 32)
-        if self.args.loader == "torch":
-            return torch.utils.data.DataLoader(
-                dataset, batch_size=8, shuffle=train, num_workers=self.args.workers
-            )
-        return unbroken.DataLoader(
-            dataset, batch_size=8, shuffle=train, num_workers=self.args.workers
-        )
-
-    def train_dataloader(self):
-        return self.loader(True)
-
-    def val_dataloader(self):
-        return self.loader(False)
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
@@ -76,6 +83,16 @@ class Model(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class ModelWithData(Model):
+    """The loaders from the model's own hooks (the default)."""
+
+    def train_dataloader(self):
+        return make_loader(self.args, True)
+
+    def val_dataloader(self):
+        return make_loader(self.args, False)
 
 
 class Interrupt(L.Callback):
@@ -105,8 +122,12 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--datamodule", action="store_true")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
+    # Each rank's generators in another state: its dropout masks differ (so a checkpoint needs
+    # every rank's states), and so do the loaders' default seeds (so rank 0's is broadcast).
+    torch.rand(int(os.environ.get("RANK", "0")))
     torch.use_deterministic_algorithms(True)
 
     callbacks: list = [Interrupt(args)]
@@ -130,8 +151,12 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=args.out,
     )
-    model = Model(args)
-    trainer.fit(model, ckpt_path="last")
+    if args.datamodule:
+        model = Model(args)
+        trainer.fit(model, datamodule=Data(args), ckpt_path="last")
+    else:
+        model = ModelWithData(args)
+        trainer.fit(model, ckpt_path="last")
     if trainer.global_rank == 0:
         torch.save(model.state_dict(), Path(args.out) / "final.pt")
 

@@ -84,10 +84,15 @@ def _stream(rank, world, workers=0, n=13):
     )
 
 
+class OwnDistributedSampler(torch.utils.data.DistributedSampler):
+    pass
+
+
 def _sampled(kind, rank, world, workers=0, n=12):
     dataset = Augmented(n)
-    if kind == "distributed":  # torch's own, stateless: resumed by skipping
-        sampler = torch.utils.data.DistributedSampler(
+    if kind == "distributed":  # a subclass of torch's, stateless: resumed by skipping
+        # (torch's own DistributedSampler becomes unbroken's global order: test_dropin.py)
+        sampler = OwnDistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=True, seed=3
         )
         options = {"sampler": sampler, "batch_size": 2}
