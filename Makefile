@@ -42,8 +42,8 @@ demo-stream: $(STAMP)
 # benchmark does not stop the others, but make fails at the end. `make bench-quick`: the same with
 # every script's --quick (~5 min, 3 of them stream_peers.py's; checks the pipeline, its numbers are
 # noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
-BENCHMARKS := overhead resume_latency trainer_overhead checkpoint_blocking stream_overhead \
-	ddp_loader ddp_checkpoint stream_peers
+BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume checkpoint_blocking \
+	stream_overhead ddp_loader ddp_checkpoint stream_peers
 BENCH_FLAGS ?=
 define run-benchmarks
 @failed=""; for b in $(BENCHMARKS); do \

@@ -44,6 +44,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("overhead", "Training-loop overhead of the DataLoader"),
     ("resume_latency", "Resume latency: load_state_dict to the first batch"),
     ("trainer_overhead", "Trainer overhead vs a plain PyTorch loop"),
+    ("lightning_resume", "Lightning 2.6 resumed mid-epoch: plain (torch's DataLoader) vs unbroken"),
     ("checkpoint_blocking", "Checkpoint blocking time, sync vs async"),
     ("stream_overhead", "Iterable dataset: state shipping overhead"),
     ("ddp_loader", "Data-parallel training: loaders, preemption agreement, resume"),
@@ -370,6 +371,91 @@ def plot_trainer_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str,
     return [("trainer_overhead.png", "Trainer overhead per step vs a plain loop")]
 
 
+def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    data = payload["data"]
+    rows = data["rows"]
+    workers = list(dict.fromkeys(r["workers"] for r in rows))
+    fig, axes = new_figure(
+        payload,
+        f"Lightning {data.get('lightning', '2.x')}: SIGKILLed mid-epoch and resumed from "
+        "last.ckpt, per loader",
+        ncols=len(workers),
+        width=12 if len(workers) > 1 else 8,
+    )
+    labels = {
+        "torch": "torch DataLoader (plain Lightning)",
+        "unbroken": "unbroken.DataLoader + ExactResume",
+    }
+    for ax, w in zip(axes, workers):
+        mine = [r for r in rows if r["workers"] == w]
+        cuts = list(dict.fromkeys(r["cut"] for r in mine))
+        loaders = list(dict.fromkeys(r["loader"] for r in mine))
+        by = {(r["loader"], r["cut"]): r for r in mine}
+        groups = []
+        for c in cuts:
+            r = next(r for r in mine if r["cut"] == c)
+            start = "scratch" if r["resumed_from"] is None else r["resumed_from"]
+            groups.append(f"killed at step {c}\nresumed from {start}\n(epoch {r['epoch']})")
+        series: list[Series] = [
+            (
+                labels.get(name, name),
+                name,
+                [
+                    by[name, c]["repeated"] + by[name, c]["skipped"] if (name, c) in by else None
+                    for c in cuts
+                ],
+                [],
+            )
+            for name in loaders
+        ]
+        bars(ax, groups, series, lambda v: f"{v:.0f}")
+        width = 0.8 / max(1, len(loaders))
+        for i, name in enumerate(loaders):
+            for g, c in enumerate(cuts):
+                r = by.get((name, c))
+                if r is None:
+                    continue
+                total = r["repeated"] + r["skipped"]
+                split = f"{r['repeated']} rep.\n+ {r['skipped']} skip.\n" if total else ""
+                equal = r["weights_equal"]
+                ax.annotate(
+                    f"{split}weights\nequal: {'yes' if equal else 'no'}",
+                    (g - 0.4 + width * (i + 0.5), total),
+                    xytext=(0, 12),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color="#2ca02c" if equal else "#d62728",
+                    fontweight="bold",
+                    bbox=LABEL_BOX,
+                )
+        whole = {r["loader"]: r["whole_s"] for r in mine}
+        ax.set_title(
+            f"num_workers={w} (uninterrupted run: "
+            + ", ".join(f"{name} {whole[name]:.1f} s" for name in loaders if name in whole)
+            + ")",
+            fontsize=9,
+        )
+        ax.set_xlabel(
+            f"{data['epochs']} epochs of {data['steps_per_epoch']} steps; last.ckpt every "
+            f"{data['checkpoint_every_steps']} steps",
+            fontsize=8,
+        )
+        ax.set_ylabel(
+            f"samples repeated + skipped\nin the interrupted epoch (of {data['samples']})"
+        )
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, max(high, 1.0) * 1.6)  # room for the labels above the bars
+    save(fig, payload, out / "lightning_resume.png", legend=axes[0], ncol=2)
+    return [
+        (
+            "lightning_resume.png",
+            "Lightning resumed mid-epoch: samples repeated and skipped, torch vs unbroken",
+        )
+    ]
+
+
 def plot_checkpoint_blocking(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
     data = payload["data"]
     med = data["median_s"]
@@ -613,6 +699,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "overhead": plot_overhead,
     "resume_latency": plot_resume_latency,
     "trainer_overhead": plot_trainer_overhead,
+    "lightning_resume": plot_lightning_resume,
     "checkpoint_blocking": plot_checkpoint_blocking,
     "stream_overhead": plot_stream_overhead,
     "ddp_loader": plot_ddp_loader,

@@ -71,6 +71,12 @@ class Model(L.LightningModule):
             torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 2)
         )
 
+    def setup(self, stage: str) -> None:
+        # After Lightning's DDP set-up re-seeded every rank alike: each rank's generators in
+        # another state, so its dropout masks differ (a checkpoint needs every rank's states)
+        # and so do the loaders' default seeds (rank 0's must be broadcast).
+        torch.rand(self.global_rank)
+
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         with open(Path(self.args.out) / f"samples-rank{self.global_rank}.txt", "a") as log:
@@ -125,9 +131,6 @@ def main() -> None:
     parser.add_argument("--datamodule", action="store_true")
     args = parser.parse_args()
     L.seed_everything(0, verbose=False)
-    # Each rank's generators in another state: its dropout masks differ (so a checkpoint needs
-    # every rank's states), and so do the loaders' default seeds (so rank 0's is broadcast).
-    torch.rand(int(os.environ.get("RANK", "0")))
     torch.use_deterministic_algorithms(True)
 
     callbacks: list = [Interrupt(args)]
