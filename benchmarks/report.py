@@ -210,6 +210,21 @@ def ms(seconds: float) -> str:
 # --------------------------------------------------------------------------- one plot each
 
 
+def ratio_series(rows: list[dict], workers: list, interval: str) -> tuple[list[str], list]:
+    """Bar groups (one per num_workers) and series (one per loader other than torch's) of the
+    time per step over torch's DataLoader, in %, with the rows' ``interval`` as error bars."""
+    torch_us = {r["workers"]: r["us_per_step"] for r in rows if r["loader"] == "torch"}
+    groups = [f"num_workers={w}\n(torch: {torch_us.get(w, 0):,.0f} us/step)" for w in workers]
+    series = []
+    for name in [n for n in dict.fromkeys(r["loader"] for r in rows) if n != "torch"]:
+        by_w = {r["workers"]: r for r in rows if r["loader"] == name}
+        label = next(r["label"] for r in rows if r["loader"] == name)
+        ratios = [pct(by_w[w]["ratio"]) if w in by_w else None for w in workers]
+        spread = [pct_interval(by_w[w][interval]) if w in by_w else None for w in workers]
+        series.append((label, name, ratios, spread))
+    return groups, series
+
+
 def plot_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
     rows = payload["data"]["rows"]
     loops = [loop for loop in ("tiny", "realistic") if any(r["loop"] == loop for r in rows)]
@@ -227,21 +242,7 @@ def plot_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
     for ax, loop in zip(axes, loops):
         mine = [r for r in rows if r["loop"] == loop]
         workers = sorted({r["workers"] for r in mine})
-        torch_us = {r["workers"]: r["us_per_step"] for r in mine if r["loader"] == "torch"}
-        groups = [f"num_workers={w}\n(torch: {torch_us.get(w, 0):,.0f} us/step)" for w in workers]
-        names = [n for n in dict.fromkeys(r["loader"] for r in mine) if n != "torch"]
-        series = []
-        for name in names:
-            by_w = {r["workers"]: r for r in mine if r["loader"] == name}
-            label = next(r["label"] for r in mine if r["loader"] == name)
-            series.append(
-                (
-                    label,
-                    name,
-                    [pct(by_w[w]["ratio"]) if w in by_w else None for w in workers],
-                    [pct_interval(by_w[w]["ratio_ci95"]) if w in by_w else None for w in workers],
-                )
-            )
+        groups, series = ratio_series(mine, workers, "ratio_ci95")
         bars(ax, groups, series, lambda v: f"{v:+.1f}%")
         ax.axhline(0, color="#333333", linewidth=0.8)
         ax.set_title(titles.get(loop, loop), fontsize=9)
@@ -497,20 +498,7 @@ def plot_stream_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str, 
         payload,
         "Iterable dataset, batch 2: time per step vs torch's DataLoader (worker start-up included)",
     )
-    torch_us = {r["workers"]: r["us_per_step"] for r in rows if r["loader"] == "torch"}
-    groups = [f"num_workers={w}\n(torch: {torch_us.get(w, 0):,.0f} us/step)" for w in workers]
-    series = []
-    for name in [n for n in dict.fromkeys(r["loader"] for r in rows) if n != "torch"]:
-        by_w = {r["workers"]: r for r in rows if r["loader"] == name}
-        label = next(r["label"] for r in rows if r["loader"] == name)
-        series.append(
-            (
-                label,
-                name,
-                [pct(by_w[w]["ratio"]) if w in by_w else None for w in workers],
-                [pct_interval(by_w[w]["ratio_min_max"]) if w in by_w else None for w in workers],
-            )
-        )
+    groups, series = ratio_series(rows, workers, "ratio_min_max")
     bars(ax, groups, series, lambda v: f"{v:+.1f}%")
     ax.axhline(0, color="#333333", linewidth=0.8)
     target = pct(data.get("target_ratio", 1.03))
