@@ -49,18 +49,24 @@ def make_loader(args, train: bool):
     return unbroken.DataLoader(dataset, batch_size=8, shuffle=train, num_workers=args.workers)
 
 
-class Data(L.LightningDataModule):
-    """The loaders from a LightningDataModule (``--datamodule``) instead of the model."""
+class Loaders:
+    """Lightning's loader hooks, for the model or a LightningDataModule."""
 
-    def __init__(self, args) -> None:
-        super().__init__()
-        self.args = args
+    args: argparse.Namespace
 
     def train_dataloader(self):
         return make_loader(self.args, True)
 
     def val_dataloader(self):
         return make_loader(self.args, False)
+
+
+class Data(Loaders, L.LightningDataModule):
+    """The loaders from a LightningDataModule (``--datamodule``) instead of the model."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.args = args
 
 
 class Model(L.LightningModule):
@@ -91,14 +97,8 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-class ModelWithData(Model):
+class ModelWithData(Loaders, Model):
     """The loaders from the model's own hooks (the default)."""
-
-    def train_dataloader(self):
-        return make_loader(self.args, True)
-
-    def val_dataloader(self):
-        return make_loader(self.args, False)
 
 
 class Interrupt(L.Callback):

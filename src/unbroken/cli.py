@@ -82,12 +82,11 @@ from .checkpoint.manifest import MANIFEST, Manifest, load_file, read_manifest, v
 from .checkpoint.storage import LocalStorage, Storage, join
 from .data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
 from .errors import CorruptCheckpoint, StateMismatch
-from .train.checkpointing import PROGRESS, TRAIN_LOADER, VAL_LOADER
+from .train.checkpointing import PROGRESS, RUN_CHECKPOINTS, TRAIN_LOADER, VAL_LOADER
 from .train.progress import COUNTERS, PHASES
 
 __all__ = ["main"]
 
-RUN_CHECKPOINTS = "checkpoints"  # where a Trainer keeps its checkpoints in its run directory
 LOADER_FORMATS = (LOADER.name, COMBINED.name, RESUMABLE.name, SHUFFLE_BUFFER.name)
 # Entries read to find positions: the Trainer's always, others only if this small (a loader's
 # state is a few hundred bytes; a model's is not worth unpickling to find none).

@@ -45,6 +45,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from .checkpoint.storage import LocalStorage
 from .errors import CorruptState
 from .train.globalrng import GlobalRNG
 from .train.preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
@@ -73,7 +74,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "AtomicCheckpointIO.save_checkpoint takes no storage_options (a local file)"
             )
         directory = os.path.dirname(os.path.abspath(target))
-        os.makedirs(directory, exist_ok=True)
+        storage = LocalStorage()  # the Checkpointer's durable directories and syncs
+        storage.make_directories(directory)
         handle, temporary = tempfile.mkstemp(
             prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory
         )
@@ -86,12 +88,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             os.unlink(temporary)
             raise
-        # The rename is durable once the directory is synced.
-        descriptor = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        storage.sync_directory(directory)  # the rename is durable once the directory is synced
 
 
 class ExactResume(Callback):
@@ -130,8 +127,9 @@ class ExactResume(Callback):
     def state_dict(self) -> dict[str, Any]:
         mine = GlobalRNG().state_dict()
         ranks: list = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ranks = [None] * dist.get_world_size()
+        job = Job()
+        if job.distributed:
+            ranks = [None] * job.world_size
             dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
         return {"version": _VERSION, "rng": ranks}
 
@@ -147,9 +145,8 @@ class ExactResume(Callback):
                 f"generator state per rank]}}, got {str(state_dict)[:200]}"
             )
         saved = state_dict["rng"]
-        rank, world = 0, 1
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
+        job = Job()
+        rank, world = job.rank, job.world_size
         if len(saved) != world:
             warnings.warn(
                 f"unbroken.lightning.ExactResume: the checkpoint holds the random generators of "

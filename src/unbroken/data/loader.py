@@ -60,8 +60,9 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
       ``generator`` is given, else the draw torch's ``RandomSampler`` would make from torch's
       global generator, made on a copy of it (so ``torch.manual_seed(0)`` reproduces the
       order, and building a loader changes no later draw; two loaders built with no draw in
-      between get the same seed). On several ranks, rank 0's, broadcast once. ``load_state_dict`` then adopts the saved seed, so
-      a restarted run continues the same order.
+      between get the same seed). On several ranks, rank 0's, broadcast once.
+      ``load_state_dict`` then adopts the saved seed, so a restarted run continues the same
+      order.
     - ``global_rngs``: which process-global generators are seeded before each batch:
       any of ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves
       its seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for
@@ -369,7 +370,8 @@ def _samplers(loader: DataLoader, sampler: Any, batch_sampler: Any) -> tuple[Any
     if is_stream(loader.dataset):
         return None, None
     if batch_sampler is not None:
-        return SequentialSampler(loader.dataset), batch_sampler  # type: ignore[arg-type]  # as torch: set, never used
+        # As torch: set, and never used.
+        return SequentialSampler(loader.dataset), batch_sampler  # type: ignore[arg-type]
     if sampler is None:
         sampler = OrderView(loader)
     if loader.batch_size is None:

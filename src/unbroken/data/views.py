@@ -123,16 +123,19 @@ def adopt(
     """The loader's arguments with a sampler (or torch's ``BatchSampler`` around one) that
     describes unbroken's own order over ``dataset`` replaced by settings; others unchanged."""
     unchanged = Adopted(sampler, batch_sampler, batch_size, drop_last, shuffle)
-    if type(batch_sampler) is BatchSampler and _order_of(dataset, batch_sampler.sampler):
+    if batch_sampler is None:
+        order = _order_of(dataset, sampler)
+        if order is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+    elif type(batch_sampler) is BatchSampler:
+        order = _order_of(dataset, batch_sampler.sampler)
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
             return unchanged  # torch's own "mutually exclusive" error, from make_source
-        sampler, batch_size = batch_sampler.sampler, batch_sampler.batch_size
-        drop_last, batch_sampler = batch_sampler.drop_last, None
-    order = _order_of(dataset, sampler) if batch_sampler is None else None
+        batch_size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
+    else:
+        order = None
     if order is None:
-        return Adopted(sampler, batch_sampler, batch_size, drop_last, shuffle)
-    if shuffle:
-        raise ValueError("sampler option is mutually exclusive with shuffle")
+        return unchanged
     return Adopted(None, None, batch_size, drop_last, *order)
 
 

@@ -42,7 +42,14 @@ import torch.distributed as dist
 
 from ..checkpoint.manager import Checkpointer
 from ..errors import DirectoryInUse
-from .checkpointing import SaveSchedule, checkpoint_entries, compute_metrics, reset_metrics, resume
+from .checkpointing import (
+    RUN_CHECKPOINTS,
+    SaveSchedule,
+    checkpoint_entries,
+    compute_metrics,
+    reset_metrics,
+    resume,
+)
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
@@ -222,7 +229,7 @@ class Trainer:
             write=self.job.first,  # one rank writes the log; the others keep `logs` only
         )
         self.checkpointer = Checkpointer(
-            self.directory / "checkpoints", keep=self.keep, timeout=self.checkpoint_timeout
+            self.directory / RUN_CHECKPOINTS, keep=self.keep, timeout=self.checkpoint_timeout
         )
         self.entries = checkpoint_entries(
             progress=self.progress,
