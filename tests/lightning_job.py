@@ -1,35 +1,63 @@
-"""A Lightning 2.x training job for tests/test_lightning.py (also run under torchrun).
+"""A Lightning 2.x training job for tests/test_lightning*.py (also run under torchrun).
 
-``python lightning_job.py OUT --loader unbroken|torch [--workers N] [--kill-at STEP]
-[--signal-at STEP] [--datamodule]``: trains a small MLP with dropout on data with random augmentation
-(drawn from torch's global generator in ``__getitem__``), validating twice an epoch and saving
-``last.ckpt`` every 5 steps, and resumes from it (``ckpt_path="last"``) when there is one. It
-appends the sample indices of every training step to ``OUT/samples-rank<r>.txt`` and writes the
-final weights to ``OUT/final.pt``. ``--kill-at`` SIGKILLs rank ``--kill-rank`` at the end of
-that step; ``--signal-at`` sends SIGTERM to the whole process group, as a scheduler does.
-With ``--loader torch`` it is plain Lightning: torch's DataLoader, no unbroken callback.
+``python lightning_job.py OUT [options]`` trains a small MLP with dropout on data with a random
+augmentation (drawn from torch's global generator in ``__getitem__``), validating twice an epoch
+on an augmented set, and resumes from ``OUT/ckpt/last.ckpt`` (``ckpt_path="last"``) when there
+is one. Everything the run does is appended to ``OUT/records-rank<r>.jsonl``, one JSON object a
+line: each training batch (epoch, batch, optimizer step, sample indices, a hash of the augmented
+input, the loss and the learning rate), each validation batch (the same, no step) and each
+epoch's start (with the learning rate after Lightning's epoch-end scheduler steps). The final weights,
+optimizer and scheduler states go to ``OUT/final.pt``.
+
+- ``--loader unbroken|torch``: ``unbroken.DataLoader`` with ``ExactResume`` (the README's
+  recipe), or plain Lightning (torch's DataLoader, no unbroken callback); ``--val-loader``
+  overrides the validation loader's kind.
+- ``--checkpoint steps`` (``every_n_train_steps=--every``, the default) or ``epoch`` (Lightning's
+  default ``ModelCheckpoint``, once an epoch); both ``save_last=True``.
+- ``--accumulate K``, ``--scheduler onecycle|plateau`` (``ReduceLROnPlateau`` on a validation
+  metric that never improves), ``--no-val``, ``--iterable`` (a training set without ``len()``),
+  ``--epoch-metric`` (the training loss logged with ``on_epoch=True``), ``--workers N``,
+  ``--datamodule``.
+- ``--kill-at B`` SIGKILLs rank ``--kill-rank`` at the end of training batch B (counted from
+  1 over the whole run); ``--signal-at B`` sends SIGTERM to the whole process group there, as a
+  scheduler does.
+- ``--sweep saves``: in this one process, the uninterrupted run (``OUT/whole``) saving a
+  checkpoint at every place Lightning can save one (every training batch's end, every
+  validation's end, every training epoch's end: ``OUT/whole/cuts/NNN-hook.ckpt``), then a run
+  resumed from each of them (``OUT/runs/NNN-hook/resumed``). ``--sweep signals``: the same with
+  a run sent SIGTERM at the end of each training batch (``OUT/runs/signal-BBB/signalled``), then
+  resumed from the ``last.ckpt`` it saved. Each checkpoint holds the number of records written
+  before it; ``OUT/runs/NAME/about.json`` has it, the step, where ``ExactResume`` says it was
+  saved and the warnings unbroken gave. A resumed run is exact if the whole run's records before
+  the cut followed by its own are the whole run's records, and its final states are the whole
+  run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 import unbroken
 from unbroken.lightning import ExactResume
 
+N, BATCH = 96, 8  # the training set: 12 batches an epoch on one process
+
 
 class Noisy(torch.utils.data.Dataset):
-    def __init__(self, n: int = 96) -> None:
-        g = torch.Generator().manual_seed(1234)
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1234 + n)
         self.x = torch.randn(n, 8, generator=g)
         self.y = (self.x.sum(1) > 0).long()
 
@@ -40,13 +68,25 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[i] + 0.1 * torch.randn(8), self.y[i], i  # a random augmentation
 
 
+class NoisyStream(torch.utils.data.IterableDataset):
+    """The training set as a stream without ``len()``: Lightning then prefetches a batch."""
+
+    def __init__(self, n: int) -> None:
+        self.data = Noisy(n)
+
+    def __iter__(self):
+        return (self.data[i] for i in range(len(self.data.x)))
+
+
 def make_loader(args, train: bool):
-    dataset = Noisy(96 if train else 32)
-    if args.loader == "torch":
+    kind = args.loader if train else (args.val_loader or args.loader)
+    dataset = NoisyStream(N) if train and args.iterable else Noisy(N if train else 32)
+    shuffle = train and not args.iterable
+    if kind == "torch":
         return torch.utils.data.DataLoader(
-            dataset, batch_size=8, shuffle=train, num_workers=args.workers
+            dataset, batch_size=BATCH, shuffle=shuffle, num_workers=args.workers
         )
-    return unbroken.DataLoader(dataset, batch_size=8, shuffle=train, num_workers=args.workers)
+    return unbroken.DataLoader(dataset, batch_size=BATCH, shuffle=shuffle, num_workers=args.workers)
 
 
 class Loaders:
@@ -69,6 +109,10 @@ class Data(Loaders, L.LightningDataModule):
         self.args = args
 
 
+def digest(x: torch.Tensor) -> str:
+    return hashlib.sha1(x.detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
 class Model(L.LightningModule):
     def __init__(self, args) -> None:
         super().__init__()
@@ -85,83 +129,228 @@ class Model(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y, index = batch
-        with open(Path(self.args.out) / f"samples-rank{self.global_rank}.txt", "a") as log:
-            log.write(f"{self.trainer.global_step} {' '.join(map(str, index.tolist()))}\n")
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.args.epoch_metric:  # an epoch aggregate Lightning does not save
+            self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return {"loss": loss, "record": {"indices": index.tolist(), "x": digest(x)}}
 
     def validation_step(self, batch, batch_idx):
-        x, y, _ = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+        x, y, index = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("flat", 1.0)  # a metric that never improves (ReduceLROnPlateau)
+        return {"loss": loss, "record": {"indices": index.tolist(), "x": digest(x)}}
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if self.args.scheduler == "onecycle":
+            # Lightning loads the training loader here, before it restores a checkpoint.
+            total = self.trainer.estimated_stepping_batches
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.2, total_steps=total)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+        if self.args.scheduler == "plateau":
+            scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+            return [optimizer], [{"scheduler": scheduler, "monitor": "flat"}]
+        return optimizer
 
 
 class ModelWithData(Loaders, Model):
     """The loaders from the model's own hooks (the default)."""
 
 
+class Recorder(L.Callback):
+    """Appends what the run does to ``records-rank<r>.jsonl`` (see the module)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def write(self, trainer, **record) -> None:
+        with open(self.out / f"records-rank{trainer.global_rank}.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        step, loss = trainer.global_step, repr(outputs["loss"].item())
+        at = {"epoch": trainer.current_epoch, "batch": batch_idx}
+        self.write(
+            trainer, kind="train", **at, step=step, loss=loss, lr=repr(lr), **outputs["record"]
+        )
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, idx=0):
+        if trainer.sanity_checking:
+            return
+        at = {"epoch": trainer.current_epoch, "batch": batch_idx}
+        self.write(
+            trainer, kind="val", **at, loss=repr(outputs["loss"].item()), **outputs["record"]
+        )
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.write(trainer, kind="epoch_end", epoch=trainer.current_epoch)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        path = self.out / f"records-rank{trainer.global_rank}.jsonl"
+        checkpoint["records_before"] = len(path.read_text().splitlines()) if path.exists() else 0
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        # With the learning rate after the previous epoch's end (Lightning's epoch-end scheduler
+        # steps): a step lost by a resume shows here, and in the final scheduler state.
+        lr = repr(trainer.optimizers[0].param_groups[0]["lr"])
+        self.write(trainer, kind="epoch", epoch=trainer.current_epoch, lr=lr)
+
+
 class Interrupt(L.Callback):
-    """Kills or signals this process at the end of a given step (a deterministic cut point)."""
+    """Kills or signals this process at the end of a given training batch (a deterministic cut
+    point; batches counted from 1 over the whole run)."""
 
     def __init__(self, args) -> None:
         self.args = args
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step, rank = trainer.global_step, trainer.global_rank
-        if step == self.args.kill_at and rank == self.args.kill_rank:
+        done = trainer.current_epoch * trainer.num_training_batches + batch_idx + 1
+        if done == self.args.kill_at and trainer.global_rank == self.args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == self.args.signal_at and rank == 0:
+        if done == self.args.signal_at and trainer.global_rank == 0:
             # From another process, as a scheduler's: a worker takes a SIGTERM sent by the
             # training process itself as torch's request to stop.
             group = os.getpgid(0)
             subprocess.run(["kill", "-s", "TERM", "--", f"-{group}"], start_new_session=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--loader", choices=["unbroken", "torch"], default="unbroken")
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--kill-at", type=int, default=-1)
-    parser.add_argument("--kill-rank", type=int, default=0)
-    parser.add_argument("--signal-at", type=int, default=-1)
-    parser.add_argument("--datamodule", action="store_true")
-    args = parser.parse_args()
+class SaveEverywhere(Checkpoint):
+    """Saves a checkpoint at every place Lightning can save one (``--sweep saves``). A
+    ``Checkpoint``, so that Lightning runs it where it runs ``ModelCheckpoint``: after the other
+    callbacks."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.saved = directory, 0
+
+    def save(self, trainer, hook: str) -> None:
+        if not trainer.sanity_checking:
+            self.saved += 1
+            trainer.save_checkpoint(self.directory / f"{self.saved:03d}-{hook}.ckpt")
+
+    def on_train_batch_end(self, trainer, *args):
+        self.save(trainer, "batch")
+
+    def on_validation_end(self, trainer, pl_module):
+        self.save(trainer, "val")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.save(trainer, "epoch")
+
+
+def fit(args, out: Path, ckpt_path: str | None, extra: tuple = ()) -> L.LightningModule:
     L.seed_everything(0, verbose=False)
     torch.use_deterministic_algorithms(True)
-
-    callbacks: list = [Interrupt(args)]
+    recorder = Recorder(out)
+    callbacks: list = [recorder, Interrupt(args), *extra]
     if args.loader == "unbroken":
-        callbacks.insert(0, ExactResume())
-    callbacks.append(
-        ModelCheckpoint(
-            dirpath=Path(args.out) / "ckpt", every_n_train_steps=5, save_top_k=0, save_last=True
-        )
-    )
+        callbacks.insert(1, ExactResume())  # after the Recorder: a save counts the batch's record
+    every = {"every_n_train_steps": args.every} if args.checkpoint == "steps" else {}
+    callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_top_k=0, save_last=True, **every))
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
         callbacks=callbacks,
-        val_check_interval=0.5,
-        num_sanity_val_steps=0,
+        val_check_interval=6 if args.iterable else 0.5,  # twice an epoch
+        limit_val_batches=0 if args.no_val else None,
+        num_sanity_val_steps=0 if args.no_val else 2,
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        default_root_dir=args.out,
+        default_root_dir=out,
     )
     if args.datamodule:
-        model = Model(args)
-        trainer.fit(model, datamodule=Data(args), ckpt_path="last")
+        model: L.LightningModule = Model(args)
+        trainer.fit(model, datamodule=Data(args), ckpt_path=ckpt_path)
     else:
         model = ModelWithData(args)
-        trainer.fit(model, ckpt_path="last")
+        trainer.fit(model, ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
-        torch.save(model.state_dict(), Path(args.out) / "final.pt")
+        final = {"model": model.state_dict(), "optimizer": trainer.optimizers[0].state_dict()}
+        if trainer.lr_scheduler_configs:
+            final["scheduler"] = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+        torch.save(final, out / "final.pt")
+    return model
+
+
+def sweep(args, out: Path) -> None:
+    """The uninterrupted run, then runs resumed from each cut (``--sweep saves``: every
+    checkpoint the uninterrupted run saved; ``--sweep signals``: a SIGTERM to the process group
+    at the end of every training batch, each in a run of its own)."""
+    whole = out / "whole"
+    (whole / "cuts").mkdir(parents=True)
+    fit(args, whole, None, (SaveEverywhere(whole / "cuts"),) if args.sweep == "saves" else ())
+    if args.sweep == "saves":
+        cuts = [(cut.stem, cut) for cut in sorted((whole / "cuts").iterdir())]
+    else:
+        total = len([r for r in records(whole) if r["kind"] == "train"])
+        cuts = [(f"signal-{b:03d}", b) for b in range(1, total + 1)]
+    for name, cut in cuts:
+        run = out / "runs" / name
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if isinstance(cut, int):  # a run signalled at the end of batch `cut`, saving last.ckpt
+                first = run / "signalled"
+                first.mkdir(parents=True)
+                try:
+                    fit(argparse.Namespace(**{**vars(args), "signal_at": cut}), first, None)
+                    cut = None  # the run ended before it could save: nothing to resume
+                except SystemExit as stop:
+                    assert stop.code == 75, stop.code
+                    cut = first / "ckpt" / "last.ckpt"
+            resumed = run / "resumed"
+            resumed.mkdir(parents=True)
+            saved = torch.load(cut, weights_only=False) if cut is not None else {}
+            fit(args, resumed, None if cut is None else str(cut))
+        about = {
+            "records_before": saved.get("records_before", 0),
+            "global_step": saved.get("global_step", 0),
+            "saved_at": saved.get("callbacks", {}).get("unbroken.ExactResume", {}).get("saved_at"),
+            "warnings": [str(w.message) for w in caught if "unbroken" in str(w.message)],
+        }
+        (run / "about.json").write_text(json.dumps(about))
+
+
+def records(run: Path, rank: int = 0) -> list[dict]:
+    path = run / f"records-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--loader", choices=["unbroken", "torch"], default="unbroken")
+    parser.add_argument("--val-loader", choices=["unbroken", "torch"])
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--checkpoint", choices=["steps", "epoch"], default="steps")
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--scheduler", choices=["none", "onecycle", "plateau"], default="none")
+    parser.add_argument("--no-val", action="store_true")
+    parser.add_argument("--epoch-metric", action="store_true")
+    parser.add_argument("--iterable", action="store_true")
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--datamodule", action="store_true")
+    parser.add_argument("--sweep", choices=["saves", "signals"])
+    args = parser.parse_args()
+    out = Path(args.out)
+    if args.sweep:
+        sweep(args, out)
+    else:
+        last = out / "ckpt" / "last.ckpt"
+        fit(args, out, "last" if last.exists() else None)
+    if torch.distributed.is_initialized():
+        # gloo's threads otherwise abort the exiting process now and then ("terminate called
+        # without an active exception"), and torchrun reports the job failed.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ class Countdown(EpochIterable[list]):
         return {"epoch": self.epoch, "received": self._pos[0]}
 
     def load_state_dict(self, state):
-        self._move(state["epoch"], [state["received"]])
+        self._restore(state["epoch"], [state["received"]])
 
 
 def test_a_new_iterable_gets_the_whole_epoch_protocol_from_the_base_class():
@@ -67,6 +67,19 @@ def test_a_stale_iteration_changes_nothing():
     assert list(old) == [(0, 1), (0, 2)]  # it may finish, but it is not the current epoch
     assert stream.epoch == 5 and stream.state_dict()["received"] == 0
     assert list(stream) == [(5, 0), (5, 1), (5, 2)]
+
+
+def test_an_iterator_takes_its_position_at_its_first_item():
+    # Code that calls iter() and then set_epoch() or load_state_dict() (Lightning does when it
+    # resumes) gets what it set, as with torch's samplers, which are generators too.
+    stream = Countdown()
+    iterator = iter(stream)
+    stream.set_epoch(4)
+    assert list(iterator) == [(4, 0), (4, 1), (4, 2)]
+    iterator = iter(stream)
+    stream.load_state_dict({"epoch": 7, "received": 2})
+    assert list(iterator) == [(7, 2)]
+    assert stream.epoch == 8
 
 
 class EveryOther(IndexSource):

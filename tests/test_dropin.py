@@ -201,6 +201,43 @@ def test_sampler_set_epoch_keeps_a_restored_position_and_moves_to_another_epoch(
     assert indices(resumed) == epochs[0]
 
 
+def test_sampler_set_epoch_after_iter_as_lightning_calls_it_when_resuming():
+    # Lightning resumed from a checkpoint at an epoch's last batch loads the state (epoch 0,
+    # nothing left), calls iter(), then sampler.set_epoch(1): the iterator must give epoch 1
+    # (it used to be bound to epoch 0's empty remainder, and the resumed run lost an epoch).
+    def make():
+        return unbroken.DataLoader(Indexed(), batch_size=4, shuffle=True, seed=2)
+
+    whole = make()
+    epochs = [indices(whole) for _ in range(2)]
+    cut = make()
+    for _ in cut:
+        state = cut.state_dict()  # inside the loop, after the last batch: epoch 0, all received
+    assert (state["epoch"], state["batches"]) == (0, len(cut))
+    resumed = make()
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    resumed.sampler.set_epoch(1)
+    assert indices(iterator) == epochs[1]
+    # Without a load (Lightning's per-epoch checkpoint, whose states it does not load): the same.
+    fresh = make()
+    iterator = iter(fresh)
+    fresh.sampler.set_epoch(1)
+    assert indices(iterator) == epochs[1]
+
+
+def test_sampler_set_epoch_restarts_an_epoch_it_did_not_restore():
+    # As torch's DistributedSampler: set_epoch(n) then iter() reads epoch n from its start,
+    # whatever was iterated before (Lightning calls it before every validation).
+    loader = unbroken.DataLoader(Indexed(), batch_size=4, shuffle=True, seed=2)
+    first = indices(loader)
+    loader.sampler.set_epoch(0)
+    held = iter(loader)
+    next(held)  # Lightning's validation holds its iterator after the last batch it asks for
+    loader.sampler.set_epoch(0)  # the epoch the loader is on: again from its start
+    assert indices(loader) == first
+
+
 def re_create(loader, **changes):
     """What Lightning does to inject a sampler: a new loader of the same type from the old
     one's attributes, with torch's rule that a sampler excludes shuffle and batch_sampler."""

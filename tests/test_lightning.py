@@ -15,8 +15,10 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 
@@ -27,7 +29,8 @@ JOB = Path(__file__).with_name("lightning_job.py")
 N, BATCH = 96, 8  # the job's dataset and batch size: 12 steps an epoch on one process
 
 
-def run(out: Path, *args: str, devices: int = 1, expect: int = 0) -> None:
+def run(out: Path, *args: str, devices: int = 1, expect: int = 0) -> str:
+    """Run the job; its stderr (warnings included) is returned."""
     if devices == 1:
         command = [sys.executable, str(JOB), str(out), *args]
     else:
@@ -44,7 +47,7 @@ def run(out: Path, *args: str, devices: int = 1, expect: int = 0) -> None:
             str(devices),
             *args,
         ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "OMP_NUM_THREADS": "1"}
     # Its own process group, so that a SIGTERM to the group reaches the job and its workers only.
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=240, start_new_session=True
@@ -53,20 +56,27 @@ def run(out: Path, *args: str, devices: int = 1, expect: int = 0) -> None:
     assert ok, (
         f"exit {done.returncode}, expected {expect}:\n{done.stdout[-3000:]}{done.stderr[-5000:]}"
     )
+    return done.stderr
 
 
 def steps(out: Path, rank: int = 0) -> dict[int, list[int]]:
-    """The indices trained on at each global step; a step run again after a resume replaces
-    the one the killed run lost."""
+    """The indices trained on at each optimizer step (from 0); a step run again after a resume
+    replaces the one the killed run lost."""
     trained: dict[int, list[int]] = {}
-    for line in (out / f"samples-rank{rank}.txt").read_text().splitlines():
-        step, *indices = map(int, line.split())
-        trained[step] = indices
+    for line in (out / f"records-rank{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            trained[record["step"] - 1] = record["indices"]
     return trained
 
 
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "records-rank0.jsonl").read_text().splitlines()]
+
+
 def weights_equal(a: Path, b: Path) -> bool:
-    first, second = torch.load(a / "final.pt"), torch.load(b / "final.pt")
+    first = torch.load(a / "final.pt", weights_only=False)["model"]
+    second = torch.load(b / "final.pt", weights_only=False)["model"]
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
@@ -175,6 +185,46 @@ def test_ddp_two_processes_sigkill_resumes_bit_exactly(tmp_path):
     assert weights_equal(whole, cut)
 
 
+# The cuts issue 21 named, in real processes with 2 workers (every other cut of them, and these,
+# in one process each: tests/test_lightning_cuts.py).
+
+
+def test_sigkill_after_a_periodic_checkpoint_at_an_epochs_last_batch(single, tmp_path):
+    # every_n_train_steps=6 divides the 12-batch epoch: the checkpoint at step 12 is at epoch
+    # 0's last batch. Resumed from it, Lightning used to train 0 batches of epoch 1 (the loader
+    # was iterated before set_epoch(1) moved it). Now every batch of every epoch, once, and the
+    # weights; and it says what Lightning itself skips there (the epoch's end hooks).
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir(), cut.mkdir()
+    options = ("--workers", "2", "--no-val", "--every", "6", "--epochs", "2")
+    run(whole, *options)
+    run(cut, *options, "--kill-at", "13", expect=-signal.SIGKILL)
+    assert torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 12
+    stderr = run(cut, *options)
+    assert "resuming from a checkpoint saved where Lightning cannot go on exactly" in stderr
+    assert "skips the end of this epoch" in stderr
+    assert steps(cut) == steps(whole) and len(steps(whole)) == 24
+    assert weights_equal(whole, cut)
+
+
+def test_sigterm_inside_an_accumulation_window_saves_at_its_optimizer_step(tmp_path):
+    # Windows of 3 batches: a SIGTERM to the process group after batch 7 (the window's first)
+    # is acted on after batch 9, once the window's gradients are in an optimizer step.
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir(), cut.mkdir()
+    options = ("--workers", "2", "--accumulate", "3", "--epochs", "2", "--every", "7")
+    run(whole, *options)
+    run(cut, *options, "--signal-at", "7", expect=EXIT_CODE)
+    saved = torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 3  # 9 batches
+    stderr = run(cut, *options)
+    assert "ExactResume" not in stderr  # nothing to warn about
+    # The signalled run wrote what the whole run did up to its save (the end of batch 9), the
+    # resumed run the rest: every batch, validation and epoch record of the whole run.
+    assert records(cut) == records(whole)
+    assert weights_equal(whole, cut)
+
+
 # The parts, without a training run.
 
 
@@ -212,22 +262,73 @@ def test_the_callback_installs_atomic_writes_unless_the_trainer_has_its_own(tmp_
     assert type(trainer.strategy.checkpoint_io) is Own
 
 
-def test_generator_states_are_saved_and_put_back_at_train_start():
-    callback = ExactResume()
+def idle_trainer(tmp_path) -> L.Trainer:
+    return L.Trainer(logger=False, default_root_dir=tmp_path, enable_progress_bar=False)
+
+
+def test_generator_states_and_metrics_are_saved_and_put_back_at_train_start(tmp_path):
+    callback, trainer = ExactResume(), idle_trainer(tmp_path)
+    callback.setup(trainer, None, "fit")
+    trainer.callback_metrics.update(val_loss=torch.tensor(0.25), steps=torch.tensor(3))
     torch.manual_seed(5)
     saved = callback.state_dict()
     expected = torch.rand(4)
-    assert saved["version"] == 1 and len(saved["rng"]) == 1
+    assert saved["version"] == 2 and len(saved["ranks"]) == 1
+    assert saved["ranks"][0]["metrics"] == {
+        "val_loss": {"value": 0.25, "dtype": "float32"},
+        "steps": {"value": 3, "dtype": "int64"},
+    }
     torch.manual_seed(6)
+    later = idle_trainer(tmp_path)
     callback.load_state_dict(saved)
     assert not torch.equal(torch.rand(4), expected)  # not yet: Lightning still builds loaders
-    callback.on_train_start(None, None)
+    callback.on_train_start(later, None)
+    callback.preemption.uninstall()
+    assert torch.equal(torch.rand(4), expected)
+    metrics = later.callback_metrics
+    assert metrics["val_loss"].dtype == torch.float32 and metrics["val_loss"].item() == 0.25
+    assert metrics["steps"].dtype == torch.int64 and metrics["steps"].item() == 3
+
+
+def test_a_version_1_state_still_loads(tmp_path):
+    # unbroken 0.1's ExactResume saved the generators only: {"version": 1, "rng": [per rank]}.
+    torch.manual_seed(5)
+    rng = ExactResume().state_dict()["ranks"][0]["rng"]
+    expected = torch.rand(4)
+    torch.manual_seed(6)
+    callback = ExactResume()
+    callback.load_state_dict({"version": 1, "rng": [rng]})
+    callback.on_train_start(idle_trainer(tmp_path), None)
     callback.preemption.uninstall()
     assert torch.equal(torch.rand(4), expected)
 
 
+PLACE = {
+    "hook": "train_batch_end",
+    "accumulating": False,
+    "validates_next": False,
+    "last_batch": False,
+    "epoch_end_steps": False,
+}
+
+
 @pytest.mark.parametrize(
-    "state", [None, {}, {"version": 2, "rng": [{}]}, {"version": 1, "rng": []}, {"version": 1}]
+    "state",
+    [
+        None,
+        {},
+        {"version": 3, "ranks": [{}]},
+        {"version": 1, "rng": []},
+        {"version": 1},
+        {"version": 2, "ranks": [], "saved_at": PLACE},
+        {"version": 2, "ranks": [{"rng": {}}], "saved_at": PLACE},
+        {"version": 2, "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}]},
+        {
+            "version": 2,
+            "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}],
+            "saved_at": {**PLACE, "extra": 1},
+        },
+    ],
 )
 def test_a_malformed_callback_state_is_refused(state):
     with pytest.raises(CorruptState, match="ExactResume state"):
@@ -238,7 +339,75 @@ def test_the_states_of_another_world_size_load_with_a_warning():
     callback = ExactResume()
     state = callback.state_dict()
     with pytest.warns(UserWarning, match="random generators of 2 ranks and this job has 1"):
-        callback.load_state_dict({"version": 1, "rng": state["rng"] * 2})
+        callback.load_state_dict({**state, "ranks": state["ranks"] * 2})
+
+
+@pytest.mark.parametrize(
+    "place, lost",
+    [
+        ({}, []),
+        ({"accumulating": True}, ["gradients accumulated so far"]),
+        ({"validates_next": True}, ["skips the validation that follows"]),
+        ({"last_batch": True}, ["skips the end of this epoch"]),
+        ({"epoch_end_steps": True}, ["ReduceLROnPlateau steps"]),
+        ({"validates_next": True, "last_batch": True}, ["validation", "end of this epoch"]),
+    ],
+)
+def test_a_checkpoint_saved_where_lightning_does_not_go_on_exactly_warns_as_it_loads(place, lost):
+    state = ExactResume().state_dict()
+    state["saved_at"] = {**PLACE, **place}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ExactResume().load_state_dict(state)
+    said = [str(w.message) for w in caught if "cannot go on exactly" in str(w.message)]
+    assert len(said) == (1 if lost else 0)
+    for phrase in lost:
+        assert phrase in said[0]
+
+
+def test_torch_loaders_in_the_fit_are_warned_about(tmp_path):
+    # Every loader of the fit must be an unbroken.DataLoader: torch's training loader restarts
+    # its epoch on resume, and torch's workers die of a SIGTERM to the process group.
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+
+    class Model(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(data, batch_size=4, num_workers=1)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        max_epochs=1,
+        limit_train_batches=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[ExactResume()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Model())
+    said = " ".join(str(w.message) for w in caught if "ExactResume" in str(w.message))
+    assert "the training loader is torch's DataLoader" in said
+    assert "a val loader is torch's DataLoader with num_workers=1" in said
 
 
 @pytest.mark.parametrize("check_every", [0, -1, 1.5, True])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pipelines import Augmented, Counting
+from pipelines import Augmented, Counting, Positioned
 
 import unbroken
 from unbroken.testing import assert_resumes_exactly, assert_same
@@ -347,3 +347,23 @@ def test_public_docstrings_point_to_public_documentation_not_private_modules():
             assert not private, f"unbroken.{name}'s documentation points to {private}"
     assert "Randomness" in inspect.getdoc(unbroken.DataLoader)
     assert "unbroken.sample_rng()" in inspect.getdoc(unbroken.DataLoader)
+
+
+@pytest.mark.parametrize("iterable, workers", [(False, 0), (True, 0), (True, 2)])
+def test_the_state_before_the_last_batch_is_the_state_one_batch_earlier(iterable, workers):
+    # For a consumer that fetches a batch ahead of its user (Lightning's prefetch of a loader
+    # without len(), unbroken.lightning): the state as it was before the last batch.
+    def make():
+        dataset = Positioned(40) if iterable else Counting(40)
+        return unbroken.DataLoader(dataset, batch_size=4, num_workers=workers, seed=1)
+
+    loader = make()
+    assert loader._state_before_last_batch() is None  # nothing received
+    states, iterator = [loader.state_dict()], iter(loader)
+    for _ in range(5):
+        next(iterator)
+        assert loader._state_before_last_batch() == states[-1]
+        states.append(loader.state_dict())
+    resumed = make()
+    resumed.load_state_dict(states[3])
+    assert resumed._state_before_last_batch() is None  # not received by this loader

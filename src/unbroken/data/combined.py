@@ -291,4 +291,4 @@ class CombinedLoader(EpochIterable[_Progress]):
         pos.child_batches = [entry["batches"] for entry in entries]
         pos.exhausted = [entry["exhausted"] for entry in entries]
         pos.child_open = [entry["open"] for entry in entries]
-        self._move(epoch, pos)
+        self._restore(epoch, pos)

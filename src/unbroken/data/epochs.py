@@ -4,7 +4,10 @@ The protocol (``DataLoader``, ``CombinedLoader``, ``resumable`` and ``shuffle_bu
 alike, and so does anything built on this class):
 
 - ``iter()`` continues the epoch that ``load_state_dict`` restored, and otherwise starts the
-  next epoch (the first is epoch 0). ``epoch`` says which.
+  next epoch (the first is epoch 0). ``epoch`` says which. The iterator takes its position at
+  its first ``next()``, not at ``iter()``: code that calls ``iter()`` and then ``set_epoch()``
+  (Lightning does, whenever it resumes) gets the epoch it set, as with torch's samplers,
+  which are generators too.
 - An iteration that yielded an item and was abandoned (a ``break``; CPython closes the iterator
   at once) ends its epoch there: a state taken after the loop starts the next epoch, as the
   uninterrupted run's next ``iter()`` will. One still held but superseded by a new ``iter()``
@@ -14,7 +17,9 @@ alike, and so does anything built on this class):
   the last item, still describes the epoch (its remainder is empty).
 - ``set_epoch(n)`` makes the next ``iter()`` start epoch ``n`` from its first item.
 - ``load_state_dict`` changes nothing unless the whole state is valid: each class reads the
-  whole state into a new position first, and only then swaps it in with ``_move``.
+  whole state into a new position first, and only then swaps it in with ``_restore``. Until
+  the restored position yields an item, ``_restored`` says so (``views``: a sampler's
+  ``set_epoch`` keeps such a position).
 
 A subclass says what a *position* inside an epoch is and how to go on from one:
 
@@ -45,6 +50,7 @@ class EpochIterable(Generic[P]):
     _epoch: int
     _pos: P
     _open: bool  # an iteration of this epoch has yielded an item and not finished
+    _restored: bool  # the position came from load_state_dict and has yielded nothing yet
 
     def _init_epochs(self) -> None:
         """Call once the subclass can build a start position (at the end of ``__init__``)."""
@@ -65,7 +71,12 @@ class EpochIterable(Generic[P]):
 
     def _move(self, epoch: int, position: P) -> None:
         """Make ``position`` of ``epoch`` current; subclasses drop per-epoch caches here."""
-        self._epoch, self._pos, self._open = epoch, position, False
+        self._epoch, self._pos, self._open, self._restored = epoch, position, False, False
+
+    def _restore(self, epoch: int, position: P) -> None:
+        """``_move`` to a position read from a saved state (``load_state_dict``)."""
+        self._move(epoch, position)
+        self._restored = True
 
     # The protocol.
     @property
@@ -83,15 +94,18 @@ class EpochIterable(Generic[P]):
     def __iter__(self) -> Iterator[Any]:
         if self._open:  # the previous iteration yielded items and is still held: it is over
             self._end_epoch(self._pos)
-        return self._iterate(self._pos, self._epoch)
+        return self._iterate()
 
-    def _iterate(self, position: P, epoch: int) -> Iterator[Any]:
+    def _iterate(self) -> Iterator[Any]:
+        # A generator: the position is taken at the first next(), after any set_epoch() or
+        # load_state_dict() that came between iter() and it.
+        position, epoch = self._pos, self._epoch
         items = self._run(position, epoch)
         held: list = []
         try:
             for item in items:
-                if position is self._pos and not self._open:  # one attribute write an epoch
-                    self._open = True
+                if position is self._pos and not self._open:  # once an epoch
+                    self._open, self._restored = True, False
                 # Yielded through a list, so that this frame holds no reference while the user
                 # has the item: one that the user drops is freed at once.
                 held.append(item)

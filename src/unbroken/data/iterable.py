@@ -255,7 +255,7 @@ class Resumable(EpochIterable[_ItemPosition]):
                 f"{self._what} state is inconsistent: items=0 with end={end!r} and "
                 f"inner={'set' if inner is not None else None}; the state is corrupt"
             )
-        self._move(epoch, _ItemPosition(items, end, copy.deepcopy(inner)))
+        self._restore(epoch, _ItemPosition(items, end, copy.deepcopy(inner)))
 
 
 def _epoch_factory(source: Any) -> Callable[[int], Iterable]:

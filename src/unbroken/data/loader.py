@@ -209,10 +209,16 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         held: list = []  # as in EpochIterable: no frame keeps a batch the user has dropped
         try:
             for batch in batches:
+                before = (
+                    cursor.samples,
+                    cursor.batches,
+                    cursor.source,
+                )  # receive() replaces source
                 batch = receive(cursor, batch)  # the cursor moves when the user receives it
                 if batch is SKIP:
                     continue
                 cursor.batches += 1
+                self._before_last = (cursor, before)
                 held.append(batch)
                 del batch
                 yield held.pop()
@@ -227,15 +233,25 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         saved as JSON (iterating never fails for it).
         """
         cursor = self._pos
-        self._source.check_saveable(cursor.source)
+        return self._state(cursor.samples, cursor.batches, cursor.source)
+
+    def _state_before_last_batch(self) -> LoaderState | None:
+        """The state as it was before the last batch was received, if that batch is of the
+        current epoch (else None): for a consumer that fetches a batch ahead of its user
+        (Lightning's prefetch of a loader without ``len()``; ``unbroken.lightning``)."""
+        cursor, before = self.__dict__.get("_before_last", (None, None))
+        return None if cursor is not self._pos else self._state(*before)
+
+    def _state(self, samples: int, batches: int, source: Any) -> LoaderState:
+        self._source.check_saveable(source)
         return {
             "format": LOADER.name,
             "version": LOADER.version,
             "seed": self.seed,
             "epoch": self._epoch,
-            "samples": cursor.samples,
-            "batches": cursor.batches,
-            "source": cursor.source,
+            "samples": samples,
+            "batches": batches,
+            "source": source,
             "fingerprint": self._fingerprint(),
         }
 
@@ -303,7 +319,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         epoch = reader.int("epoch")
 
         self.seed = saved_seed
-        self._move(epoch, cursor)
+        self._restore(epoch, cursor)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {

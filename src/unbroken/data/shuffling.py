@@ -281,4 +281,6 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
             self.upstream.load_state_dict(from_jsonable(state["upstream"]))
         except ValueError as error:
             raise prefixed(error, f"{_WHAT} state field 'upstream': ") from None
-        self._move(epoch, _WindowPosition(window, emitted, end, copy.deepcopy(state["upstream"])))
+        self._restore(
+            epoch, _WindowPosition(window, emitted, end, copy.deepcopy(state["upstream"]))
+        )

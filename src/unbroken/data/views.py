@@ -87,14 +87,17 @@ class OrderView(DistributedSampler):
         return sum(len(indices) for indices in self._batches())
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the loader's next ``iter()`` start ``epoch``, unless that is the epoch it is on:
-        the loader numbers its own epochs, and a call at every epoch's start (Lightning's, or a
-        loop written for DistributedSampler) must not drop a position ``load_state_dict``
-        restored."""
+        """Make the loader's next iteration start ``epoch`` from its first batch, as torch's
+        ``DistributedSampler.set_epoch`` does, except when the loader holds a position of
+        ``epoch`` that ``load_state_dict`` restored and that has yielded nothing yet: a call
+        at every epoch's start (Lightning's, or a loop written for DistributedSampler) must not
+        drop it. A restored position of another epoch is dropped: Lightning resumed from a
+        checkpoint taken at an epoch's last batch restores that epoch's (empty) remainder, then
+        calls ``set_epoch`` with the next epoch."""
         loader = self._loader_ref()
         if loader is None:
             self._epoch = epoch
-        elif epoch != loader.epoch:
+        elif not (loader._restored and epoch == loader.epoch):
             loader.set_epoch(epoch)
 
 

@@ -1,0 +1,24 @@
+"""Exact resume inside PyTorch Lightning 2.x: ``unbroken.lightning.ExactResume``.
+
+Use::
+
+    trainer = L.Trainer(
+        callbacks=[ExactResume(), ModelCheckpoint(dirpath="ckpt", every_n_train_steps=50, save_last=True)],
+    )
+    trainer.fit(model, ckpt_path="last")  # the same command starts and resumes the run
+
+with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckpoint`` a fixed
+``dirpath``: Lightning's default directory has a new ``version_N`` for every run, where
+``ckpt_path="last"`` would find nothing.
+
+- ``callback``: ``ExactResume``, what Lightning does not save or put back, preemption, warnings.
+- ``loops``: what it reads of Lightning's loops: where a checkpoint would resume exactly.
+- ``io``: ``AtomicCheckpointIO``, checkpoint files written whole or not at all.
+"""
+
+from ..train.preemption import EXIT_CODE
+from .callback import ExactResume
+from .io import AtomicCheckpointIO
+from .loops import LightningInternalsChanged
+
+__all__ = ["EXIT_CODE", "AtomicCheckpointIO", "ExactResume", "LightningInternalsChanged"]

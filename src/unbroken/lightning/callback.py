@@ -1,0 +1,393 @@
+"""``ExactResume``: a Lightning run resumed from a checkpoint goes on as if never stopped.
+
+Lightning 2.x saves its loop counters and the ``state_dict()`` of every training loader that has
+one, so an ``unbroken.DataLoader`` returned by ``train_dataloader()`` resumes at the batch after
+the checkpoint. What else a resumed run needs, this callback adds:
+
+- **The process's random generators**, which Lightning does not save (dropout would draw other
+  masks): every rank's torch (CPU and CUDA), numpy and ``random`` states, gathered into the
+  checkpoint rank 0 writes, put back when training starts (after ``train_dataloader()`` and the
+  sanity check, so nothing Lightning does before the first batch moves them).
+- **The metrics callbacks and schedulers read** (``trainer.callback_metrics``, each rank's), put
+  back at the same moment, and ``ReduceLROnPlateau``'s step at the end of the first resumed
+  epoch, which Lightning leaves out (``loops.let_plateau_schedulers_step``).
+- **The loaders' positions where Lightning drops them**: loaders built before the checkpoint is
+  loaded (``trainer.estimated_stepping_batches`` in ``configure_optimizers``) never get their
+  saved state from Lightning; the callback loads it when training starts. A loader without
+  ``len()`` is one batch ahead of the training step (Lightning prefetches it), so the state
+  saved for it is the state before that batch.
+- **Preemption.** SIGTERM and SIGUSR1 (``signals=``) only set a flag (``Preemption``). At the
+  next place Lightning resumes exactly from (``loops.Place``) the ranks agree on it (one
+  all-reduce), ``last.ckpt`` is saved in the ``ModelCheckpoint``'s directory (what
+  ``ckpt_path="last"`` loads) and the process exits with 75 (EX_TEMPFAIL). That place is the
+  end of the training step in which the signal came, except inside a gradient accumulation
+  window (the save waits for the window's optimizer step: at most ``accumulate_grad_batches - 1``
+  more batches), after a batch Lightning validates after (it waits for the validation's end) and
+  at an epoch's last batch (the epoch's end).
+- **Whole checkpoints**: ``AtomicCheckpointIO``, installed unless the Trainer has a checkpoint
+  plugin of its own.
+- **Warnings where exactness is out of its hands**: resuming from a checkpoint taken where
+  Lightning does not go on exactly (``loops.Place.problems``: a ``ModelCheckpoint`` saving at an
+  epoch's last batch, or before a validation, or inside an accumulation window), and training
+  with a torch ``DataLoader`` (its position is not saved; with workers, a SIGTERM to the process
+  group kills them and the run with them, before anything is saved).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ..data.epochs import EpochIterable
+from ..data.loader import DataLoader
+from ..errors import CorruptState
+from ..train.globalrng import GlobalRNG
+from ..train.preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
+from ..train.ranks import Job
+from . import loops
+from .io import AtomicCheckpointIO
+
+_VERSION = 2
+_RANK_FIELDS = {"rng", "metrics", "epoch_metrics"}
+_PLACE_FIELDS = set(loops.Place("").to_state())
+_WHAT = "unbroken.lightning.ExactResume"
+
+
+class ExactResume(Callback):
+    """Makes a Lightning run resumed from a checkpoint continue exactly (see the module).
+
+    - ``signals``: the preemption signals (default SIGTERM and SIGUSR1); ``()`` leaves signal
+      handling to Lightning.
+    - ``check_every``: under ``torch.distributed``, the ranks agree on a preemption signal every
+      this many optimizer steps (one all-reduce of an int); 1 checks every step.
+    """
+
+    def __init__(self, signals: Any = DEFAULT_SIGNALS, check_every: int = 1) -> None:
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
+        self.preemption = Preemption(signals)
+        self.check_every = check_every
+        self._trainer: Trainer | None = None
+        self._job: Job | None = None
+        self._place = loops.Place("setup")  # where a checkpoint taken now would resume
+        self._step_at_batch_start = 0
+        self._warned: set[str] = set()
+        # Training batches of the epoch it resumed in that the run saving the checkpoint ran.
+        self._batches_before_resume: int | None = None
+        self._epoch_metrics_before: list[str] = []  # ... and what it logged with on_epoch=True
+        # From the checkpoint being resumed, used at train start:
+        self._restore: dict | None = None  # this rank's generators and metrics
+        self._loader_states: list | None = None
+
+    @property
+    def state_key(self) -> str:
+        return "unbroken.ExactResume"  # one per Trainer: not keyed by its arguments
+
+    # Set-up and tear-down.
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer, self._job = trainer, Job()
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.preemption.uninstall()
+
+    # What the checkpoint holds.
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        mine = {
+            "rng": GlobalRNG().state_dict(),
+            "metrics": _metrics(trainer),
+            # Epoch aggregates of the training step: after a resume they cover only its batches.
+            "epoch_metrics": loops.training_epoch_metrics(trainer) if trainer is not None else [],
+        }
+        ranks: list = [mine]
+        job = Job()
+        if job.distributed:
+            ranks = [None] * job.world_size
+            dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
+        return {"version": _VERSION, "ranks": ranks, "saved_at": self._place.to_state()}
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not self._place.exact:
+            self._warn_once(
+                "save:" + ",".join(self._place.problems()),
+                f"{_WHAT}: a checkpoint is being saved where Lightning cannot resume exactly: "
+                f"{'; '.join(self._place.problems())}. {_AVOID}",
+            )
+        # A training loader without len() is a batch ahead of the training step: Lightning
+        # prefetched it to learn whether the epoch ends. Save the state before that batch.
+        ahead = loops.prefetched(trainer) if trainer.state.fn == "fit" else 0
+        states = loops.saved_loader_states(checkpoint)
+        if not ahead or states is None:
+            return
+        for i, loader in enumerate(loops.stateful_training_loaders(trainer)):
+            behind = loader._state_before_last_batch() if isinstance(loader, DataLoader) else None
+            if ahead == 1 and behind is not None:
+                states[i] = behind
+            else:
+                self._warn_once(
+                    "prefetch",
+                    f"{_WHAT}: Lightning fetched {ahead} batch(es) of {type(loader).__name__} "
+                    "ahead of the training step (it does so for loaders without len()), and the "
+                    "state it saves counts them: a resumed run skips them. Give the dataset "
+                    "__len__, or use an unbroken.DataLoader (whose state is corrected).",
+                )
+
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._loader_states = loops.saved_loader_states(checkpoint)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ranks, place = _read_state(state_dict)
+        job = Job()
+        rank, world = job.rank, job.world_size
+        if len(ranks) != world:
+            warnings.warn(
+                f"{_WHAT}: the checkpoint holds the random generators of {len(ranks)} ranks and "
+                f"this job has {world}; rank {rank} continues from rank {rank % len(ranks)}'s. "
+                "Dropout and other draws of the training step will differ from the run that "
+                "saved it (the data order does not).",
+                stacklevel=2,
+            )
+        self._restore = ranks[rank % len(ranks)]
+        # Said as the checkpoint loads: resumed at its last epoch's end, Lightning trains no
+        # more and calls no hook after this one.
+        saved_at = loops.Place(**place) if place is not None else None
+        if saved_at is not None and not saved_at.exact and job.first:
+            warnings.warn(
+                f"{_WHAT}: resuming from a checkpoint saved where Lightning cannot go on "
+                f"exactly (at {saved_at.hook}): {'; '.join(saved_at.problems())}. {_AVOID}",
+                stacklevel=2,
+            )
+
+    # Training starts: put back what Lightning does not.
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Over Lightning's own handlers, which it registers after the callbacks' setup: its
+        # SIGTERM handler would stop the run before a checkpoint is saved.
+        self.preemption.install()
+        self._check_loaders(trainer)
+        if self._loader_states is not None:
+            self._load_dropped_loader_states(trainer, self._loader_states)
+            self._loader_states = None
+        self._batches_before_resume = None if self._restore is None else -1  # -1: not known yet
+        if self._restore is not None:
+            self._epoch_metrics_before = self._restore.get("epoch_metrics", [])
+            GlobalRNG().load_state_dict(self._restore["rng"])
+            trainer.callback_metrics.update(_tensors(self._restore.get("metrics", {})))
+            self._restore = None
+
+    def _load_dropped_loader_states(self, trainer: Trainer, saved: list) -> None:
+        """Lightning loads the saved loader states into the loaders it builds for the fit,
+        except when they were built before the checkpoint was loaded
+        (``estimated_stepping_batches`` read in ``configure_optimizers``) and when the
+        checkpoint was taken at an epoch's end (then a loader's sampler gets the next epoch
+        from ``set_epoch``, but a loader without one starts over at epoch 0). Load them here. An
+        unbroken iterator takes its position at its first batch, so nothing has been drawn,
+        except from a loader without len(), which Lightning's fetcher prefetched a batch of:
+        the fetcher is then made anew, as Lightning does at every epoch's start."""
+        loaders = loops.stateful_training_loaders(trainer)
+        if not loops.states_left_unloaded(trainer) or len(loaders) != len(saved):
+            return  # Lightning loaded them (or raises on the mismatch itself)
+        prefetched = False
+        for loader, state in zip(loaders, saved):
+            if isinstance(loader, EpochIterable):
+                ours: Any = loader
+                prefetched |= ours._open
+                ours.load_state_dict(state)
+                continue
+            self._warn_once(
+                "dropped",
+                f"{_WHAT}: Lightning did not restore the position of the training loader "
+                f"{type(loader).__name__} (it does not when the checkpoint was taken at an "
+                "epoch's end, or when trainer.estimated_stepping_batches is read in "
+                "configure_optimizers): the epoch restarts from its beginning. Use an "
+                "unbroken.DataLoader for training.",
+            )
+        if prefetched:
+            loops.fetch_anew(trainer)
+
+    def _check_loaders(self, trainer: Trainer) -> None:
+        for phase, loader in loops.all_loaders(trainer):
+            if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(
+                loader, DataLoader
+            ):
+                continue
+            if phase == "train":
+                self._warn_once(
+                    "torch-train",
+                    f"{_WHAT}: the training loader is torch's DataLoader, whose position Lightning "
+                    "does not save: a run resumed mid-epoch reshuffles the epoch and repeats and "
+                    "skips samples. Use unbroken.DataLoader (the same arguments).",
+                )
+            if loader.num_workers > 0 and self.preemption.signals:
+                self._warn_once(
+                    "torch-workers",
+                    f"{_WHAT}: a {phase} loader is torch's DataLoader with num_workers="
+                    f"{loader.num_workers}. Schedulers send SIGTERM to the whole process group: "
+                    "torch's workers die of it, and the run fails with 'DataLoader worker ... "
+                    "killed by signal' before the preemption checkpoint is saved. unbroken's "
+                    "workers outlive it: use unbroken.DataLoader for every loader of the fit.",
+                )
+
+    # Where the run is, and preemption.
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_at_batch_start = trainer.global_step
+        if self._batches_before_resume == -1:  # the first batch after a resume
+            self._batches_before_resume = batch_idx
+        # Gradients of the window's earlier batches wait for its optimizer step.
+        self._place = loops.Place("train_batch_start", accumulating=self._place.accumulating)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped = trainer.global_step != self._step_at_batch_start
+        self._place = loops.batch_end_place(trainer, stepped)
+        if self._place.exact and trainer.global_step % self.check_every == 0:
+            self._stop_if_preempted(trainer)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._place = loops.Place("validation", accumulating=self._place.accumulating)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self._place = loops.Place("validation_end", accumulating=self._place.accumulating)
+        if self._place.exact:
+            self._stop_if_preempted(trainer)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._place = loops.Place("train_epoch_start")
+        # Resumed at an epoch's end, Lightning prefetches the next epoch's first batch from a
+        # loader without len() while it finishes the old epoch, then starts the new epoch with
+        # a new iterator: which would end the loader's epoch it had just begun. Start it again.
+        loader = loops.sole_unsized_training_loader(trainer)
+        if (
+            isinstance(loader, EpochIterable)
+            and loader._open
+            and loader.epoch == trainer.current_epoch
+            and loops.iterates_anew_this_epoch(trainer)
+        ):
+            loader.set_epoch(trainer.current_epoch)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.fit_loop.restarting:  # the first epoch's end after a resume
+            self._first_epoch_end_after_resume(trainer)
+        self._place = loops.epoch_end_place(trainer)
+        if self._place.exact:
+            self._stop_if_preempted(trainer)
+
+    def _first_epoch_end_after_resume(self, trainer: Trainer) -> None:
+        before: Any = self._batches_before_resume
+        if before == -1:  # resumed at this epoch's end: all its batches ran before
+            before = trainer.num_training_batches
+        names = set(loops.training_epoch_metrics(trainer)) | set(self._epoch_metrics_before)
+        partial = sorted(names) if before else []
+        if partial:
+            self._warn_once(
+                "partial-epoch-metrics",
+                f"{_WHAT}: the epoch-level values of {partial} (self.log(on_epoch=True) in "
+                f"training_step) cover only the batches since the resume: Lightning does not "
+                f"save their running sums, and this epoch had {before} "
+                "batches before it. Log epoch values from validation, or from a torchmetrics "
+                "Metric kept in the LightningModule with persistent state.",
+            )
+        self._batches_before_resume = None
+        missing = loops.let_plateau_schedulers_step(trainer)
+        if missing:
+            self._warn_once(
+                "plateau",
+                f"{_WHAT}: ReduceLROnPlateau does not step at the end of this epoch, as in the "
+                f"run that saved the checkpoint: its metric {missing} is not available after "
+                "the resume (an epoch aggregate of training batches run before it). Monitor a "
+                "validation metric.",
+            )
+
+    def _stop_if_preempted(self, trainer: Trainer) -> None:
+        if self._job is None:
+            return
+        (stop,) = self._job.any_of(self.preemption.requested)
+        if not stop:
+            return
+        trainer.save_checkpoint(_last_path(trainer))  # on every rank: it gathers their states
+        raise SystemExit(EXIT_CODE)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind in self._warned or (self._job is not None and not self._job.first):
+            return
+        self._warned.add(kind)
+        warnings.warn(message, stacklevel=3)
+
+
+_AVOID = (
+    "Weights and data stay exact unless what is skipped changes the training. To avoid it, save "
+    "where Lightning resumes exactly: ModelCheckpoint's default (at validation or epoch end), "
+    "or every_n_train_steps that is a multiple of accumulate_grad_batches and neither divides "
+    "the epoch nor is a multiple of val_check_interval; ExactResume's own preemption save "
+    "always waits for such a place."
+)
+
+
+def _last_path(trainer: Trainer) -> str:
+    """Where ``ckpt_path="last"`` looks first: ``last.ckpt`` in the ModelCheckpoint's dir."""
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+        name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
+        return os.path.join(callback.dirpath, name)
+    return os.path.join(trainer.default_root_dir, "last.ckpt")
+
+
+def _metrics(trainer: Trainer | None) -> dict[str, dict[str, Any]]:
+    """``trainer.callback_metrics`` as plain values: each scalar with its dtype."""
+    if trainer is None:
+        return {}
+    saved = {}
+    for name, value in trainer.callback_metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            saved[name] = {"value": value.item(), "dtype": str(value.dtype).split(".")[-1]}
+    return saved
+
+
+def _tensors(metrics: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {
+        name: torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]))
+        for name, entry in metrics.items()
+    }
+
+
+def _read_state(state: Any) -> tuple[list[dict], dict | None]:
+    """(each rank's {"rng", "metrics"}, where it was saved) from a saved state; version 1
+    (generators only) still loads."""
+    version = state.get("version") if isinstance(state, dict) else None
+    if version == 1 and isinstance(state.get("rng"), list) and state["rng"]:
+        return [{"rng": rng, "metrics": {}, "epoch_metrics": []} for rng in state["rng"]], None
+    ranks = state.get("ranks") if version == _VERSION else None
+    place = state.get("saved_at") if version == _VERSION else None
+    if (
+        not isinstance(ranks, list)
+        or not ranks
+        or not all(isinstance(r, dict) and set(r) == _RANK_FIELDS for r in ranks)
+        or not isinstance(place, dict)
+        or set(place) != _PLACE_FIELDS
+    ):
+        raise CorruptState(
+            f"{_WHAT} state: expected {{'version': {_VERSION}, 'ranks': [{{'rng': ..., "
+            f"'metrics': ..., 'epoch_metrics': ...}} per rank], 'saved_at': "
+            f"{sorted(_PLACE_FIELDS)}}}, got {str(state)[:200]}"
+        )
+    return ranks, place
