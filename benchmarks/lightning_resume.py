@@ -1,31 +1,56 @@
-"""Lightning 2.6 resumed mid-epoch: plain (torch's DataLoader) vs unbroken.
+"""Lightning 2.6 killed and resumed, mid-epoch and at epoch boundaries: plain (torch's
+DataLoader) vs unbroken.
 
 The job is ``tests/lightning_job.py``, run as a subprocess (as ``tests/test_lightning.py`` runs
 it): a small MLP with dropout on 96 samples with a random augmentation, batch 8 (12 steps an
-epoch), 3 epochs (36 steps), validating twice an epoch, ``last.ckpt`` every 5 steps, resumed with
-``ckpt_path="last"``. ``--loader torch`` is plain Lightning (torch's DataLoader, no callback);
-``--loader unbroken`` returns ``unbroken.DataLoader`` and adds ``unbroken.lightning.ExactResume``.
+epoch), 3 epochs (36 steps), validating twice an epoch, ``last.ckpt`` every 5 steps (a cut may
+set another interval), resumed with ``ckpt_path="last"``. ``--loader torch`` is plain Lightning
+(torch's DataLoader, no callback); ``--loader unbroken`` returns ``unbroken.DataLoader`` and adds
+``unbroken.lightning.ExactResume``.
 
-For each loader and each ``--workers`` value: the job uninterrupted, then, per cut point
-(``--cuts``, default 7, 21 and 30: mid-epoch in each of the 3 epochs), the job SIGKILLed at the
-end of that step (its own ``--kill-at``), then run again in the same directory, which resumes
-from the last checkpoint before the cut (5, 20 and 25: the cut step's own save comes after the
-kill). Reported per cut, from the job's log of the sample indices of every step (a step run
-again after the resume replaces the killed run's):
+A cut is ``B`` or ``B:EVERY``: the job run with ``--every EVERY`` (``every_n_train_steps``,
+default 5), SIGKILLed at the end of training batch B (counted from 1 over the run: its own
+``--kill-at``), then run again in the same directory, which resumes from the last checkpoint
+before B (the last multiple of EVERY below B: the cut step's own save comes after the kill).
+The default cuts:
 
-- samples repeated and skipped in the interrupted epoch (of its 96);
+- ``7``, ``21``, ``30``: mid-epoch in each of the 3 epochs (resumed from 5, 20 and 25);
+- ``13:6``: a periodic checkpoint at an epoch's last batch (6 divides the 12-batch epoch): killed
+  at epoch 1's first batch, resumed from step 12, epoch 0's last batch (before epoch 0's
+  end-of-epoch validation and epoch-end hooks);
+- ``25``: killed at an epoch's first batch (epoch 2's) after a mid-epoch checkpoint: resumed
+  from step 20, in epoch 1, so the resumed run crosses the epoch boundary (epoch 1's last 4
+  batches, its validation and end, then epoch 2).
+
+For each loader and each ``--workers`` value: the job uninterrupted (once per checkpoint interval
+the cuts use: each cut is compared with the uninterrupted run of its own interval), then each
+cut. Reported per cut, from the job's records (``OUT/records-rank0.jsonl``: the killed run's up
+to the checkpoint it was resumed from, then the resumed run's; a step run again after the resume
+replaces the killed run's):
+
+- samples repeated and skipped in the interrupted epoch (the epoch containing the kill, of its
+  96), and summed over the other epochs;
 - whether every step trained on the uninterrupted run's samples;
-- whether the final weights are bit-identical to the uninterrupted run's (``torch.equal``);
+- whether every batch of every epoch was trained exactly once (before the fix of issue 21,
+  unbroken resumed from a checkpoint at an epoch's last batch trained 0 batches of the next
+  epoch);
+- whether the final weights (``final.pt["model"]``) are bit-identical to the uninterrupted run's
+  (``torch.equal``);
+- whether ``ExactResume`` warned, as the resumed run loaded the checkpoint, that Lightning itself
+  cannot go on exactly from it (e.g. from a checkpoint at an epoch's last batch Lightning skips
+  that epoch's end), and which of the uninterrupted run's other records (validation batches,
+  epoch starts and ends) the resumed run lacks;
 - wall time of the uninterrupted run, of the killed run and of the resumed run (whole processes,
   Python and Lightning start-up included: the resumed run's restart cost is in its total; one
   run each, on a shared machine: a rough figure).
 
-    .venv/bin/python benchmarks/lightning_resume.py            # ~5 minutes on 2 cores
-    .venv/bin/python benchmarks/lightning_resume.py --quick    # one cut, num_workers 0 (~1 min)
+    .venv/bin/python benchmarks/lightning_resume.py            # 5 cuts, num_workers 0 and 2
+    .venv/bin/python benchmarks/lightning_resume.py --quick    # cuts 21 and 13:6, num_workers 0
 
-The numbers also go to ``bench_output/lightning_resume.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
+The default is 48 job runs (~7 minutes on 2 cores), ``--quick`` 12 (~1 minute). The numbers
+also go to ``bench_output/lightning_resume.json`` (``--json PATH``; ``--json ''`` for none), from
+which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
+(``make bench``).
 """
 
 from __future__ import annotations
@@ -33,6 +58,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib.metadata
+import json
 import os
 import shutil
 import signal
@@ -40,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,16 +77,62 @@ from _common import REPO, Results, add_json_option, environment, load_line, tabl
 JOB = REPO / "tests" / "lightning_job.py"
 N, BATCH, EPOCHS = 96, 8, 3  # the job's dataset, batch size and epochs
 PER_EPOCH = N // BATCH
+TOTAL = PER_EPOCH * EPOCHS
+EVERY = 5  # the job's default every_n_train_steps
 LOADERS = ("torch", "unbroken")
+CUTS = ["7", "21", "30", "13:6", "25"]
+QUICK_CUTS = ["21", "13:6"]
+WARNING = "unbroken.lightning.ExactResume: "  # how ExactResume's warnings start
+ON_LOAD = "resuming from a checkpoint"  # how its warning on loading an inexact checkpoint starts
 
 
-def run_job(out: Path, loader: str, workers: int, kill_at: int, timeout: float) -> float:
-    """Run the job once in ``out``; its wall time. SIGKILLed by itself when ``kill_at`` >= 0."""
+@dataclass(frozen=True)
+class Cut:
+    """SIGKILL at the end of training batch ``kill_at`` (from 1) of a run checkpointing every
+    ``every`` steps."""
+
+    kill_at: int
+    every: int = EVERY
+
+    @classmethod
+    def parse(cls, text: str) -> Cut:
+        kill_at, _, every = text.partition(":")
+        return cls(int(kill_at), int(every) if every else EVERY)
+
+    @property
+    def name(self) -> str:
+        return str(self.kill_at) if self.every == EVERY else f"{self.kill_at}:{self.every}"
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the kill is in (from 0)."""
+        return (self.kill_at - 1) // PER_EPOCH
+
+    @property
+    def checkpoint(self) -> int:
+        """The step of the last checkpoint before the kill (0: none)."""
+        return (self.kill_at - 1) // self.every * self.every
+
+    @property
+    def kind(self) -> str:
+        if self.checkpoint and self.checkpoint % PER_EPOCH == 0:
+            return "epoch end"  # resumed from a checkpoint at an epoch's last batch
+        if self.kill_at % PER_EPOCH == 1 and self.checkpoint // PER_EPOCH < self.epoch:
+            return "epoch start"  # killed at an epoch's first batch, checkpoint in an earlier one
+        return "mid-epoch"
+
+
+def run_job(
+    out: Path, loader: str, workers: int, every: int, kill_at: int, timeout: float
+) -> tuple[float, str]:
+    """Run the job once in ``out``: its wall time and stderr. SIGKILLed by itself when
+    ``kill_at`` >= 0."""
     command = [sys.executable, str(JOB), str(out), "--loader", loader, "--workers", str(workers)]
+    command += ["--every", str(every)]
     if kill_at >= 0:
         command += ["--kill-at", str(kill_at)]
     expect = -signal.SIGKILL if kill_at >= 0 else 0
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
@@ -70,48 +143,96 @@ def run_job(out: Path, loader: str, workers: int, kill_at: int, timeout: float) 
             f"{' '.join(command)}: exit {done.returncode}, expected {expect}\n"
             f"{done.stdout[-2000:]}{done.stderr[-4000:]}"
         )
-    return wall
+    return wall, done.stderr
 
 
-def log_lines(out: Path) -> list[str]:
-    path = out / "samples-rank0.txt"
-    return path.read_text().splitlines() if path.exists() else []
+def records(out: Path) -> list[dict]:
+    """The job's records (``records-rank0.jsonl``), in the order written."""
+    path = out / "records-rank0.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def steps(out: Path) -> dict[int, list[int]]:
-    """The indices trained on at each global step; a step run again replaces the lost one."""
-    trained: dict[int, list[int]] = {}
-    for line in log_lines(out):
-        step, *indices = map(int, line.split())
-        trained[step] = indices
-    return trained
+def trained(stream: list[dict]) -> list[dict]:
+    return [r for r in stream if r["kind"] == "train"]
 
 
-def epoch_damage(trained: dict[int, list[int]], epoch: int) -> tuple[int, int]:
+def steps(stream: list[dict]) -> dict[int, dict]:
+    """The training record of each optimizer step (``step``: the steps after the batch); a step
+    run again after a resume replaces the earlier record."""
+    return {r["step"]: r for r in trained(stream)}
+
+
+def indices(by_step: dict[int, dict]) -> dict[int, list[int]]:
+    return {step: r["indices"] for step, r in by_step.items()}
+
+
+def epoch_damage(by_step: dict[int, dict], epoch: int) -> tuple[int, int]:
     """(samples repeated, samples skipped) in one epoch of the effective stream."""
-    seen = [
-        i for s in range(epoch * PER_EPOCH, (epoch + 1) * PER_EPOCH) for i in trained.get(s, [])
-    ]
+    seen = [i for r in by_step.values() if r["epoch"] == epoch for i in r["indices"]]
     counts = collections.Counter(seen)
     return sum(c - 1 for c in counts.values()), N - len(counts)
 
 
+def batches_once(stream: list[dict]) -> bool:
+    """Whether every batch of every epoch was trained exactly once (no step dropped either)."""
+    positions = collections.Counter((r["epoch"], r["batch"]) for r in trained(stream))
+    expected = {(e, b): 1 for e in range(EPOCHS) for b in range(PER_EPOCH)}
+    return positions == expected and sorted(steps(stream)) == list(range(1, TOTAL + 1))
+
+
+def other_epochs(row: dict) -> tuple[int, int]:
+    """(samples repeated, samples skipped) summed over the epochs other than the kill's."""
+    others = [d for e, d in enumerate(row["per_epoch"]) if e != row["epoch"]]
+    return sum(d[0] for d in others), sum(d[1] for d in others)
+
+
 def weights_equal(a: Path, b: Path) -> bool:
-    first, second = torch.load(a / "final.pt"), torch.load(b / "final.pt")
+    first = torch.load(a / "final.pt", weights_only=False)["model"]
+    second = torch.load(b / "final.pt", weights_only=False)["model"]
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
-def checkpoint_step(out: Path) -> int | None:
+def checkpoint(out: Path) -> tuple[int | None, int]:
+    """(the step of ``last.ckpt``, or None without one; the number of records written before
+    it was saved)."""
     path = out / "ckpt" / "last.ckpt"
     if not path.exists():
-        return None
-    return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+        return None, 0
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    return int(saved["global_step"]), int(saved.get("records_before", 0))
+
+
+def missing_records(whole: list[dict], stream: list[dict]) -> list[str]:
+    """The uninterrupted run's records other than training batches that ``stream`` lacks (or has
+    with other values), as "kind epoch[/batch]" (a validation batch, an epoch's start or end)."""
+    left = collections.Counter(json.dumps(r, sort_keys=True) for r in stream)
+    missing = []
+    for r in whole:
+        key = json.dumps(r, sort_keys=True)
+        if left[key]:
+            left[key] -= 1
+        elif r["kind"] != "train":
+            missing.append(f"{r['kind']} {r['epoch']}" + (f"/{r['batch']}" if "batch" in r else ""))
+    return missing
+
+
+def exact_resume_warnings(stderr: str) -> list[str]:
+    """ExactResume's warnings, each once, without its name."""
+    found = [line.split(WARNING, 1)[1].strip() for line in stderr.splitlines() if WARNING in line]
+    return list(dict.fromkeys(found))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--cuts", type=int, nargs="+", default=[7, 21, 30], help="steps the job is SIGKILLed at"
+        "--cuts",
+        nargs="+",
+        default=CUTS,
+        metavar="B[:EVERY]",
+        help="SIGKILL at the end of batch B (from 1) of a run saving last.ckpt every EVERY "
+        f"steps (default {EVERY}); default: %(default)s",
     )
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="num_workers")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job run")
@@ -122,67 +243,103 @@ def main() -> None:
         help="where the runs' directories go (a fresh subdirectory, removed at the end)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
-    parser.add_argument("--quick", action="store_true", help="cut at 21 only, num_workers 0")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"cuts {' and '.join(QUICK_CUTS)} only (mid-epoch, epoch end), num_workers 0",
+    )
     add_json_option(parser, "lightning_resume")
     args = parser.parse_args()
     if args.quick:
-        args.cuts, args.workers = [21], [0]
-    total = PER_EPOCH * EPOCHS
-    if any(not 0 < c < total for c in args.cuts):
-        parser.error(f"--cuts: steps between 1 and {total - 1}")
+        args.cuts, args.workers = list(QUICK_CUTS), [0]
+    try:
+        cuts = [Cut.parse(c) for c in args.cuts]
+    except ValueError:
+        parser.error(f"--cuts: B or B:EVERY, integers, not {args.cuts}")
+    if any(not 0 < c.kill_at < TOTAL or c.every < 1 for c in cuts):
+        parser.error(f"--cuts: B between 1 and {TOTAL - 1}, EVERY at least 1")
+    everies = sorted({c.every for c in cuts})
     results = Results("lightning_resume", args.json, args)
     lightning_version = importlib.metadata.version("lightning")
 
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="lightning_resume-", dir=args.dir))
-    rows, whole_orders = [], {}
+    rows: list[dict] = []
+    whole_orders: dict[tuple[str, int, int], dict[int, list[int]]] = {}
     try:
         for workers in args.workers:
             for loader in LOADERS:
                 label = f"{loader}, num_workers={workers}"
-                whole = root / f"{loader}-w{workers}-whole"
-                whole.mkdir()
-                whole_s = run_job(whole, loader, workers, -1, args.timeout)
-                reference = steps(whole)
-                if sorted(reference) != list(range(total)):
-                    raise SystemExit(
-                        f"{label}: the uninterrupted run logged steps {sorted(reference)}"
+                wholes: dict[int, tuple[Path, float, dict[int, list[int]]]] = {}
+                for every in everies:
+                    whole = root / f"{loader}-w{workers}-every{every}-whole"
+                    whole.mkdir()
+                    whole_s, _ = run_job(whole, loader, workers, every, -1, args.timeout)
+                    stream = records(whole)
+                    if not batches_once(stream):
+                        raise SystemExit(
+                            f"{label}, every {every}: the uninterrupted run did not train every "
+                            f"batch once: {[(r['epoch'], r['batch']) for r in trained(stream)]}"
+                        )
+                    reference = indices(steps(stream))
+                    wholes[every] = (whole, whole_s, reference)
+                    whole_orders[(loader, workers, every)] = reference
+                    print(
+                        f"[{label}: uninterrupted, last.ckpt every {every}: {whole_s:.1f} s]",
+                        file=sys.stderr,
+                        flush=True,
                     )
-                whole_orders[(loader, workers)] = reference
-                print(f"[{label}: uninterrupted {whole_s:.1f} s]", file=sys.stderr, flush=True)
-                for cut in args.cuts:
-                    out = root / f"{loader}-w{workers}-cut{cut}"
+                for cut in cuts:
+                    whole, whole_s, reference = wholes[cut.every]
+                    out = root / f"{loader}-w{workers}-cut{cut.kill_at}-every{cut.every}"
                     out.mkdir()
-                    killed_s = run_job(out, loader, workers, cut, args.timeout)
+                    killed_s, _ = run_job(
+                        out, loader, workers, cut.every, cut.kill_at, args.timeout
+                    )
                     if (out / "final.pt").exists():
-                        raise SystemExit(f"{label}: the run killed at step {cut} finished")
-                    resumed_from = checkpoint_step(out)
-                    logged_before = len(log_lines(out))
-                    resumed_s = run_job(out, loader, workers, -1, args.timeout)
-                    trained = steps(out)
-                    epoch = cut // PER_EPOCH
-                    repeated, skipped = epoch_damage(trained, epoch)
+                        raise SystemExit(f"{label}: the run killed at step {cut.kill_at} finished")
+                    resumed_from, records_before = checkpoint(out)
+                    before = records(out)
+                    resumed_s, stderr = run_job(out, loader, workers, cut.every, -1, args.timeout)
+                    after = records(out)[len(before) :]
+                    # What the killed run did after its checkpoint is lost: the resumed run
+                    # goes on from the checkpoint (and a step it runs again replaces it).
+                    stream = before[:records_before] + after
+                    by_step = steps(stream)
+                    repeated, skipped = epoch_damage(by_step, cut.epoch)
+                    warned = exact_resume_warnings(stderr)
+                    on_load = [w for w in warned if w.startswith(ON_LOAD)]
                     row = {
                         "loader": loader,
                         "workers": workers,
-                        "cut": cut,
+                        "cut": cut.kill_at,
+                        "every": cut.every,
+                        "kind": cut.kind,
                         "resumed_from": resumed_from,
-                        "epoch": epoch,
+                        "epoch": cut.epoch,
                         "repeated": repeated,
                         "skipped": skipped,
-                        "steps_equal": trained == reference,
+                        "per_epoch": [list(epoch_damage(by_step, e)) for e in range(EPOCHS)],
+                        "steps_equal": indices(by_step) == reference,
+                        "batches_once": batches_once(stream),
                         "weights_equal": weights_equal(whole, out),
-                        "steps_resumed": len(log_lines(out)) - logged_before,
+                        "steps_resumed": len(trained(after)),
+                        "trained_after_resume": [(r["epoch"], r["batch"]) for r in trained(after)],
+                        "records_equal": stream == records(whole),
+                        "missing_records": missing_records(records(whole), stream),
+                        "warned_on_load": bool(on_load),
+                        "warnings": warned,
                         "whole_s": whole_s,
                         "killed_s": killed_s,
                         "resumed_s": resumed_s,
                     }
                     rows.append(row)
                     print(
-                        f"[{label}: killed at {cut}, resumed from {resumed_from}: "
-                        f"{repeated} repeated, {skipped} skipped, steps equal "
-                        f"{row['steps_equal']}, weights equal {row['weights_equal']}; "
-                        f"{killed_s:.1f} s + {resumed_s:.1f} s]",
+                        f"[{label}: killed at {cut.kill_at} ({cut.kind}, every {cut.every}), "
+                        f"resumed from {resumed_from}: {repeated} repeated, {skipped} skipped, "
+                        f"steps equal {row['steps_equal']}, batches once {row['batches_once']}, "
+                        f"weights equal {row['weights_equal']}, ExactResume warned on load "
+                        f"{bool(on_load)}; {killed_s:.1f} s + {resumed_s:.1f} s]",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -192,12 +349,16 @@ def main() -> None:
         else:
             shutil.rmtree(root, ignore_errors=True)
 
-    print("# Lightning resumed mid-epoch: plain (torch's DataLoader) vs unbroken\n")
+    print(
+        "# Lightning killed and resumed, mid-epoch and at epoch boundaries: plain (torch's "
+        "DataLoader) vs unbroken\n"
+    )
     print("\n".join(environment()))
     print(
         f"- lightning {lightning_version}; job: {JOB.relative_to(REPO)} ({N} samples, batch "
-        f"{BATCH}: {PER_EPOCH} steps an epoch, {EPOCHS} epochs = {total} steps; last.ckpt every "
-        "5 steps; SIGKILL at the end of the cut step, then resumed with ckpt_path='last')"
+        f"{BATCH}: {PER_EPOCH} steps an epoch, {EPOCHS} epochs = {TOTAL} steps; validation "
+        f"twice an epoch; last.ckpt every {EVERY} steps unless the cut says B:EVERY; SIGKILL "
+        "at the end of batch B, then resumed with ckpt_path='last')"
     )
     print("- one run of each: wall times are whole processes, start-up included\n")
 
@@ -211,11 +372,16 @@ def main() -> None:
                 r["loader"],
                 str(r["workers"]),
                 f"{r['cut']} (epoch {r['epoch']})",
+                r["kind"],
+                str(r["every"]),
                 "-" if r["resumed_from"] is None else str(r["resumed_from"]),
                 str(r["repeated"]),
                 str(r["skipped"]),
+                "{} / {}".format(*other_epochs(r)),
                 yes(r["steps_equal"]),
+                yes(r["batches_once"]),
                 yes(r["weights_equal"]),
+                ("yes" if r["warned_on_load"] else "no") if r["loader"] == "unbroken" else "-",
                 f"{r['whole_s']:.1f}",
                 f"{r['killed_s']:.1f}",
                 f"{r['resumed_s']:.1f}",
@@ -226,11 +392,16 @@ def main() -> None:
         "loader",
         "workers",
         "killed at step",
+        "cut",
+        "ckpt every",
         "resumed from",
         "repeated",
         "skipped",
+        "other epochs rep. / skip.",
         "steps equal",
+        "batches once",
         "weights equal",
+        "ExactResume warned",
         "uninterrupted s",
         "killed run s",
         "resumed run s",
@@ -238,21 +409,33 @@ def main() -> None:
     ]
     print(
         results.table(
-            f"Killed mid-epoch and resumed: samples repeated and skipped in the interrupted "
-            f"epoch (of {N}), equality with the uninterrupted run, wall times",
+            f"Killed and resumed: samples repeated and skipped in the interrupted epoch (of {N}), "
+            "every batch trained once, equality with the uninterrupted run, wall times",
             table(header, body),
         )
     )
     notes = [
-        "repeated/skipped: in the interrupted epoch's effective stream (a step run again after "
-        "the resume replaces the killed run's); steps equal: every step's sample indices equal "
-        "the uninterrupted run's; weights equal: final state_dict bit-identical (torch.equal).",
+        "cut: mid-epoch (the checkpoint and the kill in one epoch); epoch end (resumed from a "
+        "checkpoint at an epoch's last batch: every_n_train_steps divides the epoch); epoch "
+        "start (killed at an epoch's first batch, resumed from a checkpoint in an earlier epoch).",
+        "repeated/skipped: in the effective stream of the epoch containing the kill (the killed "
+        "run's records up to its checkpoint, then the resumed run's; a step run again after the "
+        "resume replaces the killed run's); other epochs: the same, summed over the other epochs (a "
+        "run killed at an epoch's first batch is resumed from a checkpoint in an earlier one); "
+        "steps equal: every step's sample indices equal the "
+        "uninterrupted run's (the one with the same checkpoint interval); batches once: every "
+        f"batch position (epoch, batch index) of every epoch trained exactly once, {TOTAL} "
+        "steps (the samples in them: repeated/skipped, steps equal); weights equal: "
+        "final.pt's model state_dict bit-identical (torch.equal); ExactResume warned: as the "
+        "resumed run loaded the checkpoint, that it was saved where Lightning itself cannot go "
+        "on exactly.",
         "wall times: one run each on a shared 2-core machine, whole processes (Python, "
         "Lightning and the loader workers' start-up included); the resumed run trains only the "
         "steps after its checkpoint, so its start-up is most of its time.",
     ]
     for workers in args.workers:
-        a, b = whole_orders.get(("torch", workers)), whole_orders.get(("unbroken", workers))
+        a = whole_orders.get(("torch", workers, everies[0]))
+        b = whole_orders.get(("unbroken", workers, everies[0]))
         if a is not None and b is not None:
             notes.append(
                 f"num_workers={workers}: the uninterrupted runs' sample orders of torch's "
@@ -260,12 +443,44 @@ def main() -> None:
                 "(unbroken shuffles with its own seeded bijection, not torch.randperm), so "
                 "each loader is compared with its own uninterrupted run only."
             )
-    inexact = [r for r in rows if r["loader"] == "unbroken" and not r["weights_equal"]]
+        for loader in LOADERS:
+            orders = [whole_orders.get((loader, workers, e)) for e in everies]
+            if len(everies) > 1 and None not in orders:
+                same = all(o == orders[0] for o in orders)
+                notes.append(
+                    f"{loader}, num_workers={workers}: the uninterrupted runs checkpointing every "
+                    f"{' and '.join(map(str, everies))} steps trained on "
+                    f"{'the same' if same else '**different**'} samples at every step."
+                )
+    for r in rows:
+        if r["loader"] != "unbroken" or r["records_equal"]:
+            continue
+        said = [w.split(". ")[0] for w in r["warnings"] if w.startswith(ON_LOAD)]
+        missing = r["missing_records"]
+        notes.append(
+            f"unbroken, num_workers={r['workers']}, killed at {r['cut']} (resumed from "
+            f"{r['resumed_from']}): the resumed run's records differ from the uninterrupted "
+            "run's"
+            + (
+                f"; it lacks {len(missing)} of its other records: {', '.join(missing)}"
+                if missing
+                else ""
+            )
+            + (f"; ExactResume said: {said[0]}." if said else "; ExactResume said nothing.")
+        )
+    inexact = [
+        r
+        for r in rows
+        if r["loader"] == "unbroken"
+        and not (r["weights_equal"] and r["steps_equal"] and r["batches_once"])
+    ]
     for r in inexact:
         notes.append(
-            f"unbroken NOT exact: num_workers={r['workers']}, killed at {r['cut']}: reproduce "
-            f"with `python {JOB.relative_to(REPO)} OUT --loader unbroken --workers {r['workers']}"
-            f" --kill-at {r['cut']}`, then the same without --kill-at."
+            f"unbroken NOT exact: num_workers={r['workers']}, killed at {r['cut']} (every "
+            f"{r['every']}): trained after the resume (epoch, batch): "
+            f"{r['trained_after_resume']}; reproduce with `python {JOB.relative_to(REPO)} OUT "
+            f"--loader unbroken --workers {r['workers']} --every {r['every']} --kill-at "
+            f"{r['cut']}`, then the same without --kill-at."
         )
     print()
     for note in notes:
@@ -279,8 +494,8 @@ def main() -> None:
         "batch_size": BATCH,
         "steps_per_epoch": PER_EPOCH,
         "epochs": EPOCHS,
-        "checkpoint_every_steps": 5,
-        "cuts": args.cuts,
+        "checkpoint_every_steps": EVERY,
+        "cuts": [{"cut": c.kill_at, "every": c.every, "kind": c.kind} for c in cuts],
         "workers": args.workers,
         "rows": rows,
     }

@@ -44,7 +44,11 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("overhead", "Training-loop overhead of the DataLoader"),
     ("resume_latency", "Resume latency: load_state_dict to the first batch"),
     ("trainer_overhead", "Trainer overhead vs a plain PyTorch loop"),
-    ("lightning_resume", "Lightning 2.6 resumed mid-epoch: plain (torch's DataLoader) vs unbroken"),
+    (
+        "lightning_resume",
+        "Lightning 2.6 resumed mid-epoch and at epoch boundaries: plain (torch's DataLoader) vs "
+        "unbroken",
+    ),
     ("checkpoint_blocking", "Checkpoint blocking time, sync vs async"),
     ("stream_overhead", "Iterable dataset: state shipping overhead"),
     ("ddp_loader", "Data-parallel training: loaders, preemption agreement, resume"),
@@ -376,12 +380,18 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
     data = payload["data"]
     rows = data["rows"]
     workers = list(dict.fromkeys(r["workers"] for r in rows))
+    default_every = data.get("checkpoint_every_steps", 5)
+
+    def cut_of(r: dict) -> tuple[int, int]:  # a cut: the kill's step and the checkpoint interval
+        return r["cut"], r.get("every", default_every)
+
+    most = max(len({cut_of(r) for r in rows if r["workers"] == w}) for w in workers)
     fig, axes = new_figure(
         payload,
-        f"Lightning {data.get('lightning', '2.x')}: SIGKILLed mid-epoch and resumed from "
-        "last.ckpt, per loader",
+        f"Lightning {data.get('lightning', '2.x')}: SIGKILLed and resumed from last.ckpt, "
+        "per loader",
         ncols=len(workers),
-        width=12 if len(workers) > 1 else 8,
+        width=max(8.0, 2.4 * most) * (1.5 if len(workers) > 1 else 1.0),
     )
     labels = {
         "torch": "torch DataLoader (plain Lightning)",
@@ -389,14 +399,18 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
     }
     for ax, w in zip(axes, workers):
         mine = [r for r in rows if r["workers"] == w]
-        cuts = list(dict.fromkeys(r["cut"] for r in mine))
+        cuts = list(dict.fromkeys(cut_of(r) for r in mine))
         loaders = list(dict.fromkeys(r["loader"] for r in mine))
-        by = {(r["loader"], r["cut"]): r for r in mine}
+        by = {(r["loader"], cut_of(r)): r for r in mine}
         groups = []
         for c in cuts:
-            r = next(r for r in mine if r["cut"] == c)
+            r = next(r for r in mine if cut_of(r) == c)
             start = "scratch" if r["resumed_from"] is None else r["resumed_from"]
-            groups.append(f"killed at step {c}\nresumed from {start}\n(epoch {r['epoch']})")
+            kind = r.get("kind", "mid-epoch")
+            groups.append(
+                f"step {c[0]} ({kind})\nresumed from {start}\n(epoch {r['epoch']}, "
+                f"ckpt every {c[1]})"
+            )
         series: list[Series] = [
             (
                 labels.get(name, name),
@@ -410,6 +424,7 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
             for name in loaders
         ]
         bars(ax, groups, series, lambda v: f"{v:.0f}")
+        ax.tick_params(axis="x", labelsize=7)
         width = 0.8 / max(1, len(loaders))
         for i, name in enumerate(loaders):
             for g, c in enumerate(cuts):
@@ -418,9 +433,16 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
                     continue
                 total = r["repeated"] + r["skipped"]
                 split = f"{r['repeated']} rep.\n+ {r['skipped']} skip.\n" if total else ""
-                equal = r["weights_equal"]
+                others = sum(
+                    sum(d) for e, d in enumerate(r.get("per_epoch", [])) if e != r["epoch"]
+                )
+                if others:  # killed at an epoch's start, resumed from a checkpoint in another
+                    split += f"(+ {others} in\nother epochs)\n"
+                once = r.get("batches_once", True)
+                equal = r["weights_equal"] and once
                 ax.annotate(
-                    f"{split}weights\nequal: {'yes' if equal else 'no'}",
+                    f"{split}weights\nequal: {'yes' if r['weights_equal'] else 'no'}"
+                    + ("" if once else "\nbatches\nnot once"),
                     (g - 0.4 + width * (i + 0.5), total),
                     xytext=(0, 12),
                     textcoords="offset points",
@@ -439,12 +461,12 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
             fontsize=9,
         )
         ax.set_xlabel(
-            f"{data['epochs']} epochs of {data['steps_per_epoch']} steps; last.ckpt every "
-            f"{data['checkpoint_every_steps']} steps",
+            f"{data['epochs']} epochs of {data['steps_per_epoch']} steps; SIGKILL at the end of "
+            "the step, resumed from the last checkpoint before it",
             fontsize=8,
         )
         ax.set_ylabel(
-            f"samples repeated + skipped\nin the interrupted epoch (of {data['samples']})"
+            f"samples repeated + skipped in the epoch\nof the kill (of {data['samples']})"
         )
         low, high = ax.get_ylim()
         ax.set_ylim(low, max(high, 1.0) * 1.6)  # room for the labels above the bars
@@ -452,7 +474,8 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
     return [
         (
             "lightning_resume.png",
-            "Lightning resumed mid-epoch: samples repeated and skipped, torch vs unbroken",
+            "Lightning resumed mid-epoch and at epoch boundaries: samples repeated and skipped, "
+            "torch vs unbroken",
         )
     ]
 

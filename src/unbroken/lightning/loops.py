@@ -119,13 +119,8 @@ def epoch_end_place(trainer: Trainer) -> Place:
     """The place at ``on_train_epoch_end``: after it, Lightning steps the epoch-interval
     ``ReduceLROnPlateau`` schedulers and logs the epoch-level training metrics; resumed from a
     checkpoint taken here, it does neither (it takes the epoch as done)."""
-    plateau = any(
-        config.reduce_on_plateau and config.interval == "epoch"
-        for config in trainer.lr_scheduler_configs
-    )
-    return Place(
-        "train_epoch_end", epoch_end_steps=plateau or bool(training_epoch_metrics(trainer))
-    )
+    steps = bool(_epoch_plateau_monitors(trainer) or training_epoch_metrics(trainer))
+    return Place("train_epoch_end", epoch_end_steps=steps)
 
 
 def stateful_training_loaders(trainer: Trainer) -> list[Any]:
@@ -182,11 +177,7 @@ def let_plateau_schedulers_step(trainer: Trainer) -> list[str]:
     ``ExactResume`` saves ``callback_metrics``). If every such scheduler's metric is available,
     clear the flag that makes Lightning skip them (it clears it itself right after) and return
     []; else leave it, and return the missing metrics' names."""
-    monitors = [
-        str(config.monitor)
-        for config in trainer.lr_scheduler_configs
-        if config.reduce_on_plateau and config.interval == "epoch"
-    ]
+    monitors = _epoch_plateau_monitors(trainer)
     if not monitors:
         return []
     missing = [name for name in monitors if name not in trainer.callback_metrics]
@@ -234,6 +225,15 @@ def iterates_anew_this_epoch(trainer: Trainer) -> bool:
     in, which use the iterator made when the loaders were set up)."""
     fit_loop = trainer.fit_loop
     return trainer.current_epoch > 0 and not fit_loop.is_resuming and not fit_loop.restarting
+
+
+def _epoch_plateau_monitors(trainer: Trainer) -> list[str]:
+    """The metrics of the ``ReduceLROnPlateau`` schedulers that step at an epoch's end."""
+    return [
+        str(config.monitor)
+        for config in trainer.lr_scheduler_configs
+        if config.reduce_on_plateau and config.interval == "epoch"
+    ]
 
 
 def _epoch_loop(trainer: Trainer) -> Any:
