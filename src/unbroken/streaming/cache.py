@@ -89,16 +89,18 @@ class ShardCache:
         got there first, and the cache may have evicted the shard since), nothing is
         downloaded and the result is None."""
         final = self.path(shard)
-        if _touch(final):
+        if _touch(final, shard.bytes):
             return final
         if shard.checksum in self._corrupt:  # fetched twice already by this process
             raise CorruptShard(self._corrupt[shard.checksum])
         with FileLock(final + ".lock", thread_local=False):
-            if _touch(final):  # another process or thread fetched it while we waited
+            if _touch(final, shard.bytes):  # another process or thread fetched it meanwhile
                 return final
             if wanted is not None and not wanted():
                 return None
             self._remove_parts(final)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(final)  # a copy of another size: damaged on this disk since
             self._download(shard, remote, final)
         return final
 
@@ -190,11 +192,14 @@ class ShardCache:
             _fsync_directory(self.directory)
 
 
-def _touch(path: str) -> bool:
-    """Mark a cached shard as used now; False if it is not cached."""
+def _touch(path: str, size: int) -> bool:
+    """Mark a cached shard as used now; False if it is not cached, or not whole: a copy whose
+    size is not the index's was truncated or extended on this disk after it was verified, and
+    is fetched again. (Bytes changed in place at the same size are not seen: that would take
+    hashing the shard at every open, a read of all of it.)"""
     try:
         os.utime(path)
-        return True
+        return os.stat(path).st_size == size
     except FileNotFoundError:
         return False
 

@@ -6,12 +6,28 @@ before a fork is not used after it (s3fs runs an event loop on a thread, which a
 does not have). Every call goes through ``retrying``: a bounded number of attempts with
 exponential backoff, then ``RemoteUnavailable`` naming the URL and the last error. A missing
 object is not retried: ``FileNotFoundError`` says so at once.
+
+**The global random generators are the user's.** The loader seeds them for each batch, and the
+batch's samples draw from them in turn, so a library that draws from them while a sample is
+fetched shifts that batch's augmentation: botocore does, for the jitter of its retries (its
+``random.random()``), so a transient S3 fault used to change the weights. So:
+
+- For S3, botocore makes one attempt per request (``config_kwargs={"retries":
+  {"total_max_attempts": 1}}``, unless ``storage_options`` sets botocore's retries) and
+  transient errors are retried by s3fs and by ``retrying`` here, with backoffs that draw nothing.
+  That covers the prefetcher's download threads, which run beside the training loop.
+- A call made by the thread that reads samples (a worker's, or the training process's main
+  thread) puts Python's ``random`` state back as it was before the call (~10 us a call), so a
+  client of another protocol drawing for its own retries does not shift the sample's draws
+  either. (A client drawing from it on a prefetch thread can, for protocols other than S3.)
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -91,7 +107,9 @@ class Remote:
             # skip_instance_cache: fsspec caches filesystems per process, and one inherited
             # through a fork would use its parent's event loop.
             self._fs, self._root = fsspec.core.url_to_fs(
-                self.url, skip_instance_cache=True, **self.storage_options
+                self.url,
+                skip_instance_cache=True,
+                **_drawing_nothing(self.url, self.storage_options),
             )
             self._pid = os.getpid()
         return self._fs
@@ -109,7 +127,7 @@ class Remote:
         """``call()``, retried on errors of the connection (not on a missing object)."""
         for attempt in range(self.retries + 1):
             try:
-                return call()
+                return _keeping_random(call)
             except FileNotFoundError:
                 raise
             except Exception as error:
@@ -162,3 +180,28 @@ class Remote:
     def makedirs(self) -> None:
         root = self.path("")
         self.retrying("create", "", lambda: self.fs.makedirs(root, exist_ok=True))
+
+
+def _drawing_nothing(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """``storage_options`` with botocore's retries (whose jitter draws from ``random``) down to
+    one attempt for an S3 URL, unless the options set them (see the module)."""
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(url)[0]
+    if protocol not in ("s3", "s3a"):
+        return storage_options
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1})
+    return {**storage_options, "config_kwargs": config}
+
+
+def _keeping_random(call: Callable[[], T]) -> T:
+    """``call()``; on the thread that reads samples, with Python's ``random`` state put back
+    after it (see the module). Not on other threads: their draws would race the reader's."""
+    if threading.current_thread() is not threading.main_thread():
+        return call()
+    state = random.getstate()
+    try:
+        return call()
+    finally:
+        random.setstate(state)

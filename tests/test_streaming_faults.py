@@ -1,0 +1,122 @@
+"""A transient fault of the storage changes nothing the user sees: the real S3 protocol server
+(moto's, on 127.0.0.1) is stopped with SIGSTOP mid-epoch for longer than the client's read
+timeout, so requests time out and are retried, and the epoch's samples and every random draw
+of their augmentation (Python's ``random``, numpy's and torch's global generators) equal an
+epoch read without the outage, with 0 and 2 workers and the prefetcher's download threads
+running beside the reader."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import unbroken
+from unbroken.streaming import StreamingDataset, write_shards
+
+
+@pytest.fixture(scope="module")
+def outage_ds(s3) -> str:
+    """400 rows in ~20 shards, so that downloads go on all epoch long."""
+    s3.make_bucket("faults")
+    url = "s3://faults/ds"
+    rows = ({"id": i, "x": bytes(200)} for i in range(400))
+    write_shards(
+        rows, url, storage_options=s3.storage_options, shard_bytes=4000, row_group_bytes=1000
+    )
+    return url
+
+
+def augmented(row: dict) -> torch.Tensor:
+    # Draws from every generator the loader seeds for the batch.
+    draws = [random.random(), float(np.random.rand()), torch.rand(()).item()]
+    return torch.tensor([row["id"], *draws], dtype=torch.float64)
+
+
+def epoch(s3, url, cache, workers: int, stop_for: float) -> tuple[torch.Tensor, float]:
+    """One epoch; with ``stop_for`` > 0 the server is stopped that long after the 3rd batch."""
+    options = {**s3.storage_options, "config_kwargs": {"read_timeout": 1, "connect_timeout": 1}}
+    dataset = StreamingDataset(
+        url, cache_dir=str(cache), storage_options=options, prefetch_threads=2, prefetch_bytes=4000
+    )
+    loader = unbroken.DataLoader(
+        dataset.map(augmented), batch_size=8, shuffle=True, seed=3, num_workers=workers
+    )
+    batches, start = [], time.monotonic()
+    for i, batch in enumerate(loader):
+        batches.append(batch)
+        if i == 2 and stop_for:
+            os.kill(s3._process.pid, signal.SIGSTOP)
+            threading.Timer(stop_for, os.kill, (s3._process.pid, signal.SIGCONT)).start()
+    return torch.cat(batches), time.monotonic() - start
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_s3_outage_mid_epoch_changes_no_sample_and_no_draw(s3, outage_ds, tmp_path, workers):
+    clean, _ = epoch(s3, outage_ds, tmp_path / "clean", workers, 0)
+    faulty, took = epoch(s3, outage_ds, tmp_path / "faulty", workers, 3.0)
+    assert took >= 3.0  # the epoch waited out the outage: its requests timed out and retried
+    assert sorted(clean[:, 0].tolist()) == list(range(400))
+    assert torch.equal(faulty, clean)
+
+
+def test_only_the_reading_thread_gets_its_random_state_back(monkeypatch):
+    # A call made by the thread that reads samples puts Python's random state back; one on
+    # another thread (the prefetcher's) must not, or it would undo the reader's own draws.
+    from unbroken.streaming.remote import Remote
+
+    remote = Remote("memory://nowhere")
+    random.seed(1)
+    first = random.random()
+    random.seed(1)
+    assert remote.retrying("read", "x", random.random) == first
+    assert random.random() == first  # the state from before the call
+
+    seen = []
+
+    def on_another_thread():
+        random.seed(2)
+        remote.retrying("read", "x", random.random)
+        seen.append(random.random())
+
+    thread = threading.Thread(target=on_another_thread)
+    thread.start()
+    thread.join()
+    random.seed(2)
+    random.random()
+    assert seen == [random.random()]  # not put back there
+
+
+def test_botocore_makes_one_attempt_and_leaves_retries_to_unbroken(s3):
+    from unbroken.streaming.remote import Remote
+
+    fs = Remote("s3://faults/ds", s3.storage_options).fs
+    assert fs.config_kwargs["retries"] == {"total_max_attempts": 1}
+    own = {**s3.storage_options, "config_kwargs": {"retries": {"max_attempts": 7}}}
+    assert Remote("s3://faults/ds", own).fs.config_kwargs["retries"] == {"max_attempts": 7}
+    assert "config_kwargs" not in Remote("memory://ds", {}).storage_options
+
+
+def test_a_cached_shard_of_another_size_is_fetched_again(s3, outage_ds, tmp_path):
+    # Truncated or extended on the local disk after it was verified: fetched again, not served.
+    cache = tmp_path / "cache"
+    clean, _ = epoch(s3, outage_ds, cache, 0, 0)
+    shards = sorted(cache.glob("*.parquet"))
+    assert len(shards) > 2
+    shards[0].write_bytes(shards[0].read_bytes()[:-100])  # truncated
+    with open(shards[1], "ab") as file:
+        file.write(b"junk")  # extended
+    again, _ = epoch(s3, outage_ds, cache, 0, 0)
+    assert torch.equal(again, clean)
+    assert all(shard.stat().st_size == size for shard, size in sizes(shards))
+
+
+def sizes(shards):
+    for shard in shards:
+        yield shard, int(shard.stem.rsplit("-", 1)[1])
