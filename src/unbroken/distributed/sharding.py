@@ -20,7 +20,9 @@ The epoch's tail, as ``DistributedSampler`` does it, so that every rank yields t
 of batches and none waits alone in a collective: with ``drop_last=True`` the last incomplete
 global batch is dropped; otherwise it is split evenly, ``ceil(rest / W)`` samples per rank, and
 ranks past the end repeat samples of that last global batch (their batches are seeded from
-positions past the end, so a repeated sample is augmented anew).
+positions past the end, so a repeated sample is augmented anew). After a resume on another
+world size the global batches count from the saved cursor, so ``drop_last`` drops the least it
+can: what remains of the epoch modulo the new global batch (``tail_end``).
 """
 
 from __future__ import annotations
@@ -77,6 +79,15 @@ def check_global_cursor(cursor: Cursor, n: int, what: str) -> None:
         )
 
 
+def tail_end(n: int, start: int, global_batch: int, drop_last: bool) -> int:
+    """Where the epoch's batches end, read from the global cursor ``start``: with ``drop_last``
+    after the last whole global batch from there (the global batch may have another size than
+    the one that brought the cursor there: another world size saved it), else at ``n``."""
+    if not drop_last:
+        return n
+    return start + max(0, n - start) // global_batch * global_batch
+
+
 class ShardedOrder(NativeOrder):
     """Rank ``rank`` of ``world``'s share of the sequential or shuffled global order. Its
     fingerprint is NativeOrder's: a single process's state resumes on ranks, and back."""
@@ -108,9 +119,10 @@ class ShardedOrder(NativeOrder):
         epoch_key = keys.samples(seed, epoch)
         shuffle = self.order.permutation(self.n, seed, epoch) if self.shuffle else None
         step, size = self.batch_size or 1, self.global_batch
-        start, end = cursor.samples, self.epoch_samples
-        if start >= end or (self.drop_last and end - start < size):
-            return  # saved at the epoch's end, or, with another world size, past what it drops
+        start = cursor.samples
+        end = tail_end(self.n, start, size, self.drop_last)
+        if start >= end:
+            return  # saved at the epoch's end, or too little left for one global batch
         whole = (end - start) // size  # whole global batches left
         per_block = max(1, _BLOCK // step)
         for block in range(0, whole, per_block):
@@ -182,8 +194,9 @@ class ShardedRangeStream(RangeStream):
         set_epoch(self.dataset, plan["epoch"])
         seed = make_seeder(out.global_rngs)
         key = keys.samples(plan["seed"], plan["epoch"])
-        start, end = plan["start"], self.epoch_samples
-        if start >= end or (self.drop_last and end - start < size):
+        start = plan["start"]
+        end = tail_end(self.n, start, size, self.drop_last)
+        if start >= end:
             return
         index = worker
         while (first := start + index * size) < end:
