@@ -150,14 +150,14 @@ def test_a_single_process_state_resumes_on_ranks_and_back():
     interleaved = torch.cat([b for pair in zip(*map(list, loaders), strict=True) for b in pair])
     assert torch.equal(interleaved, rest)
     # and back: two ranks' state, after 2 global batches, resumes one process of a world of one
-    # (a plain loader refuses it: its counters are checked against its own batch size)
+    # (a plain loader refuses it, saying what it is: test_a_ranks_state_loaded_alone_...)
     loaders = _loaders(20, 2, 2)
     iterators = [iter(loader) for loader in loaders]
     for _ in range(2):
         for it in iterators:
             next(it)
     plain = unbroken.DataLoader(Probe(20), batch_size=2, shuffle=True, seed=9)
-    with pytest.raises(unbroken.CorruptState, match="samples=8 and batches=2"):
+    with pytest.raises(unbroken.StateMismatch, match="samples=8 after batches=2"):
         plain.load_state_dict(loaders[1].state_dict())
     (single,) = _loaders(20, 2, 1)
     single.load_state_dict(loaders[1].state_dict())
@@ -366,3 +366,24 @@ def test_drop_last_after_another_world_size_drops_the_least_it_can(
         assert len(rest) == (n - cursor) // size * size
     else:  # the cut came after the epoch ended: the resumed loader starts the next epoch
         assert len(rest) == n // size * size
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_ranks_state_loaded_alone_says_what_it_is_and_how_to_load_it(stream):
+    make = _stream_loaders if stream else _loaders
+    loaders = make(20, 2, 3)
+    held = iter(loaders[0])
+    next(held)
+    state = loaders[0].state_dict()
+    assert (state["samples"], state["batches"]) == (6, 1)
+    alone = make(20, 2, 1)[0]  # world 1 from _loaders passes rank=0, world_size=1: it loads
+    alone.load_state_dict(state)
+    plain = unbroken.DataLoader(
+        RangedProbe(20) if stream else Probe(20), batch_size=2, shuffle=not stream, seed=9
+    )
+    with pytest.raises(unbroken.StateMismatch, match="rank=0, world_size=1") as refused:
+        plain.load_state_dict(state)
+    assert refused.value.field == "world_size"
+    assert "global cursor of a data-parallel job of 3 ranks" in str(refused.value)
+    with pytest.raises(unbroken.CorruptState, match="corrupt"):  # no job of any size saved it
+        plain.load_state_dict({**state, "samples": 0})

@@ -31,6 +31,7 @@ from torch.utils.data import Dataset
 from ..errors import CorruptState
 from . import keys
 from .fetch import Keys, SeededDataset
+from .ranks import refuse_a_global_cursor
 from .shuffle import IndexShuffle
 from .sources import BatchSource, Cursor, Receiver
 
@@ -163,6 +164,7 @@ class NativeOrder(IndexSource):
         step = self.batch_size or 1
         expected = min(cursor.batches * step, self.epoch_samples)
         if cursor.samples != expected or cursor.batches > len(self):
+            refuse_a_global_cursor(cursor.samples, cursor.batches, step, self.n, what)
             raise CorruptState(
                 f"{what} state is inconsistent: samples={cursor.samples} and "
                 f"batches={cursor.batches} do not describe a position of an epoch of "

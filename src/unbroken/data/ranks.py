@@ -62,3 +62,30 @@ def check_ranks(saved_print: dict, current: tuple[int, int], what: str) -> None:
     for field, was, now in (("world_size", saved[1], current[1]), ("rank", saved[0], current[0])):
         if was != now:
             raise StateMismatch(what, field, was, now, note + _HINT)
+
+
+def refuse_a_global_cursor(samples: int, batches: int, step: int, n: int, what: str) -> None:
+    """A single process's order reads ``step`` samples a batch, so its cursor has
+    ``samples <= batches * step``. One with more, within the epoch, is the global cursor of a
+    job of several ranks (each global batch is ``step`` samples on each rank): not corrupt, but
+    saved by one rank of such a job. Say so, and how to continue it in one process."""
+    if batches <= 0 or samples <= batches * step or samples > n:
+        return
+    ranks, short = -(-samples // (batches * step)), samples % (batches * step)
+    if short and samples != n:
+        return  # W ranks stop at a multiple of batches * step, or at the epoch's short end
+    job = f"{ranks} or more ranks" if short else f"{ranks} ranks"  # the last may be short
+    raise StateMismatch(
+        what,
+        "world_size",
+        f">= {ranks}",
+        1,
+        message=(
+            f"{what}: samples={samples} after batches={batches} of {step} is the global cursor of "
+            f"a data-parallel job of {job} (a rank's state describes the whole "
+            "job's position), and this loader reads the whole dataset alone. To continue that "
+            "job in one process, build the loader with rank=0, world_size=1 (it reads every "
+            "global batch from the saved position on); on several ranks, pass rank= and "
+            "world_size= (or initialize the process group before building the loader)."
+        ),
+    )

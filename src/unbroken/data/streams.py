@@ -37,6 +37,7 @@ from torch.utils.data import (
 
 from ..errors import CorruptState
 from . import keys
+from .ranks import refuse_a_global_cursor
 from .rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
 from .sources import SKIP, BatchSource, Cursor, Receiver
 
@@ -201,6 +202,10 @@ class RangeStream(StreamSource):
         if self.drop_last:
             consistent = cursor.samples == cursor.batches * step
         if cursor.source is not None or not (consistent or cursor.samples == cursor.batches == 0):
+            if cursor.source is None and hasattr(self.dataset, "__len__"):
+                refuse_a_global_cursor(
+                    cursor.samples, cursor.batches, step, len(self.dataset), what
+                )
             raise CorruptState(
                 f"{what} state is inconsistent: samples={cursor.samples}, "
                 f"batches={cursor.batches}, source={cursor.source!r:.100} for batches of {step}"
