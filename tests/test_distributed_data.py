@@ -385,5 +385,5 @@ def test_a_ranks_state_loaded_alone_says_what_it_is_and_how_to_load_it(stream):
         plain.load_state_dict(state)
     assert refused.value.field == "world_size"
     assert "global cursor of a data-parallel job of 3 ranks" in str(refused.value)
-    with pytest.raises(unbroken.CorruptState, match="corrupt"):  # no job of any size saved it
+    with pytest.raises(unbroken.CorruptState, match="inconsistent"):  # no job of any size saved it
         plain.load_state_dict({**state, "samples": 0})
