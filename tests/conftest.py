@@ -12,6 +12,16 @@ from hypothesis import HealthCheck, settings
 for _signal in (signal.SIGTERM, signal.SIGUSR1):
     signal.signal(_signal, signal.SIG_DFL)
 
+
+@pytest.fixture(autouse=True)
+def _default_preemption_signals():
+    """A preempted Trainer run in-process leaves SIGTERM/SIGUSR1 ignored (as it must on its way
+    out of a real process): put their default action back for the next test."""
+    yield
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )

@@ -10,6 +10,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   of a checkpoint (counted over all restarts), so other ranks may have written theirs.
 - ``signal``: {"rank": r, "at": tick}, or a list of them: that rank sends itself SIGTERM after
   that tick, once. ``check_every``: the Trainer's ``preemption_check_every``.
+- ``slow_exit``: {"rank": r, "seconds": s}: after a preemption checkpoint, that rank takes
+  that long to exit.
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
 
 Every rank appends the sample ids it trained on to ``RUN_DIR/seen.rank<r>.jsonl`` (one line per
@@ -17,11 +19,13 @@ batch: epoch, tick, ids, loss) and each epoch's logged mean loss to ``epochs.ran
 rank 0 writes the final weights to ``RUN_DIR/final.pt``.
 """
 
+import atexit
 import faulthandler
 import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -92,6 +96,14 @@ class Chaos:
         for sig in signals if isinstance(signals, list) else [signals]:
             if sig["rank"] == RANK and tick == sig["at"] and once(f"signal-{RANK}"):
                 os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_preempted(self, trainer, seconds):
+        # The preemption checkpoint is committed; this rank is slow to exit (a big process's
+        # teardown, after fit): torchrun sends SIGTERM to it once another rank has exited,
+        # which must not kill it.
+        slow = OPTIONS.get("slow_exit", {})
+        if slow.get("rank") == RANK:
+            atexit.register(time.sleep, slow["seconds"])
 
 
 if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:

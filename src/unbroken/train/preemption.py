@@ -79,6 +79,19 @@ class Preemption:
         _active.append(self.signals)
         return self
 
+    def ignore_until_exit(self) -> None:
+        """After the preemption checkpoint, on the way out: ignore the signals from now until
+        the process exits, and leave them so (``uninstall`` puts nothing back). A scheduler
+        signals again, and ``torchrun`` sends SIGTERM to the ranks still exiting once one rank
+        has exited (with 75): a rank killed by it would report -15 instead of 75."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works in the main thread only; the handlers stay flags
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self._previous and self.signals in _active:
+            _active.remove(self.signals)
+        self._previous.clear()
+
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

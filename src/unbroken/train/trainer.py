@@ -355,6 +355,7 @@ class Trainer:
                 else f"a preemption signal reached another rank; checkpoint at "
                 f"{progress.where()} committed"
             )
+            self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
             say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
             call_hooks(self.callbacks, "on_preempted", self, seconds)
             _exit_to_be_requeued()
@@ -368,6 +369,7 @@ class Trainer:
             name = (
                 received.name if received is not None else "a preemption signal (on another rank)"
             )
+            self.preemption.ignore_until_exit()
             say(
                 f"{name} received before training started: nothing new to save; "
                 f"exiting with {EXIT_CODE} to be requeued"
