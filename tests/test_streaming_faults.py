@@ -120,3 +120,26 @@ def test_a_cached_shard_of_another_size_is_fetched_again(s3, outage_ds, tmp_path
 def sizes(shards):
     for shard in shards:
         yield shard, int(shard.stem.rsplit("-", 1)[1])
+
+
+def test_a_malformed_index_is_never_cached_and_a_damaged_copy_names_itself(tmp_path):
+    # A malformed index on the storage is refused and not kept: once it is repaired there, the
+    # next run reads it (it used to stay in the cache until refresh_index=True).
+    from unbroken.errors import CorruptShard
+
+    url, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    write_shards(({"id": i} for i in range(40)), url, shard_bytes=400)
+    index = tmp_path / "ds" / "unbroken-index.json"
+    good = index.read_bytes()
+    index.write_bytes(good.replace(b'"rows"', b'"rowz"', 1))
+    with pytest.raises(CorruptShard, match=f"the index {url}/unbroken-index.json is malformed"):
+        StreamingDataset(url, cache_dir=cache)
+    index.write_bytes(good)
+    assert len(StreamingDataset(url, cache_dir=cache)) == 40  # repaired: read, then kept
+    # The cache's copy damaged on this disk: the error names the local file and the way out.
+    (copy,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("index-")]
+    copy.write_bytes(b"{not json")
+    with pytest.raises(CorruptShard, match="refresh_index=True") as damaged:
+        StreamingDataset(url, cache_dir=cache)
+    assert str(copy) in str(damaged.value) and "not valid JSON" in str(damaged.value)
+    assert len(StreamingDataset(url, cache_dir=cache, refresh_index=True)) == 40

@@ -59,6 +59,10 @@ class ShardCache:
         digest = hashlib.sha256(key.encode()).hexdigest()[:24]
         return os.path.join(self.directory, f"index-{digest}.json")
 
+    def index_copy(self, key: str) -> str:
+        """The path of the copy of a dataset's index kept under ``key``."""
+        return self._index_path(key)
+
     def cached_index(self, key: str) -> bytes | None:
         """The copy of a dataset's index kept under ``key`` (its URL and endpoint), if any."""
         try:

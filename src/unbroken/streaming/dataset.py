@@ -36,7 +36,7 @@ import torch
 
 from ..errors import CorruptShard
 from .cache import ShardCache
-from .index import fetch_index, read_index
+from .index import INDEX_NAME, fetch_index, read_index
 from .order import WindowShuffle
 from .prefetch import Prefetcher, first_uses_in
 from .remote import Remote
@@ -104,10 +104,14 @@ class StreamingDataset(torch.utils.data.Dataset):
         # client alone takes ~0.2 s), and a run keeps reading the index it started with.
         key = f"{self.remote.url}\n{self.remote.storage_options.get('endpoint_url')}"
         raw = None if refresh_index else self.cache.cached_index(key)
-        if raw is None:
+        if raw is not None:  # a copy damaged on this disk names itself, and the way out
+            where = f"{self.cache.index_copy(key)} (the cache's copy of {self.remote.url}'s index; pass refresh_index=True to read it again)"
+            self.shards, all_columns, self.index_digest = read_index(where, raw)
+        else:  # validated before it is kept: a malformed index is never cached
             raw = fetch_index(self.remote)
+            read = read_index(self.remote.where(INDEX_NAME), raw)
+            self.shards, all_columns, self.index_digest = read
             self.cache.keep_index(key, raw)
-        self.shards, all_columns, self.index_digest = read_index(self.remote, raw)
         if columns is None:
             columns = all_columns
         missing = [c for c in columns if c not in all_columns]

@@ -98,10 +98,10 @@ def fetch_index(remote: Remote) -> bytes:
         ) from None
 
 
-def read_index(remote: Remote, raw: bytes) -> tuple[list[Shard], list[str], str]:
-    """The shards and columns in the index ``raw`` of the dataset at ``remote``, and a digest
-    of it (which the loader's fingerprint records: a state resumes only on the same dataset)."""
-    where = remote.where(INDEX_NAME)
+def read_index(where: str, raw: bytes) -> tuple[list[Shard], list[str], str]:
+    """The shards and columns in the index ``raw`` (read from ``where``: the storage's URL, or
+    the cache's local copy), and a digest of it (which the loader's fingerprint records: a
+    state resumes only on the same dataset)."""
     try:
         index = json.loads(raw)
     except ValueError as error:
