@@ -7,6 +7,8 @@ running beside the reader."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import signal
@@ -143,3 +145,46 @@ def test_a_malformed_index_is_never_cached_and_a_damaged_copy_names_itself(tmp_p
         StreamingDataset(url, cache_dir=cache)
     assert str(copy) in str(damaged.value) and "not valid JSON" in str(damaged.value)
     assert len(StreamingDataset(url, cache_dir=cache, refresh_index=True)) == 40
+
+
+def test_a_deleted_shard_a_missing_bucket_and_a_bad_footer_name_the_shard_and_its_url(s3, tmp_path):
+    import s3fs
+
+    from unbroken.errors import CorruptShard
+
+    s3.make_bucket("names")
+    url = "s3://names/ds"
+    write_shards(
+        ({"id": i} for i in range(60)), url, storage_options=s3.storage_options, shard_bytes=400
+    )
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    shards = sorted(p for p in fs.ls("names/ds") if p.endswith(".parquet"))
+    first = shards[0].rsplit("/", 1)[1]
+
+    def read_all(cache: str) -> None:
+        dataset = StreamingDataset(url, cache_dir=cache, storage_options=s3.storage_options)
+        list(unbroken.DataLoader(dataset, batch_size=8, seed=0))
+
+    # The shard's object deleted after the index was written: not retried, named.
+    saved = fs.cat_file(shards[0])
+    fs.rm(shards[0])
+    with pytest.raises(FileNotFoundError, match=f"could not download {url}/{first}: it does not"):
+        read_all(str(tmp_path / "a"))
+    # A Parquet file whose footer is damaged, its index entry resealed to match its bytes (as
+    # a hand-edited index would): the checksum passes, pyarrow cannot read it.
+    broken = saved[:-12] + b"\x00" * 8 + saved[-4:]
+    fs.pipe_file(shards[0], broken)
+    index = json.loads(fs.cat_file("names/ds/unbroken-index.json"))
+    entry = next(e for e in index["shards"] if e["name"] == first)
+    entry["checksum"] = "sha256:" + hashlib.sha256(broken).hexdigest()
+    entry["bytes"] = len(broken)
+    fs.pipe_file("names/ds/unbroken-index.json", json.dumps(index).encode())
+    with pytest.raises(CorruptShard, match=f"shard {first} \\({url}/{first}, cached as"):
+        read_all(str(tmp_path / "b"))
+    # A bucket that does not exist: the index's URL, and what to check.
+    with pytest.raises(FileNotFoundError, match="s3://no-such-bucket/ds"):
+        StreamingDataset(
+            "s3://no-such-bucket/ds",
+            cache_dir=str(tmp_path / "c"),
+            storage_options=s3.storage_options,
+        )

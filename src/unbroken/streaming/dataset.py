@@ -200,10 +200,20 @@ class StreamingDataset(torch.utils.data.Dataset):
         entry = self.shards[shard]
         path = self.cache.get(entry, self.remote)
         try:
-            file = pq.ParquetFile(path, memory_map=True)
-        except FileNotFoundError:  # evicted by another process between get and open
-            path = self.cache.get(entry, self.remote)
-            file = pq.ParquetFile(path, memory_map=True)
+            try:
+                file = pq.ParquetFile(path, memory_map=True)
+            except FileNotFoundError:  # evicted by another process between get and open
+                path = self.cache.get(entry, self.remote)
+                file = pq.ParquetFile(path, memory_map=True)
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+            if isinstance(error, FileNotFoundError):
+                raise
+            raise CorruptShard(
+                f"shard {entry.name} ({self.remote.where(entry.name)}, cached as {path}) is not "
+                f"a Parquet file pyarrow can read: {type(error).__name__}: {error}. Its bytes "
+                "match the index, so it was indexed so: rewrite it, then rebuild the index with "
+                "unbroken.streaming.index_parquet"
+            ) from error
         if file.metadata.num_rows != entry.rows or file.num_row_groups != len(entry.row_groups):
             raise CorruptShard(
                 f"shard {entry.name} ({self.remote.where(entry.name)}) has "

@@ -128,8 +128,12 @@ class Remote:
         for attempt in range(self.retries + 1):
             try:
                 return _keeping_random(call)
-            except FileNotFoundError:
-                raise
+            except FileNotFoundError as error:  # not retried; said with what was asked for
+                raise FileNotFoundError(
+                    f"could not {what} {self.where(name)}: it does not exist ({error}). Check "
+                    "the URL (and the bucket), or that the dataset was not deleted or rewritten "
+                    "since its index was read (refresh_index=True reads the index again)"
+                ) from error
             except Exception as error:
                 if not _transient(error):
                     raise
