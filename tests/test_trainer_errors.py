@@ -192,3 +192,46 @@ def test_fit_refuses_to_finish_a_validation_phase_without_a_val_loader(tmp_path)
     assert error.value.field == "val_loader" and isinstance(error.value, ValueError)
     assert (tmp_path / "metrics.csv").read_text() == log  # nothing was trained or logged
     _fit(tmp_path)  # with it, the run finishes
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    """A tmpfs holding a run directory, then remounted read-only (root: mode bits do not stop
+    it, a read-only file system does)."""
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    mountpoint = tmp_path / "disk"
+    mountpoint.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        (mountpoint / "run").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mountpoint)], check=True)
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_a_read_only_run_directory_says_what_the_trainer_needs(read_only_disk, exists):
+    import errno
+
+    directory = read_only_disk / ("run" if exists else "new")
+    model = nn.Linear(2, 1)
+    loader = unbroken.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), seed=0)
+    trainer = unbroken.Trainer(directory, max_epochs=1, signals=())
+    with pytest.raises(OSError, match="is not writable") as refused:
+        trainer.fit(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loader,
+            training_step=lambda model, batch: model(batch[0]).sum(),
+        )
+    assert refused.value.errno == errno.EROFS
+    assert str(directory) in str(refused.value) and "unbroken inspect" in str(refused.value)

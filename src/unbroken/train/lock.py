@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 from ..errors import DirectoryInUse
 
@@ -43,7 +44,10 @@ class DirectoryLock:
                 f"{self.path.parent} is in use by another Trainer.fit in this process (pid "
                 f"{os.getpid()}); train in another directory, or let that fit() return first."
             )
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise not_writable(self.path.parent, error) from error
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
@@ -72,3 +76,14 @@ class DirectoryLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def not_writable(directory: Any, error: OSError) -> OSError:
+    """``error`` (of the same type and errno) saying what the Trainer needs of its directory."""
+    return type(error)(
+        error.errno,
+        f"the run directory {directory} is not writable ({error.strerror}): the Trainer writes "
+        "its checkpoints, its log and its lock file (.lock) there. Give it a writable directory "
+        "(to look at a run on a read-only disk, use `unbroken inspect` or `unbroken verify`, "
+        "which write nothing)",
+    )

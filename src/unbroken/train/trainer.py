@@ -53,7 +53,7 @@ from .checkpointing import (
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
-from .lock import DirectoryLock
+from .lock import DirectoryLock, not_writable
 from .options import call_hooks, check_arguments, check_loaders, hooks
 from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, TrainerConfig, bar, say
@@ -192,7 +192,10 @@ class Trainer:
             self.job = Job()
             with self.preemption, determinism(self.deterministic, model):
                 self._exit_if_preempted_before_training()
-                self.directory.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                except OSError as error:
+                    raise not_writable(self.directory, error) from error
                 with self._locked():
                     self._fit(train_loader, val_loader)
         finally:
