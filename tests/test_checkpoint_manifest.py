@@ -195,6 +195,22 @@ def test_a_manifest_that_is_not_an_object_or_nested_too_deep_is_skipped(template
     assert "manifest.json is unreadable" in _fell_back(tmp_path / "b")
 
 
+def test_a_file_linked_from_outside_the_checkpoint_is_refused(template, tmp_path):
+    # A data file replaced by a symbolic link to a file elsewhere (its sha256 and size resealed
+    # into the manifest) would load that file: refused, the previous checkpoint loads.
+    checkpoint, manifest = _copy(template, tmp_path / "ckpt")
+    outside = tmp_path / "elsewhere.pt"
+    name = next(f for f in manifest["files"] if f.endswith("model.pt"))
+    shutil.copy(template / "step-000000001" / name, outside)  # a valid file, of step 1
+    (checkpoint / name).unlink()
+    (checkpoint / name).symlink_to(outside)
+    data = outside.read_bytes()
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    _reseal(checkpoint, manifest)
+    message = _fell_back(tmp_path / "ckpt")
+    assert f"{name} is a symbolic link" in message, message
+
+
 def test_unknown_keys_are_ignored(template, tmp_path):
     checkpoint, manifest = _copy(template, tmp_path / "ckpt")
     manifest["note"] = {"any": ["thing"]}

@@ -132,6 +132,7 @@ def read_manifest(storage: Storage, path: str, step: int) -> Manifest:
         raise CorruptCheckpoint(f"{MANIFEST} is unreadable: {error}") from None
     manifest = validate(data, step, path)
     for file, spec in manifest["files"].items():
+        _refuse_links(storage, path, file)
         try:
             actual = storage.size(join(path, file))
         except OSError as error:
@@ -139,6 +140,20 @@ def read_manifest(storage: Storage, path: str, step: int) -> Manifest:
         if actual != spec["size"]:
             raise CorruptCheckpoint(f"{file} has {actual} bytes, the manifest says {spec['size']}")
     return manifest
+
+
+def _refuse_links(storage: Storage, path: str, file: str) -> None:
+    """A checkpoint's files are its own: a symbolic link in one's path (the file, or the
+    directory of a sharded entry's files) could make a resealed manifest load a file from
+    anywhere on the machine."""
+    parts = file.split("/")
+    for depth in range(1, len(parts) + 1):
+        name = "/".join(parts[:depth])
+        if storage.is_link(join(path, name)):
+            raise CorruptCheckpoint(
+                f"{name} is a symbolic link: a checkpoint's files must be in it, not linked "
+                "from elsewhere"
+            )
 
 
 def verify_file(storage: Storage, path: str, manifest: Manifest, file: str) -> None:

@@ -76,6 +76,10 @@ class Storage(Protocol):
         """The size of file ``path`` in bytes."""
         ...
 
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (False on a store that has none)."""
+        ...
+
     def rename(self, source: str, target: str) -> None:
         """Rename ``source`` to ``target`` (a directory too) in one step."""
         ...
@@ -135,6 +139,9 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         return os.stat(path).st_size
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
 
     def rename(self, source: str, target: str) -> None:
         os.rename(source, target)
