@@ -364,3 +364,13 @@ def test_the_sampler_outlives_its_loader_which_is_freed_at_once():
         )
     finally:
         gc.enable()
+
+
+def test_a_random_sampler_of_fewer_samples_than_the_dataset_stays_torchs():
+    # RandomSampler(num_samples < len(dataset)) draws a subset: not a shuffle of the whole
+    # dataset, so it must not become unbroken's order (which reads all of it).
+    dataset = Indexed(20)
+    sampler = RandomSampler(dataset, num_samples=6, generator=torch.Generator().manual_seed(1))
+    loader = unbroken.DataLoader(dataset, batch_size=2, sampler=sampler, seed=0)
+    assert loader.state_dict()["fingerprint"]["sampler"] != "unbroken"
+    assert len(indices(loader)) == 6

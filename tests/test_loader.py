@@ -367,3 +367,19 @@ def test_the_state_before_the_last_batch_is_the_state_one_batch_earlier(iterable
     resumed = make()
     resumed.load_state_dict(states[3])
     assert resumed._state_before_last_batch() is None  # not received by this loader
+
+
+@pytest.mark.parametrize("batch_size", [3, 7, 4095, 4097])
+def test_batches_that_do_not_divide_the_internal_block_are_whole(batch_size):
+    # The order is computed in blocks of positions (4096 at a time): a batch size that does not
+    # divide it must still give whole batches across every block edge, in the shuffle's order.
+    from unbroken.data.shuffle import IndexShuffle, derive_key
+
+    n = 3 * 4096 + 5
+    loader = unbroken.DataLoader(Counting(n), batch_size=batch_size, shuffle=True, seed=2)
+    sizes = [len(batch) for batch in loader]
+    assert sizes[:-1] == [batch_size] * (len(sizes) - 1) and sum(sizes) == n
+    loader.set_epoch(0)
+    assert [int(i) for batch in loader for i in batch] == IndexShuffle(
+        n, derive_key(2, 0, 1)
+    ).range(0, n)

@@ -188,3 +188,49 @@ def test_a_deleted_shard_a_missing_bucket_and_a_bad_footer_name_the_shard_and_it
             cache_dir=str(tmp_path / "c"),
             storage_options=s3.storage_options,
         )
+
+
+def test_damage_past_the_first_mebibytes_is_caught(tmp_path):
+    # A hash that covered only a file's first MiBs would pass every smaller file: damage one
+    # byte 6 MiB into a checkpoint file and into a shard of several MiB.
+    from unbroken import Checkpointer
+    from unbroken.errors import CorruptShard
+
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB
+    checkpoints = Checkpointer(tmp_path / "ckpt", keep=3)
+    checkpoints.save(1, {"x": big})
+    checkpoints.save(2, {"x": big + 1})
+    (data,) = [p for p in (tmp_path / "ckpt" / "step-000000002").iterdir() if p.suffix == ".pt"]
+    damaged = bytearray(data.read_bytes())
+    damaged[6 << 20] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    with pytest.warns(UserWarning, match="does not match its sha256"):
+        restored = Checkpointer(tmp_path / "ckpt").load_latest({"x": None})
+    assert restored.step == 1 and torch.equal(restored.values["x"], big)
+
+    url = str(tmp_path / "ds")
+    noise = np.random.default_rng(0)
+    rows = ({"id": i, "x": noise.bytes(16 << 10)} for i in range(600))  # ~10 MiB, one shard
+    write_shards(rows, url, shard_bytes=64 << 20, row_group_bytes=1 << 20)
+    (shard,) = (tmp_path / "ds").glob("*.parquet")
+    damaged = bytearray(shard.read_bytes())
+    assert len(damaged) > 7 << 20
+    damaged[6 << 20] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(CorruptShard, match="checksum"):
+        dataset = StreamingDataset(url, cache_dir=str(tmp_path / "cache"))
+        next(iter(unbroken.DataLoader(dataset, batch_size=4, seed=0)))
+
+
+def test_the_cache_never_serves_another_datasets_shard_of_the_same_name_and_size(tmp_path):
+    # Two datasets (or two versions of one) whose shards have the same names and sizes but
+    # other bytes, in one cache: each reads its own rows.
+    cache = str(tmp_path / "cache")
+    for version in (1, 2):
+        rows = ({"id": i, "v": version} for i in range(50))
+        write_shards(rows, str(tmp_path / f"v{version}"), shard_bytes=500)
+    for version in (1, 2, 1):
+        dataset = StreamingDataset(str(tmp_path / f"v{version}"), cache_dir=cache)
+        assert {row["v"] for row in dataset} == {version}
+    names = sorted(p.name for p in (tmp_path / "v1").glob("*.parquet"))
+    assert names == sorted(p.name for p in (tmp_path / "v2").glob("*.parquet"))  # same names
