@@ -20,7 +20,7 @@ optimizer and scheduler states go to ``OUT/final.pt``.
   ``--datamodule``.
 - ``--kill-at B`` SIGKILLs rank ``--kill-rank`` at the end of training batch B (counted from
   1 over the whole run); ``--signal-at B`` sends SIGTERM to the whole process group there, as a
-  scheduler does.
+  scheduler does (with ``--signal-rank R``, to rank R's process alone).
 - ``--sweep saves``: in this one process, the uninterrupted run (``OUT/whole``) saving a
   checkpoint at every place Lightning can save one (every training batch's end, every
   validation's end, every training epoch's end: ``OUT/whole/cuts/NNN-hook.ckpt``), then a run
@@ -209,7 +209,10 @@ class Interrupt(L.Callback):
         done = trainer.current_epoch * trainer.num_training_batches + batch_idx + 1
         if done == self.args.kill_at and trainer.global_rank == self.args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
-        if done == self.args.signal_at and trainer.global_rank == 0:
+        if done == self.args.signal_at and self.args.signal_rank >= 0:
+            if trainer.global_rank == self.args.signal_rank:  # this rank alone
+                os.kill(os.getpid(), signal.SIGTERM)
+        elif done == self.args.signal_at and trainer.global_rank == 0:
             # From another process, as a scheduler's: a worker takes a SIGTERM sent by the
             # training process itself as torch's request to stop.
             group = os.getpgid(0)
@@ -338,6 +341,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--signal-rank", type=int, default=-1)
     parser.add_argument("--datamodule", action="store_true")
     parser.add_argument("--sweep", choices=["saves", "signals"])
     args = parser.parse_args()

@@ -12,6 +12,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,6 +224,21 @@ def test_sigterm_inside_an_accumulation_window_saves_at_its_optimizer_step(tmp_p
     # resumed run the rest: every batch, validation and epoch record of the whole run.
     assert records(cut) == records(whole)
     assert weights_equal(whole, cut)
+
+
+def test_ddp_a_signal_on_one_rank_is_agreed_and_every_rank_saves_and_exits_75(tmp_path):
+    # SIGTERM reaches rank 1 alone after batch 3 (of 6 an epoch per rank; Lightning validates
+    # after it): the ranks agree on it at that validation's end, rank 0 writes last.ckpt there
+    # (with both ranks' generators) and both exit 75; a rank acting on its own would leave the
+    # other in a collective.
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    stderr = run(cut, "--signal-at", "3", "--signal-rank", "1", devices=2, expect=-1)
+    assert len(re.findall(r"exitcode\s*: 75 ", stderr)) == 2, stderr[-3000:]
+    saved = torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)
+    state = saved["callbacks"]["unbroken.ExactResume"]
+    assert saved["global_step"] == 3 and state["saved_at"]["hook"] == "validation_end"
+    assert len(state["ranks"]) == 2
 
 
 # The parts, without a training run.

@@ -326,6 +326,7 @@ class ExactResume(Callback):
             return
         trainer.save_checkpoint(_last_path(trainer))  # on every rank: it gathers their states
         self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
+        loops.keep_ignoring_after_teardown(trainer, self.preemption.signals)
         raise SystemExit(EXIT_CODE)
 
     def _warn_once(self, kind: str, message: str) -> None:

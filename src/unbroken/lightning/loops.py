@@ -33,6 +33,7 @@ Four of these read Lightning's private loop attributes (``fit_loop.epoch_loop``,
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,6 +226,18 @@ def iterates_anew_this_epoch(trainer: Trainer) -> bool:
     in, which use the iterator made when the loaders were set up)."""
     fit_loop = trainer.fit_loop
     return trainer.current_epoch > 0 and not fit_loop.is_resuming and not fit_loop.restarting
+
+
+def keep_ignoring_after_teardown(trainer: Trainer, signals: tuple[signal.Signals, ...]) -> None:
+    """Lightning puts back, as it tears down after the exception that ends ``fit`` (our
+    SystemExit(75)), the handlers it found when ``fit`` started: the default action for SIGTERM,
+    which would let torchrun's SIGTERM to a rank still exiting kill it (-15). Make it put back
+    "ignore" for the preemption signals instead (its ``_signal_connector._original_handlers``;
+    on a release without it, nothing changes)."""
+    originals = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+    if isinstance(originals, dict):
+        for sig in signals:
+            originals[sig] = signal.SIG_IGN
 
 
 def _epoch_plateau_monitors(trainer: Trainer) -> list[str]:
