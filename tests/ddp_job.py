@@ -12,6 +12,7 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   that tick, once. ``check_every``: the Trainer's ``preemption_check_every``.
 - ``slow_exit``: {"rank": r, "seconds": s}: after a preemption checkpoint, that rank takes
   that long to exit.
+- ``plain``: the model unwrapped (one process continuing a job of several).
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
 
 Every rank appends the sample ids it trained on to ``RUN_DIR/seen.rank<r>.jsonl`` (one line per
@@ -137,6 +138,8 @@ if OPTIONS.get("fsdp"):
     for layer in (net[0], net[3]):
         fully_shard(layer, mesh=mesh)
     model = fully_shard(net, mesh=mesh)
+elif OPTIONS.get("plain"):
+    model = net  # one process continuing a job: the model as it is
 else:
     model = torch.nn.parallel.DistributedDataParallel(net)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

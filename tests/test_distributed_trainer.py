@@ -131,6 +131,22 @@ def test_an_fsdp2_job_killed_and_restarted_ends_bit_exact(tmp_path):
     assert (max((run / "checkpoints").glob("step-*")) / "001-model.dcp" / ".metadata").exists()
 
 
+def test_an_fsdp2_job_goes_on_in_one_process_with_the_model_unsharded(tmp_path):
+    # FSDP2 on 2 ranks, preempted after global batch 18; then one process, the model as it is
+    # (no FSDP, no DDP): DCP loads the shards into its whole tensors, the epoch goes on with
+    # every sample once, and the run keeps saving through DCP (so FSDP2 can take it back).
+    run = tmp_path / "fsdp-then-one"
+    torchrun(run, {"fsdp": True, "signal": {"rank": 1, "at": 18}}, expect=1)
+    output = torchrun(run, {"plain": True}, ranks=1)
+    assert "saved by 2 ranks, on 1 rank" in output, output[-3000:]
+    counts = seen(run)
+    for epoch in range(EPOCHS):
+        assert counts[epoch] == collections.Counter(range(N)), epoch
+    newest = max((run / "checkpoints").glob("step-*"))
+    assert json.loads((newest / "manifest.json").read_text())["world_size"] == 1
+    assert (newest / "001-model.dcp" / ".metadata").exists()
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     """A 2-rank job that got SIGTERM on rank 1 only, after global batch 18 of epoch 0; rank 0

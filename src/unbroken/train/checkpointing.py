@@ -79,9 +79,7 @@ def checkpoint_entries(
         RNG: PerRank(GlobalRNG(), resize="skip"),
     }
     if is_sharded(model):  # FSDP2: each rank holds its shards; DCP writes them, the optimizer's too
-        entries[MODEL] = Sharded(model, optimizer)
-        entries[GRADIENTS] = PerRank(Gradients(model), resize=Gradients.refuse_unfinished)
-        del entries[OPTIMIZER]
+        through_dcp(entries, model, optimizer)
     if log is not None:
         entries[LOG] = log
     optional = {
@@ -259,6 +257,17 @@ class SaveSchedule:
         return bool(self.every_seconds and _clock() - self.last_save >= self.every_seconds)
 
 
+def through_dcp(
+    entries: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """The model and its optimizer saved and loaded through DCP as one ``Sharded`` entry (each
+    rank its shards), the gradients of an unfinished window per rank: how a sharded model is
+    checkpointed, and how a run saved so goes on with an unsharded one."""
+    entries[MODEL] = Sharded(model, optimizer)
+    entries[GRADIENTS] = PerRank(Gradients(model), resize=Gradients.refuse_unfinished)
+    entries.pop(OPTIMIZER, None)
+
+
 def resume(
     checkpointer: Checkpointer, entries: dict[str, Any], val_loader: Iterable | None, seed: int
 ) -> Restored | None:
@@ -269,7 +278,17 @@ def resume(
     has no RNG state for this rank: the process RNGs are seeded from ``seed``, the step and
     the rank instead.
     """
-    restored = checkpointer.load_latest(entries)
+    try:
+        restored = checkpointer.load_latest(entries)
+    except StateMismatch as error:
+        if error.field != f"entries[{MODEL!r}]" or error.saved != "a DCP directory":
+            raise
+        # Saved by a sharded model (FSDP2), going on with an unsharded one (in one process, or
+        # wrapped otherwise): DCP loads the shards into its whole tensors, and the run keeps
+        # saving through DCP, so that it can go back to FSDP2 later.
+        model = entries[MODEL]
+        through_dcp(entries, model, entries[OPTIMIZER])
+        restored = checkpointer.load_latest(entries)
     progress = unwrap(entries[PROGRESS])
     if progress.phase == "val" and val_loader is None:
         raise StateMismatch(
