@@ -6,20 +6,32 @@
 Phases (``--phase``):
 
 - ``main`` (default): write the data set to the S3 server, time full shuffled epochs (num_workers
-  0 and 2, cold and warm cache), save resume states at 1%, 50% and 99% of an epoch, measure
-  resume latency in fresh subprocesses (warm and empty cache), run the SIGKILL test, and print
-  one JSON object (the last line of stdout).
-- ``resume``: build a loader, load ``--state`` and time the first batch (a child of ``main``).
+  0 and 2, cold and warm cache), save resume states at 1%, 50% and 99% of an epoch (with each
+  num_workers), measure resume latency in fresh subprocesses (num_workers 0 and 2, warm and
+  empty cache), run the SIGKILL test, and print one JSON object (the last line of stdout).
+- ``resume``: a restarted training process: ``import`` the library, build a loader with
+  ``--workers``, load ``--state``, take the first batch (a child of ``main``).
 - ``epoch``: one shuffled epoch from the start (a child of ``main``: the process that gets
   SIGKILLed, and the restart after it); prints ``B <batches>`` progress lines, then JSON.
 
 Each library is imported only inside its own branch, so this file runs in any of the three
-virtual environments. Only the standard library, numpy and torch are imported at the top.
+virtual environments. Only the standard library and numpy are imported at the top.
+
+How a resume is timed, the same way for all three: ``main`` notes ``time.monotonic()`` just
+before it spawns the ``resume`` process, which notes the same clock (CLOCK_MONOTONIC, shared by
+every process) when it starts, after ``import <library>`` (the one import a training script
+writes: ``streaming``, ``litdata``, ``unbroken``), and when the first batch is in hand. So
+each resume has two times: *spawn to first batch* (the interpreter, every import of the
+library and of what it needs, building the loader, loading the state, the first batch: what a
+restarted process waits) and *build to first batch* (from the call that builds the dataset,
+with whatever the library imports lazily inside it). Nothing else is imported or warmed before
+either clock for one library and not the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -44,13 +56,22 @@ X_BYTES = 1024
 # The sample payload: 8 bytes of the sample id (little endian), then 1016 bytes cut from a fixed
 # 1 MiB pseudo-random block (sha256 in counter mode: identical in every environment, no numpy
 # version dependence, incompressible). The id prefix lets every reader be checked exactly.
-_BLOCK = b"".join(hashlib.sha256(k.to_bytes(8, "little")).digest() for k in range(32768))
-_SPAN = len(_BLOCK) - (X_BYTES - 8)
+# Built on first use (~30 ms), not at import: a resume child's clock starts at its spawn, and the
+# first batch must not wait for the harness's own data.
+_BLOCK = b""
+
+
+def _block() -> bytes:
+    global _BLOCK
+    if not _BLOCK:
+        _BLOCK = b"".join(hashlib.sha256(k.to_bytes(8, "little")).digest() for k in range(32768))
+    return _BLOCK
 
 
 def make_x(i: int) -> bytes:
-    off = (i * 7919) % _SPAN
-    return i.to_bytes(8, "little") + _BLOCK[off : off + X_BYTES - 8]
+    block = _block()
+    off = (i * 7919) % (len(block) - (X_BYTES - 8))
+    return i.to_bytes(8, "little") + block[off : off + X_BYTES - 8]
 
 
 def make_row(i: int) -> dict[str, Any]:
@@ -191,10 +212,15 @@ class Lib:
     def __init__(self, endpoint: str, remote: str) -> None:
         self.endpoint, self.remote = endpoint, remote
 
+    # What a training script imports at its top to use the library, and nothing more: the
+    # same rule for all three. Whatever else a library needs for its first batch (pyarrow,
+    # fsspec, boto3, ...) it imports itself while the loader is built or iterated, inside the
+    # "build to first batch" clock; a resume's other clock starts at the process's spawn and
+    # holds every import.
     modules: tuple[str, ...] = ()
 
     def preimport(self) -> None:
-        """Import the library before anything is timed (imports are not building a loader)."""
+        """``import`` the library as a training script would, before its loader is built."""
         import importlib
 
         for module in self.modules:
@@ -279,7 +305,7 @@ def _litdata_allow_http() -> None:
 
 class LitDataLib(Lib):
     name = "litdata"
-    modules = ("litdata", "litdata.streaming.downloader")
+    modules = ("litdata",)
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -344,7 +370,7 @@ class LitDataLib(Lib):
 
 class UnbrokenLib(Lib):
     name = "unbroken"
-    modules = ("unbroken", "unbroken.streaming", "pyarrow.parquet", "fsspec", "s3fs")
+    modules = ("unbroken",)
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -491,6 +517,15 @@ def child(args: argparse.Namespace, phase: str, extra: list[str], **popen: Any) 
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of a child's process group (loader workers it did not stop), so
+    no process of one measurement runs into the next."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def last_json(text: str) -> dict[str, Any] | None:
     for line in reversed(text.strip().splitlines()):
         line = line.strip()
@@ -505,6 +540,7 @@ def last_json(text: str) -> dict[str, Any] | None:
 def run_child(
     args: argparse.Namespace, phase: str, extra: list[str], timeout: float
 ) -> dict[str, Any]:
+    spawned = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process on the machine
     proc = child(args, phase, extra, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -512,7 +548,10 @@ def run_child(
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return {"error": f"timed out after {timeout:.0f}s", "stderr_tail": err[-1500:]}
+    _kill_group(proc)
     result = last_json(out)
+    if result is not None:
+        result["spawned_at"] = spawned
     if result is None or proc.returncode != 0:
         return {
             "error": f"exit code {proc.returncode}",
@@ -528,24 +567,36 @@ def link_copy(src: str, dst: str) -> None:
 
 
 def phase_resume(lib: Lib, args: argparse.Namespace) -> dict[str, Any]:
+    """A restarted training process: import the library, build the loader (``--workers``), load
+    the state, take the first batch. Timestamps are ``time.monotonic()`` (CLOCK_MONOTONIC, the
+    same clock in every process), so the parent, which noted when it spawned this process,
+    gets both times: spawn to first batch (interpreter, every import, build, first batch) and
+    build to first batch (after the ``import`` of the library alone, the same for all three)."""
+    started = time.monotonic()  # the interpreter and this harness's imports are done
     with open(args.state, "rb") as f:
         state = pickle.load(f)
     lib.preimport()
-    t0 = time.perf_counter()
-    loader = lib.loader(args.cache, 0)
+    imported = time.monotonic()
+    loader = lib.loader(args.cache, args.workers)
     lib.load(loader, state)
     it = iter(loader)
     batch = next(it)
-    seconds = time.perf_counter() - t0
+    first = time.monotonic()
     cache_bytes = dir_bytes(args.cache)  # what was in the cache when the first batch arrived
     out = {
-        "seconds": seconds,
+        "started_at": started,
+        "built_at": imported,
+        "first_batch_at": first,
+        "seconds": first - imported,
+        "imports_s": imported - started,
         "ids": batch_ids(batch),
         "x_ok": batch_ok(batch),
         "cache_bytes": cache_bytes,
+        "modules": sorted(m for m in ("pyarrow", "fsspec", "s3fs", "boto3") if m in sys.modules),
     }
-    # Stop background downloads before the process exits, where the library allows it.
-    del it
+    # Stop background downloads and workers before the process exits, where the library allows
+    # it (the parent kills the process group afterwards in any case).
+    del it, loader
     return out
 
 
@@ -695,27 +746,31 @@ def phase_main(lib: Lib, args: argparse.Namespace) -> dict[str, Any]:
         "w0_warm": n / e_warm0["seconds"],
         "w0_build_s": build0,
         "w0_cold_first_batch_s": e_cold0["first_batch_s"],
+        # From building the loader (which reads the index: from the server, for all three).
+        "w0_cold_build_first_batch_s": build0 + e_cold0["first_batch_s"],
     }
     res["epoch_samples"] = {"w0_e0": len(e_cold0["ids"]), "w0_e1": len(e_warm0["ids"])}
     res["epochs_differ"] = e_cold0["ids"] != e_warm0["ids"]
 
     # states: JSON round trip as a checkpoint would do; pickled for the child processes.
-    state_files: dict[int, str] = {}
     res["state_json"] = True
-    for k in ks:
-        entry = states[k]
-        state = entry["state"]
-        try:
-            state = json.loads(json.dumps(state))
-        except (TypeError, ValueError):
-            res["state_json"] = False
-        path = work / f"state-{k}.pkl"
-        with open(path, "wb") as f:
-            pickle.dump(state, f)
-        state_files[k] = str(path)
-    del loader0
-    import gc
 
+    def save_states(found: dict[int, Any], tag: str) -> dict[int, str]:
+        files = {}
+        for k in ks:
+            state = found[k]["state"]
+            try:
+                state = json.loads(json.dumps(state))
+            except (TypeError, ValueError):
+                res["state_json"] = False
+            path = work / f"state-{tag}-{k}.pkl"
+            with open(path, "wb") as f:
+                pickle.dump(state, f)
+            files[k] = str(path)
+        return files
+
+    state_files = {0: save_states(states, "w0")}
+    del loader0
     gc.collect()
     # Resume runs at the same cache path (LitData's state records the cache dir and refuses
     # another); "warm" restores the epoch's cache from this hard-link snapshot, "cold" empties it.
@@ -728,10 +783,16 @@ def phase_main(lib: Lib, args: argparse.Namespace) -> dict[str, Any]:
     c2 = str(work / "cache-w2")
     shutil.rmtree(c2, ignore_errors=True)
     loader2 = lib.loader(c2, 2)
-    e_cold2 = run_epoch(loader2, lib.epochs(loader2))
+    states2: dict[int, Any] = {k: None for k in ks}
+    e_cold2 = run_epoch(loader2, lib.epochs(loader2), states_at=states2, lib=lib)
     step("epoch w2 warm")
     e_warm2 = run_epoch(loader2, lib.epochs(loader2))
     del loader2
+    gc.collect()
+    state_files[2] = save_states(states2, "w2")
+    snapshot2 = str(work / "cache-w2-snapshot")
+    shutil.rmtree(snapshot2, ignore_errors=True)
+    link_copy(c2, snapshot2)
     res["throughput"].update({"w2_cold": n / e_cold2["seconds"], "w2_warm": n / e_warm2["seconds"]})
     res["epoch_samples"].update({"w2_e0": len(e_cold2["ids"]), "w2_e1": len(e_warm2["ids"])})
     res["order_w0_vs_w2"] = {
@@ -739,37 +800,48 @@ def phase_main(lib: Lib, args: argparse.Namespace) -> dict[str, Any]:
         "epoch1": order_compare(e_warm0["ids"], e_warm2["ids"]),
     }
 
-    # --- resume latency, each in a fresh process (num_workers=0).
+    # --- resume latency, each in a fresh process: num_workers 0 and 2, each resuming a state
+    # its own num_workers saved, at the cache path that loader used (LitData's state records
+    # it); "warm" restores that cache from its snapshot, "cold" empties it.
     res["resume"] = {}
     for k in ks:
         label = f"{round(pos_of[k] * 100)}%"
-        expected = states[k]["next"]
         entry: dict[str, Any] = {"batch": k}
-        for kind in ("warm", "cold"):
-            step(f"resume {label} {kind}")
-            cache = Path(c0)
-            shutil.rmtree(cache, ignore_errors=True)
-            if kind == "warm":
-                link_copy(snapshot, str(cache))
-            else:
-                cache.mkdir(parents=True)
-            r = run_child(
-                args, "resume", ["--cache", str(cache), "--state", state_files[k]], timeout=600
-            )
-            if "error" in r:
-                entry[kind] = {"error": r["error"], "stderr_tail": r.get("stderr_tail", "")}
-            else:
-                entry[kind] = {
-                    "seconds": r["seconds"],
+        for workers, cache_dir, snap, found in (
+            (0, c0, snapshot, states),
+            (2, c2, snapshot2, states2),
+        ):
+            expected = found[k]["next"]
+            for kind in ("warm", "cold"):
+                name = kind if workers == 0 else f"{kind}_w{workers}"
+                step(f"resume {label} {kind}, {workers} workers")
+                cache = Path(cache_dir)
+                shutil.rmtree(cache, ignore_errors=True)
+                if kind == "warm":
+                    link_copy(snap, str(cache))
+                else:
+                    cache.mkdir(parents=True)
+                extra = ["--cache", str(cache), "--state", state_files[workers][k]]
+                r = run_child(args, "resume", [*extra, "--workers", str(workers)], timeout=600)
+                if "error" in r:
+                    entry[name] = {"error": r["error"], "stderr_tail": r.get("stderr_tail", "")}
+                    continue
+                entry[name] = {
+                    "seconds": r["seconds"],  # building the loader to the first batch
+                    "process_seconds": r["first_batch_at"] - r["spawned_at"],  # spawn to it
+                    "start_seconds": r["started_at"] - r["spawned_at"],  # interpreter, harness
+                    "imports_s": r["imports_s"],  # `import <library>`
                     "exact": r["ids"] == expected and r["x_ok"],
                     "cache_bytes": r["cache_bytes"],
+                    "modules_at_first_batch": r.get("modules"),
                 }
                 if r["ids"] != expected:
-                    entry[kind]["got_first_ids"] = r["ids"][:4]
-                    entry[kind]["want_first_ids"] = (expected or [])[:4]
+                    entry[name]["got_first_ids"] = r["ids"][:4]
+                    entry[name]["want_first_ids"] = (expected or [])[:4]
         res["resume"][label] = entry
-    shutil.rmtree(c0, ignore_errors=True)
-    link_copy(snapshot, c0)
+    for cache_dir, snap in ((c0, snapshot), (c2, snapshot2)):
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        link_copy(snap, cache_dir)
 
     # --- SIGKILL mid-epoch.
     step("kill test")

@@ -314,3 +314,58 @@ def test_a_sharded_entry_of_one_process_saves_and_loads_through_dcp(tmp_path):
     for key, value in expected.items():
         assert torch.equal(other.state_dict()[key], value), key
     assert other_adam.state_dict()["state"][0]["step"] == 1
+
+
+RESIZE_JOB = """
+import json, sys
+import torch.distributed as dist
+import unbroken.distributed
+from unbroken import Checkpointer, PerRank
+
+class Value:
+    def __init__(self, value):
+        self.value = value
+    def state_dict(self):
+        return {"value": self.value}
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+unbroken.distributed.init_process_group("gloo")
+rank = dist.get_rank()
+directory, mode = sys.argv[1], sys.argv[2]
+checkpointer = Checkpointer(directory, keep=2)
+if mode == "save":
+    checkpointer.save(1, {"value": PerRank(Value(100 + rank))})
+else:
+    value = Value(-1)
+    checkpointer.load_latest({"value": PerRank(value, resize="rank0")})
+    print(json.dumps({"rank": rank, "value": value.value}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_resize_rank0_gives_every_rank_rank_0s_part_also_ranks_that_existed_before(tmp_path):
+    # Saved by 3 ranks (each its own value), loaded on 2: rank 1 existed before and has a part
+    # of its own, but "rank0" means rank 0's part, on every rank.
+    script = tmp_path / "resize_job.py"
+    script.write_text(RESIZE_JOB)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for ranks, mode in ((3, "save"), (2, "load")):
+        done = subprocess.run(
+            [
+                torchrun,
+                "--standalone",
+                f"--nproc-per-node={ranks}",
+                str(script),
+                str(tmp_path / "c"),
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    loaded = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["rank"], r["value"]) for r in loaded) == [(0, 100), (1, 100)]
