@@ -1,7 +1,11 @@
 """Suite-wide settings: Hypothesis without deadlines (worker processes start at their own pace),
 and the preemption signals at their default action."""
 
+import contextlib
+import os
+import shutil
 import signal
+import subprocess
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -35,3 +39,22 @@ def s3():
 
     with S3Server() as server:
         yield server
+
+
+@contextlib.contextmanager
+def tmpfs(mountpoint, size: str = "1m"):
+    """A real tmpfs of ``size`` mounted on ``mountpoint`` (created), unmounted afterwards; the
+    test is skipped where this process may not mount (it needs root)."""
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a tmpfs needs root")
+    mountpoint.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mountpoint)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tmpfs
 
 from unbroken.checkpoint import Checkpointer
 
@@ -60,19 +61,8 @@ def _assert_untouched(directory):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 1 MiB tmpfs: a file system that really fills up."""
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root")
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk") as mountpoint:
         yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True)
 
 
 @pytest.mark.parametrize("blocking", [True, False])

@@ -6,6 +6,7 @@ import signal
 
 import pytest
 import torch
+from conftest import tmpfs
 from torch import nn
 
 import unbroken
@@ -198,24 +199,12 @@ def test_fit_refuses_to_finish_a_validation_phase_without_a_val_loader(tmp_path)
 def read_only_disk(tmp_path):
     """A tmpfs holding a run directory, then remounted read-only (root: mode bits do not stop
     it, a read-only file system does)."""
-    import shutil
     import subprocess
 
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("mounting a tmpfs needs root")
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk") as mountpoint:
         (mountpoint / "run").mkdir()
         subprocess.run(["mount", "-o", "remount,ro", str(mountpoint)], check=True)
         yield mountpoint
-    finally:
-        subprocess.run(["umount", str(mountpoint)], check=True)
 
 
 @pytest.mark.parametrize("exists", [True, False])
