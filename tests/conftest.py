@@ -2,10 +2,13 @@
 and the preemption signals at their default action."""
 
 import contextlib
+import hashlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -58,3 +61,16 @@ def tmpfs(mountpoint, size: str = "1m"):
         yield mountpoint
     finally:
         subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def reseal(checkpoint: Path, file: str | None = None, **changes) -> None:
+    """Make a checkpoint's ``manifest.json`` vouch for ``file`` as it is now, with ``changes``
+    to its fields (the format's documented seal): damage a hash cannot see."""
+    manifest = {**json.loads((checkpoint / "manifest.json").read_text()), **changes}
+    if file is not None:
+        data = (checkpoint / file).read_bytes()
+        manifest["files"][file] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    del manifest["sha256"]
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+    manifest["sha256"] = hashlib.sha256(canonical).hexdigest()
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))

@@ -6,9 +6,7 @@ Every test writes real files under pytest's tmp_path; nothing about the file sys
 import collections
 import enum
 import errno
-import hashlib
 import io
-import json
 import os
 import random
 import signal
@@ -23,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import reseal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pipelines import Counting
@@ -485,18 +484,6 @@ def test_all_corrupt_returns_none_with_a_warning_for_each(tmp_path):
     assert_same(before, model.state_dict())
 
 
-def _reseal(checkpoint, file=None, **changes):
-    """Make ``manifest.json`` vouch for ``file`` as it is now (the format's documented seal)."""
-    manifest = {**json.loads((checkpoint / MANIFEST).read_text()), **changes}
-    if file is not None:
-        data = (checkpoint / file).read_bytes()
-        manifest["files"][file] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    del manifest["sha256"]
-    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    manifest["sha256"] = hashlib.sha256(canonical).hexdigest()
-    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
-
-
 class _Payload:
     """Unpickling this calls open(marker, "w"): code from the file would run."""
 
@@ -531,7 +518,7 @@ def test_loading_runs_no_code_from_the_file(tmp_path, writer):
     _two_checkpoints(directory)
     newest = directory / "step-000000002"
     write(_data_file(newest), marker)
-    _reseal(newest, _data_file(newest).name)
+    reseal(newest, _data_file(newest).name)
     state = {"model": _model(), "step": 0}
     with pytest.warns(UserWarning, match="step-000000002.*does not load with torch.load"):
         assert Checkpointer(directory).load_latest(state).step == 1
@@ -540,7 +527,7 @@ def test_loading_runs_no_code_from_the_file(tmp_path, writer):
 
 def test_a_checkpoint_of_another_format_version_is_an_error_not_skipped(tmp_path):
     newest = _two_checkpoints(tmp_path)
-    _reseal(newest, version=3)
+    reseal(newest, version=3)
     with pytest.raises(
         ValueError,
         match=r"step-000000002 has format version 3; this unbroken "

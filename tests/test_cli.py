@@ -6,6 +6,7 @@ a Checkpointer saving a loader mid-epoch), then copied and damaged as a disk or 
 checked against what ``Checkpointer.load_latest`` does.
 """
 
+import io
 import json
 import os
 import re
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import reseal
 from torch import nn
 
 import unbroken
@@ -180,6 +182,31 @@ def _truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[:-10])
 
 
+class _RunsCode:
+    """Unpickling this would call open(marker, "w"): code from the file would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _resealed(checkpoint: Path, file: str, data: bytes) -> None:
+    """``file`` replaced by ``data`` and the manifest resealed over it: its sha256 matches."""
+    (checkpoint / file).write_bytes(data)
+    reseal(checkpoint, file)
+
+
+def _pickle_that_runs_code(checkpoint: Path) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"weight": _RunsCode(checkpoint.parent / "code-ran")}, buffer)
+    return buffer.getvalue()
+
+
+NOT_LOADING = r"state\['(model|optimizer)'\]: 00[01]-\w+\.pt does not load with torch\.load"
+
+
 DAMAGE = {
     "flipped byte": (
         lambda checkpoint: _flip(checkpoint / "000-model.pt"),
@@ -192,6 +219,23 @@ DAMAGE = {
     "deleted manifest": (
         lambda checkpoint: (checkpoint / MANIFEST).unlink(),
         r"manifest\.json is missing",
+    ),
+    # Whole by their sha256, but load_latest skips them: the command must say so too.
+    "garbage, resealed": (
+        lambda checkpoint: _resealed(checkpoint, "000-model.pt", os.urandom(3000)),
+        NOT_LOADING,
+    ),
+    "truncated zip, resealed": (
+        lambda checkpoint: _resealed(
+            checkpoint, "001-optimizer.pt", (checkpoint / "001-optimizer.pt").read_bytes()[:700]
+        ),
+        NOT_LOADING,
+    ),
+    "a pickle that runs code, resealed": (
+        lambda checkpoint: _resealed(
+            checkpoint, "000-model.pt", _pickle_that_runs_code(checkpoint)
+        ),
+        NOT_LOADING,
     ),
 }
 
@@ -401,24 +445,34 @@ def _spy_on_torch_load(monkeypatch) -> list:
     return calls
 
 
-def test_verify_loads_nothing_and_inspect_reads_with_weights_only(saves, monkeypatch, capsys):
+def test_verify_and_inspect_load_every_file_with_weights_only(saves, monkeypatch, capsys):
+    # As load_latest does: a file may match its sha256 and still not load.
     directory, _ = saves
+    files = ["000-model.pt", "001-optimizer.pt", "002-loader.pt", "003-step.pt"]
     calls = _spy_on_torch_load(monkeypatch)
     status, document = _json(["verify", directory], capsys)
-    assert status == 0 and calls == []
+    assert status == 0 and calls == [(file, True) for _ in SAVED_AT for file in files]
     assert all(c["position"] is None and c["loaders"] == [] for c in document["checkpoints"])
+    calls.clear()
     status, _ = _json(["inspect", directory], capsys)
     assert status == 0
-    files = ["000-model.pt", "001-optimizer.pt", "002-loader.pt", "003-step.pt"]
-    assert calls == [(file, True) for _ in SAVED_AT for file in files]  # all small ones
+    assert calls == [(file, True) for _ in SAVED_AT for file in files]
 
 
-def test_large_entries_are_not_read_except_the_trainers_own(run_dir, monkeypatch, capsys):
+def test_large_entries_are_not_kept_for_positions_except_the_trainers_own(
+    run_dir, monkeypatch, capsys
+):
     monkeypatch.setattr(cli, "READ_LIMIT", 0)  # every entry is "large" now
-    calls = _spy_on_torch_load(monkeypatch)
+    kept = []
+    real = cli.loaders
+
+    def spy(states):
+        kept.append(sorted(states))
+        return real(states)
+
+    monkeypatch.setattr(cli, "loaders", spy)
     _, document = _json(["inspect", run_dir], capsys)
-    read = {re.sub(r"^\d+-|(\.rank-\d+)?\.pt$", "", name) for name, _ in calls}
-    assert read == {"progress", "train_loader", "val_loader"}
+    assert kept and {tuple(names) for names in kept} == {("progress", "train_loader", "val_loader")}
     assert [c["position"] for c in document["checkpoints"]] == list(RUN.values())
 
 
@@ -471,6 +525,7 @@ def test_a_damaged_newest_checkpoint_fails_verify_and_resume_falls_back(
     restored, said = _load_latest(directory)  # what the command predicts is what happens
     assert restored.path.name == resume["checkpoint"] and restored.step == resume["step"]
     assert any("skipping checkpoint" in line and "step-000000012" in line for line in said)
+    assert not (directory / "code-ran").exists()
 
 
 def test_a_damaged_trainer_checkpoint_falls_back_to_the_training_phase(run_dir, tmp_path, capsys):
@@ -497,7 +552,6 @@ def test_when_no_checkpoint_verifies_a_resume_starts_fresh(saves, tmp_path, caps
     status, document = _json(["inspect", directory], capsys)
     assert status == 0
     assert [c["position"] for c in document["checkpoints"]] == [None, None, None]
-    assert [c["notes"] for c in document["checkpoints"]] == [[], [], []]  # damaged: not read
     resume = document["resume"]
     assert (resume["checkpoint"], resume["step"], resume["loaders"]) == (None, None, [])
     assert resume["skipped"] == ["step-000000012", "step-000000005", "step-000000003"]

@@ -7,14 +7,16 @@ directory. Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) 
 a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
 
 A checkpoint *verifies* when its manifest is intact (its seal, its schema, every listed file
-there with its size: ``manifest.read_manifest``) and every listed file matches its sha256
-(``manifest.verify_file``): the checks with which ``Checkpointer.load_latest`` decides to skip a
-checkpoint. ``inspect`` also reads (``torch.load(weights_only=True)``, through
-``manifest.load_file``) the small entries of each checkpoint whose files verified, to find the
+there with its size: ``manifest.read_manifest``), every listed file matches its sha256
+(``manifest.verify_file``), and every file but DCP's shards loads with
+``torch.load(weights_only=True)`` and fits its manifest entry (``manifest.load_file``,
+``check_entry``): the checks with which ``Checkpointer.load_latest`` decides to skip a
+checkpoint, so a file resealed over garbage or a pickle that would run code is reported as
+corrupt, as ``load_latest`` would skip it. ``inspect`` also keeps the small entries, to find the
 Trainer's loop counters (entry ``progress``) and the loaders' cursors (any saved
 ``unbroken.DataLoader``, ``CombinedLoader``, ``resumable`` or ``shuffle_buffer`` state, at the
 top of an entry or nested in a dict); of a checkpoint saved by several ranks, rank 0's part.
-``verify`` loads nothing: it only hashes.
+``verify`` makes the same checks; it prints no positions.
 
 Batches and samples are counts of what the user had received in the epoch (epochs count from
 0), so "continue epoch 2 at batch 37" means 37 batches of epoch 2 were trained on and batch 37
@@ -42,8 +44,7 @@ found); 1 (``verify``) when the newest checkpoint does not verify, even if an ol
                              "batch": 37, "sample": 2368 | null,
                              "optimizer_step": 120 | null,
                              "source": "progress" | "<a loader's entry name>"},
-         "loaders": [<loader>, ...],                 # the loaders' cursors, as below
-         "notes": []},                               # entries that could not be read
+         "loaders": [<loader>, ...]},                # the loaders' cursors, as below
         ...],
      "newest": "step-000000130",
      "ok": false,                            # the newest checkpoint verifies
@@ -78,7 +79,15 @@ from pathlib import Path
 from typing import Any, TypedDict, cast
 
 from .checkpoint import layout
-from .checkpoint.manifest import MANIFEST, Manifest, load_file, read_manifest, validate, verify_file
+from .checkpoint.manifest import (
+    MANIFEST,
+    Manifest,
+    check_entry,
+    load_file,
+    read_manifest,
+    validate,
+    verify_file,
+)
 from .checkpoint.storage import LocalStorage, Storage, join
 from .data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
 from .errors import CorruptCheckpoint, StateMismatch
@@ -120,7 +129,6 @@ class CheckpointReport(TypedDict):
     entries: list[str] | None
     position: Position | None
     loaders: list[LoaderReport]
-    notes: list[str]
 
 
 class LoaderReport(TypedDict, total=False):
@@ -221,20 +229,12 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
     except StateMismatch as error:
         problems.append(str(error))
         status = "unsupported"
-    bad: set[str] = set()
-    if manifest is not None:
-        for file in manifest["files"]:
-            try:
-                verify_file(storage, path, manifest, file)
-            except CorruptCheckpoint as error:
-                bad.add(file)
-                status = "corrupt"
-                if str(error) not in problems:
-                    problems.append(str(error))
-    notes: list[str] = []
     states: dict[str, Any] = {}
-    if read_states and manifest is not None:
-        states = _read_states(storage, path, manifest, bad, notes)
+    if manifest is not None:
+        for problem in _check_files(storage, path, manifest, states if read_states else None):
+            status = "corrupt"
+            if problem not in problems:
+                problems.append(problem)
     return CheckpointReport(
         name=Path(path).name,
         path=os.path.abspath(path),
@@ -248,7 +248,6 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
         entries=list(manifest["entries"]) if manifest is not None else None,
         position=_position(states),
         loaders=loaders(states),
-        notes=notes,
     )
 
 
@@ -280,28 +279,41 @@ def _size(directory: Path) -> int:
     return total
 
 
-def _read_states(
-    storage: Storage, path: str, manifest: Manifest, bad: set[str], notes: list[str]
-) -> dict[str, Any]:
-    """The entries worth reading for a position (``ALWAYS_READ``, or small), by name: each
-    with ``torch.load(weights_only=True)``, which runs no code from the file."""
-    states: dict[str, Any] = {}
-    for name, entry in manifest["entries"].items():
-        if "file" in entry:
-            file = entry["file"]
-        elif "ranks" in entry:
-            file = entry["ranks"][0]  # rank 0's part
-        else:
-            continue  # a Sharded entry's DCP files: tensors only
-        if file in bad:
-            continue
-        if name not in ALWAYS_READ and manifest["files"][file]["size"] > READ_LIMIT:
-            continue
+def _check_files(
+    storage: Storage, path: str, manifest: Manifest, states: dict[str, Any] | None
+) -> list[str]:
+    """Why ``load_latest`` would skip checkpoint ``path`` for its files (none: it would load
+    them): each listed file matches its sha256, and each file of a replicated or per-rank entry
+    loads with ``torch.load(weights_only=True)`` (which runs no code from the file) and fits
+    what the manifest says of it, the very checks ``load_latest`` makes (a file whose sha256
+    was resealed over garbage, a truncated zip or a pickle that would run code passes the hash
+    alone). DCP's shard files are hashed only: DCP reads them. ``states``, if given, receives
+    the entries worth reading for a position (``ALWAYS_READ``, or small), by name; of an entry
+    saved by several ranks, rank 0's part."""
+    problems: list[str] = []
+    bad: set[str] = set()
+    for file in manifest["files"]:
         try:
-            states[name] = load_file(storage, path, manifest, file, verify=False)  # verified
+            verify_file(storage, path, manifest, file)
         except CorruptCheckpoint as error:
-            notes.append(f"state[{name!r}]: {error}")
-    return states
+            bad.add(file)
+            problems.append(str(error))
+    for name, entry in manifest["entries"].items():
+        files = [entry["file"]] if "file" in entry else entry.get("ranks", [])
+        for file in files:
+            if file in bad:
+                continue
+            try:
+                value = load_file(storage, path, manifest, file, verify=False)  # hashed above
+                check_entry(name, entry, value)
+            except CorruptCheckpoint as error:
+                problems.append(f"state[{name!r}]: {error}")
+                continue
+            small = name in ALWAYS_READ or manifest["files"][file]["size"] <= READ_LIMIT
+            if states is not None and file == files[0] and small:
+                states[name] = value
+            del value  # one file in memory at a time
+    return problems
 
 
 def _is_progress(value: Any) -> bool:
@@ -544,14 +556,12 @@ def text(document: Report) -> str:
         rows.append(row)
     right = {1, 2, 3, 4, 5, 7} if inspecting else {1, 3}
     lines += table(headers, rows, right)
-    troubled = [c for c in document["checkpoints"] if c["problems"] or c["notes"]]
+    troubled = [c for c in document["checkpoints"] if c["problems"]]
     if troubled:
         lines.append("")
     for checkpoint in troubled:
         for problem in checkpoint["problems"]:
             lines.append(f"{checkpoint['name']}: {problem}")
-        for note in checkpoint["notes"]:
-            lines.append(f"{checkpoint['name']}: note: {note}")
     resume = document["resume"]
     if inspecting and resume["loaders"]:
         lines += ["", f"loaders in {resume['checkpoint']}:"]
