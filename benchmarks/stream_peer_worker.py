@@ -802,31 +802,37 @@ def phase_main(lib: Lib, args: argparse.Namespace) -> dict[str, Any]:
 
     # --- resume latency, each in a fresh process: num_workers 0 and 2, each resuming a state
     # its own num_workers saved, at the cache path that loader used (LitData's state records
-    # it); "warm" restores that cache from its snapshot, "cold" empties it.
-    res["resume"] = {}
-    for k in ks:
-        label = f"{round(pos_of[k] * 100)}%"
-        entry: dict[str, Any] = {"batch": k}
+    # it); "warm" restores that cache from its snapshot, "cold" empties it. Every measurement
+    # is taken --resume-repeats times, in rounds (each round takes all of them once), and
+    # reported as the median; the single runs are kept under "runs".
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    setups = [
+        (k, workers, kind, cache_dir, snap, found)
+        for k in ks
         for workers, cache_dir, snap, found in (
             (0, c0, snapshot, states),
             (2, c2, snapshot2, states2),
-        ):
-            expected = found[k]["next"]
-            for kind in ("warm", "cold"):
-                name = kind if workers == 0 else f"{kind}_w{workers}"
-                step(f"resume {label} {kind}, {workers} workers")
-                cache = Path(cache_dir)
-                shutil.rmtree(cache, ignore_errors=True)
-                if kind == "warm":
-                    link_copy(snap, str(cache))
-                else:
-                    cache.mkdir(parents=True)
-                extra = ["--cache", str(cache), "--state", state_files[workers][k]]
-                r = run_child(args, "resume", [*extra, "--workers", str(workers)], timeout=600)
-                if "error" in r:
-                    entry[name] = {"error": r["error"], "stderr_tail": r.get("stderr_tail", "")}
-                    continue
-                entry[name] = {
+        )
+        for kind in ("warm", "cold")
+    ]
+    for round_ in range(args.resume_repeats):
+        for k, workers, kind, cache_dir, snap, found in setups:
+            label = f"{round(pos_of[k] * 100)}%"
+            name = kind if workers == 0 else f"{kind}_w{workers}"
+            step(f"resume {label} {kind}, {workers} workers (round {round_ + 1})")
+            cache = Path(cache_dir)
+            shutil.rmtree(cache, ignore_errors=True)
+            if kind == "warm":
+                link_copy(snap, str(cache))
+            else:
+                cache.mkdir(parents=True)
+            extra = ["--cache", str(cache), "--state", state_files[workers][k]]
+            r = run_child(args, "resume", [*extra, "--workers", str(workers)], timeout=600)
+            if "error" in r:
+                run = {"error": r["error"], "stderr_tail": r.get("stderr_tail", "")}
+            else:
+                expected = found[k]["next"]
+                run = {
                     "seconds": r["seconds"],  # building the loader to the first batch
                     "process_seconds": r["first_batch_at"] - r["spawned_at"],  # spawn to it
                     "start_seconds": r["started_at"] - r["spawned_at"],  # interpreter, harness
@@ -836,8 +842,29 @@ def phase_main(lib: Lib, args: argparse.Namespace) -> dict[str, Any]:
                     "modules_at_first_batch": r.get("modules"),
                 }
                 if r["ids"] != expected:
-                    entry[name]["got_first_ids"] = r["ids"][:4]
-                    entry[name]["want_first_ids"] = (expected or [])[:4]
+                    run["got_first_ids"] = r["ids"][:4]
+                    run["want_first_ids"] = (expected or [])[:4]
+            runs.setdefault((label, name), []).append(run)
+    res["resume"] = {}
+    for k in ks:
+        label = f"{round(pos_of[k] * 100)}%"
+        entry: dict[str, Any] = {"batch": k}
+        for name in ("warm", "cold", "warm_w2", "cold_w2"):
+            done = runs[(label, name)]
+            failed = [run for run in done if "error" in run]
+            if failed:
+                entry[name] = {**failed[0], "runs": done}
+                continue
+            entry[name] = {
+                key: float(np.median([run[key] for run in done]))
+                for key in ("seconds", "process_seconds", "start_seconds", "imports_s")
+            }
+            entry[name].update(
+                exact=all(run["exact"] for run in done),
+                cache_bytes=int(np.median([run["cache_bytes"] for run in done])),
+                modules_at_first_batch=done[0]["modules_at_first_batch"],
+                runs=done,
+            )
         res["resume"][label] = entry
     for cache_dir, snap in ((c0, snapshot), (c2, snapshot2)):
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -872,6 +899,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--clean-shm", action="store_true")
+    ap.add_argument(
+        "--resume-repeats", type=int, default=3, help="resume measurements: runs of each (median)"
+    )
     args = ap.parse_args()
     set_s3_env(args.endpoint)
     lib = LIBS[args.library](args.endpoint, args.remote)

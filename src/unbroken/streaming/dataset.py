@@ -42,6 +42,26 @@ from .prefetch import Prefetcher, first_uses_in
 from .remote import Remote
 
 
+def _import_readers() -> None:
+    """Import what reading the first batch needs, in the process that builds the dataset: done
+    when the index came from the cache's copy, i.e. on a restart on a machine that has read
+    the dataset before, whose first shards are usually cached.
+
+    The loader's workers are forked from that process after the dataset is built (on Linux,
+    where fork is the default), so they inherit these modules instead of each importing them
+    on its first read. That matters more than the imports' own time: in a process that has
+    imported torch they allocate enough to set off one of Python's full garbage collections
+    (~0.1 s here), which in a freshly forked worker also copies every page of the parent's
+    heap that it touches (0.15-0.3 s per worker on 2 cores, before its first batch). Done
+    here, that collection runs once, before the fork. On a first run (the index fetched),
+    the first batch waits for its shards' downloads, which start only once the workers
+    exist; the workers import the reader while they wait, and importing it here would only
+    delay the downloads. Workers started another way (spawn) import it on their first read.
+    """
+    import numpy.ma  # noqa: F401 - numpy 2.4's unique() imports it on first use (the order)
+    import pyarrow.parquet  # noqa: F401 - reading a shard
+
+
 def default_cache_dir() -> str:
     """``$UNBROKEN_CACHE`` or ``~/.cache/unbroken/shards``: safe to share between datasets,
     since shards are cached under their checksum."""
@@ -104,6 +124,7 @@ class StreamingDataset(torch.utils.data.Dataset):
         # client alone takes ~0.2 s), and a run keeps reading the index it started with.
         key = f"{self.remote.url}\n{self.remote.storage_options.get('endpoint_url')}"
         raw = None if refresh_index else self.cache.cached_index(key)
+        seen_before = raw is not None
         if raw is not None:  # a copy damaged on this disk names itself, and the way out
             where = f"{self.cache.index_copy(key)} (the cache's copy of {self.remote.url}'s index; pass refresh_index=True to read it again)"
             self.shards, all_columns, self.index_digest = read_index(where, raw)
@@ -143,6 +164,8 @@ class StreamingDataset(torch.utils.data.Dataset):
             )
         self.cache.sweep()
         self._init_readers()
+        if seen_before:  # a restart on this machine: see _import_readers
+            _import_readers()
 
     def _init_readers(self) -> None:
         # Per process: open Parquet files and decoded row groups (a window's worth).
