@@ -6,6 +6,8 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.unbroken-installed
+# What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
+DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
 .PHONY: test demo demo-loader demo-ddp demo-stream bench bench-stream mutate clean
 
@@ -13,7 +15,13 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[test,bench,demo]"
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[demo]"
+	touch $(DEMO_STAMP)
 
 # The type checker and the linter first (seconds), then the suite.
 test: $(STAMP)
@@ -22,14 +30,14 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) demo/train_digits.py
 
-demo-loader: $(STAMP)
+demo-loader: $(DEMO_STAMP)
 	$(PY) demo/resume_demo.py
 
 # torchrun on 2 CPU processes (gloo): one rank SIGKILLed 3 times, then resumed on 1 and 3 ranks.
-demo-ddp: $(STAMP)
+demo-ddp: $(DEMO_STAMP)
 	$(PY) demo/train_digits_ddp.py
 
 # A local S3 server (moto): digits streamed from Parquet shards, SIGKILLed 4 times, cache emptied once.

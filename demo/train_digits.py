@@ -139,6 +139,7 @@ def train(directory: Path) -> None:
         max_epochs=EPOCHS,
         seed=SEED,
         checkpoint_every_steps=5,
+        log_every=1,  # every batch's loss in metrics.csv: the curves of loss_curves.png
         accumulate=2,
         clip_grad_norm=1.0,
         callbacks=[Status(directory / "status")],

@@ -95,7 +95,7 @@ def test_a_state_of_the_wrong_type_is_a_value_error(bad):
 def test_wrong_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64\)"):
         _loader(seed=-1)
-    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+    with pytest.raises(ValueError, match="batch_size should be a positive integer"):  # torch's
         _loader(batch_size=0)
     with pytest.raises(ValueError, match="in_order=True"):
         _loader(in_order=False)

@@ -241,8 +241,11 @@ def test_unserializable_dataset_state_names_its_key():
 
 
 def test_shuffle_and_samplers_are_refused_for_streams():
-    with pytest.raises(ValueError, match="orders itself"):
+    with pytest.raises(ValueError, match="expected unspecified shuffle option"):  # torch's
         unbroken.DataLoader(StatefulStream(4), shuffle=True)
+    # An iterable that torch would take for a map-style dataset: unbroken's own refusal.
+    with pytest.raises(ValueError, match="orders itself"):
+        unbroken.DataLoader(unbroken.shuffle_buffer(StatefulStream(4), 2, seed=0), shuffle=True)
 
 
 class Ranged(IterableDataset):

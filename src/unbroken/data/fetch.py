@@ -16,6 +16,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from .rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
+from .standin import StandIn
 
 # A batch as the inner torch loader's batch sampler yields it and a worker receives it: the
 # dataset indices, the epoch's key and the position of its first sample in the epoch's global
@@ -23,32 +24,40 @@ from .rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
 Keys = tuple[Sequence[int], int, int]
 
 
-class SeededDataset(Dataset):
+class SeededDataset(StandIn, Dataset):
+    """In a worker, ``get_worker_info().dataset``: it stands in for the user's dataset there
+    (``standin``)."""
+
+    _OWN = frozenset(
+        ("_unbroken_dataset", "_unbroken_rngs", "_unbroken_seed", "_unbroken_getitems")
+    )
+    _STOOD_FOR = "_unbroken_dataset"
+
     def __init__(self, dataset: Any, global_rngs: tuple[str, ...]) -> None:
-        self.dataset = dataset
-        self.global_rngs = global_rngs
-        self._seed = make_seeder(global_rngs)
+        self._unbroken_dataset = dataset
+        self._unbroken_rngs = global_rngs
+        self._unbroken_seed = make_seeder(global_rngs)
         batched = getattr(dataset, "__getitems__", None)
-        self._user_getitems = batched if callable(batched) else None
+        self._unbroken_getitems = batched if callable(batched) else None
 
     def __getstate__(self) -> dict:  # the seeder is a closure: rebuild it in each worker
-        return {"dataset": self.dataset, "global_rngs": self.global_rngs}
+        return {"dataset": self._unbroken_dataset, "global_rngs": self._unbroken_rngs}
 
     def __setstate__(self, state: dict) -> None:
         SeededDataset.__init__(self, state["dataset"], state["global_rngs"])
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self._unbroken_dataset)
 
     def __getitems__(self, keys: Keys) -> list:
         indices, key, start = keys
         current = CURRENT
-        saved = keep_main_torch_rng(self.global_rngs)  # put back below, in the training process
+        saved = keep_main_torch_rng(self._unbroken_rngs)  # put back below, in the main process
         try:
-            self._seed(key, start)
-            if self._user_getitems is not None:
-                return self._user_getitems(list(indices))
-            dataset, out = self.dataset, []
+            self._unbroken_seed(key, start)
+            if self._unbroken_getitems is not None:
+                return self._unbroken_getitems(list(indices))
+            dataset, out = self._unbroken_dataset, []
             for position, index in enumerate(indices, start):
                 current.position = position
                 out.append(dataset[index])
@@ -60,9 +69,9 @@ class SeededDataset(Dataset):
         # Without automatic batching (batch_size=None) every batch holds one index, fetched
         # with the dataset's __getitem__, as torch does.
         (index,), key, start = keys
-        saved = keep_main_torch_rng(self.global_rngs)
+        saved = keep_main_torch_rng(self._unbroken_rngs)
         try:
-            self._seed(key, start)
-            return self.dataset[index]
+            self._unbroken_seed(key, start)
+            return self._unbroken_dataset[index]
         finally:
             clear_sample(saved)

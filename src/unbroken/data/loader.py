@@ -18,8 +18,9 @@ torch generator back.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Generator, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from .._state import StateReader, same
 from ..distributed.sharding import world_of
 from ..errors import CorruptState, StateMismatch
 from . import keys
+from .arguments import refuse_what_torch_refuses
 from .epochs import EpochIterable
 from .orders import NativeOrder
 from .ranks import RANK_FIELDS, check_ranks, rank_fields
@@ -40,6 +42,7 @@ from .streams import StreamSource, is_stream
 from .views import Adopted, OrderView, adopt
 from .workers import signals_blocked, worker_init
 
+T_co = TypeVar("T_co", covariant=True)
 _SEED_LIMIT = 1 << 64
 # torch's DataLoader refuses to change these once built; so does this one.
 _FIXED = frozenset(
@@ -47,7 +50,7 @@ _FIXED = frozenset(
 )
 
 
-class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: ignore[misc]
+class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # type: ignore[misc]
     """A drop-in for ``torch.utils.data.DataLoader`` whose position survives a restart.
 
     A subclass of torch's DataLoader (``isinstance`` holds) with its attributes (``sampler``,
@@ -110,6 +113,24 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
+        refuse_what_torch_refuses(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
         if not in_order:
             raise ValueError(
                 "unbroken.DataLoader needs in_order=True: batches delivered out of order would make "
@@ -156,6 +177,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
         )
+        self._reported_length: int | None = None  # len(dataset) of a stream, once len() asked
         self._init_epochs()
         # torch's attributes, as torch's DataLoader sets them (after torch's checks of them).
         self.sampler, self.batch_sampler = _samplers(self, sampler, batch_sampler)
@@ -186,12 +208,25 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
 
     def __len__(self) -> int:
         """Batches in a whole epoch (like torch's DataLoader), not in what remains of it."""
+        if isinstance(self._source, StreamSource):  # torch warns if the stream yields more
+            self._reported_length = len(self.dataset)  # type: ignore[arg-type]
+        if not self._open and self._pos.batches == 0:  # the epoch to come: the length now
+            self._follow_length()
         return len(self._source)
+
+    def _follow_length(self) -> None:
+        """Order the dataset's length now, at an epoch's start: a dataset may grow or shrink
+        between epochs (torch's samplers read ``len()`` at each pass too)."""
+        source = self._source
+        if isinstance(source, NativeOrder) and source.n != (n := len(self.dataset)):  # type: ignore[arg-type]
+            source.resize(n)
 
     def _start_position(self, ended: Cursor | None) -> Cursor:
         return Cursor(source=self._source.fresh())
 
     def _run(self, cursor: Cursor, epoch: int) -> Generator[Any, None, Any]:
+        if cursor.batches == 0:
+            self._follow_length()
         self._worker_seeds.manual_seed(keys.torch_workers(self.seed, epoch))
         receive = self._source.begin(self.seed, epoch, cursor)
         if self.num_workers == 0:
@@ -207,6 +242,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         plans = self._plans_reads
         plan = plans.plan_reads(self.seed, epoch, cursor) if plans is not None else None
         held: list = []  # as in EpochIterable: no frame keeps a batch the user has dropped
+        reported = self._reported_length  # as torch: once len(loader) was asked before
         try:
             for batch in batches:
                 before = (
@@ -219,6 +255,8 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
                     continue
                 cursor.batches += 1
                 self._before_last = (cursor, before)
+                if reported is not None and cursor.samples > reported:
+                    _warn_longer_than_reported(self, reported, cursor.samples)
                 held.append(batch)
                 del batch
                 yield held.pop()
@@ -294,6 +332,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
                 "Pass the saved seed, or seed=None to adopt it.",
             )
         saved_print = reader.dict("fingerprint")
+        self._follow_length()  # a state is compared with the dataset as it is now
         current_print = self._fingerprint()
         for field, current in current_print.items():
             if field in RANK_FIELDS:
@@ -322,14 +361,35 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader):  # type: i
         self._restore(epoch, cursor)
 
     def _fingerprint(self) -> dict[str, Any]:
+        source = self._source  # the length this epoch is ordered over (``_follow_length``)
         return {
-            "dataset_length": _length(self.dataset),
+            "dataset_length": source.n
+            if isinstance(source, NativeOrder)
+            else _length(self.dataset),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "global_rngs": list(self.global_rngs),
             **self._source.fingerprint(),
             **self._rank_fields,
         }
+
+
+def _warn_longer_than_reported(loader: DataLoader, reported: int, fetched: int) -> None:
+    """torch's warning (its words) when an IterableDataset yields more than its ``len()`` said
+    once ``len(loader)`` was asked; here counted in samples, as the message says (torch counts
+    batches, the same with its default batch_size=1)."""
+    message = (
+        f"Length of IterableDataset {loader.dataset} was reported to be {reported}"
+        f"(when accessing len(dataloader)), but {fetched} samples have been fetched. "
+    )
+    if loader.num_workers > 0:
+        message += (
+            "For multiprocessing data-loading, this could be caused by not properly configuring "
+            "the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
+            "examples."
+        )
+    warnings.warn(message, stacklevel=3)
 
 
 def _length(dataset: Any) -> int | None:

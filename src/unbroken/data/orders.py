@@ -146,10 +146,15 @@ class NativeOrder(IndexSource):
         order: DatasetOrder | None = None,
     ) -> None:
         super().__init__()
-        self.n, self.batch_size, self.drop_last, self.shuffle = n, batch_size, drop_last, shuffle
+        self.batch_size, self.drop_last, self.shuffle = batch_size, drop_last, shuffle
         self.order = order or DatasetOrder(None)
-        step = batch_size or 1
-        self.epoch_samples = n - n % step if drop_last else n
+        self.resize(n)
+
+    def resize(self, n: int) -> None:
+        """Order ``n`` samples from now on: the loader calls it at each epoch's start, where
+        a dataset may have grown or shrunk (as torch's samplers read ``len()`` at each pass)."""
+        step = self.batch_size or 1
+        self.n, self.epoch_samples = n, n - n % step if self.drop_last else n
 
     def fingerprint(self) -> dict[str, Any]:
         if self.order.fingerprint is None:  # the fields of every state since version 1

@@ -40,6 +40,7 @@ from . import keys
 from .ranks import refuse_a_global_cursor
 from .rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
 from .sources import SKIP, BatchSource, Cursor, Receiver
+from .standin import StandIn
 
 PLACEHOLDER = -1  # Tagged.items of a placeholder: a worker's turn that already came
 
@@ -112,8 +113,21 @@ def read_items(
     return batch
 
 
-class StreamWorker(IterableDataset):
-    """What the inner torch loader iterates: the source's batches, read in each worker."""
+class StreamWorker(StandIn, IterableDataset):
+    """What the inner torch loader iterates: the source's batches, read in each worker. In a
+    worker, ``get_worker_info().dataset``: it stands in for the user's dataset (``standin``)."""
+
+    _OWN = frozenset(
+        (
+            "_unbroken_source",
+            "_unbroken_dataset",
+            "_unbroken_batch_size",
+            "_unbroken_rngs",
+            "_unbroken_collate_fn",
+            "_unbroken_plan",
+        )
+    )
+    _STOOD_FOR = "_unbroken_dataset"
 
     def __init__(
         self,
@@ -122,20 +136,23 @@ class StreamWorker(IterableDataset):
         batch_size: int | None,
         global_rngs: tuple[str, ...],
     ) -> None:
-        self.source, self.batch_size, self.global_rngs = source, batch_size, global_rngs
-        self.collate_fn = collate_fn or (
+        self._unbroken_source, self._unbroken_dataset = source, source.dataset
+        self._unbroken_batch_size, self._unbroken_rngs = batch_size, global_rngs
+        self._unbroken_collate_fn = collate_fn or (
             default_collate if batch_size is not None else default_convert
         )
-        self.plan: dict = {}  # set by the main process before each iter(): seed, epoch, ...
+        self._unbroken_plan: dict = {}  # set by the main process before each iter(): seed, ...
 
-    def collate(self, batch: list) -> Any:
-        return self.collate_fn(batch if self.batch_size is not None else batch[0])
+    def _unbroken_collate(self, batch: list) -> Any:
+        return self._unbroken_collate_fn(
+            batch if self._unbroken_batch_size is not None else batch[0]
+        )
 
     def __iter__(self) -> Iterator[Tagged]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         try:
-            yield from self.source.read(self, worker, workers)
+            yield from self._unbroken_source.read(self, worker, workers)
         finally:
             clear_sample()
 
@@ -173,7 +190,7 @@ class StreamSource(BatchSource):
         assert self._worker is not None, "torch_dataset() comes first"
         plan = self.plan(seed, epoch, cursor)
         set_epoch(self.dataset, epoch)
-        self._worker.plan = plan
+        self._worker._unbroken_plan = plan
         return self.receive
 
     @abstractmethod
@@ -221,18 +238,18 @@ class RangeStream(StreamSource):
         return tagged.batch
 
     def read(self, out: StreamWorker, worker: int, workers: int) -> Iterator[Tagged]:
-        plan, step = out.plan, self.batch_size or 1
+        plan, step = out._unbroken_plan, self.batch_size or 1
         set_epoch(self.dataset, plan["epoch"])
-        seed = make_seeder(out.global_rngs)
+        seed = make_seeder(out._unbroken_rngs)
         key = keys.samples(plan["seed"], plan["epoch"])
         batch_index = plan["first_batch"] + worker
         while True:
             start = batch_index * step
             items = iter(self.dataset.read_range(start, start + step))
-            batch = read_items(items, step, seed, key, start, out.global_rngs)
+            batch = read_items(items, step, seed, key, start, out._unbroken_rngs)
             if not batch or (len(batch) < step and self.drop_last):
                 return
-            yield Tagged(out.collate(batch), worker, start + len(batch), None)
+            yield Tagged(out._unbroken_collate(batch), worker, start + len(batch), None)
             if len(batch) < step:
                 return
             batch_index += workers

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +43,26 @@ class OrderView(DistributedSampler):
         # The loader only weakly: it must be freed (and its workers stopped) as soon as the user
         # drops it, which a cycle through its own sampler would delay until a GC pass; the view
         # outlives it with the last seed and epoch it was told.
-        self._loader_ref, self._source = weakref.ref(loader), loader._source
+        self._loader_ref: Callable[[], DataLoader | None] = weakref.ref(loader)
+        self._source = loader._source
         self.dataset = loader.dataset
         self.num_replicas, self.rank = loader.world_size, loader.rank
         self.shuffle = bool(getattr(self._source, "shuffle", False))
         self.drop_last = loader.drop_last
         self.seed_given = loader._seed_given
         self.follow(loader.seed, loader.epoch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A weak reference does not pickle: the loader goes by value (pickle keeps one copy of
+        # it, so a pickled loader comes back with its own view pointing at it).
+        state = self.__dict__.copy()
+        state["_loader_ref"] = state["_loader_ref"]()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        loader = state.pop("_loader_ref")
+        self.__dict__.update(state)
+        self._loader_ref = weakref.ref(loader) if loader is not None else _gone
 
     def follow(self, seed: int, epoch: int) -> None:
         """Called by the loader whenever its seed or epoch changes."""
@@ -99,6 +112,11 @@ class OrderView(DistributedSampler):
             self._epoch = epoch
         elif not (loader._restored and epoch == loader.epoch):
             loader.set_epoch(epoch)
+
+
+def _gone() -> None:
+    """The loader of a view pickled after its loader was freed."""
+    return None
 
 
 @dataclass

@@ -70,22 +70,22 @@ class PerWorkerStream(StreamSource):
         }
 
     def read(self, out: StreamWorker, worker: int, workers: int) -> Iterator[Tagged]:
-        plan = out.plan
+        plan = out._unbroken_plan
         saved = plan["workers"][worker]
         if saved["exhausted"]:
             return
         if worker < plan["next"]:
             yield Tagged(None, worker, PLACEHOLDER, None)  # its turn in this cycle already came
-        seed = make_seeder(out.global_rngs)
+        seed = make_seeder(out._unbroken_rngs)
         key = keys.stream_worker(plan["seed"], plan["epoch"], worker)
-        items, state = self.open(ReplicaStart(plan, saved, worker, seed, key, out.global_rngs))
+        items, state = self.open(ReplicaStart(plan, saved, worker, seed, key, out._unbroken_rngs))
         count, step = saved["items"], self.batch_size or 1
         while True:
-            batch = read_items(items, step, seed, key, count, out.global_rngs)
+            batch = read_items(items, step, seed, key, count, out._unbroken_rngs)
             count += len(batch)
             if not batch or (len(batch) < step and self.drop_last):
                 return
-            yield Tagged(out.collate(batch), worker, count, state())
+            yield Tagged(out._unbroken_collate(batch), worker, count, state())
 
     def shorter(self, worker: int, count: int, unit: str, found: int) -> StateMismatch:
         return StateMismatch(

@@ -104,10 +104,13 @@ class ShardedOrder(NativeOrder):
         world: int,
         order: DatasetOrder | None = None,
     ) -> None:
-        super().__init__(n, batch_size, drop_last, shuffle, order)
         self.rank, self.world = rank, world
         self.global_batch = (batch_size or 1) * world
-        self.epoch_samples = n - n % self.global_batch if drop_last else n
+        super().__init__(n, batch_size, drop_last, shuffle, order)
+
+    def resize(self, n: int) -> None:
+        self.n = n
+        self.epoch_samples = n - n % self.global_batch if self.drop_last else n
 
     def __len__(self) -> int:
         return math.ceil(self.epoch_samples / self.global_batch)
@@ -190,9 +193,9 @@ class ShardedRangeStream(RangeStream):
         return {"seed": seed, "epoch": epoch, "start": cursor.samples}
 
     def read(self, out: StreamWorker, worker: int, workers: int) -> Iterator[Tagged]:
-        plan, step, size = out.plan, self.batch_size or 1, self.global_batch
+        plan, step, size = out._unbroken_plan, self.batch_size or 1, self.global_batch
         set_epoch(self.dataset, plan["epoch"])
-        seed = make_seeder(out.global_rngs)
+        seed = make_seeder(out._unbroken_rngs)
         key = keys.samples(plan["seed"], plan["epoch"])
         start = plan["start"]
         end = tail_end(self.n, start, size, self.drop_last)
@@ -207,9 +210,9 @@ class ShardedRangeStream(RangeStream):
             for lo, hi in _wrapped(position, share, first, rest):  # past the end: wrap around
                 items = iter(self.dataset.read_range(lo, hi))
                 batch += read_items(
-                    items, hi - lo, seed, key, position + len(batch), out.global_rngs
+                    items, hi - lo, seed, key, position + len(batch), out._unbroken_rngs
                 )
-            yield Tagged(out.collate(batch), worker, first + rest, None)
+            yield Tagged(out._unbroken_collate(batch), worker, first + rest, None)
             index += workers
 
 
