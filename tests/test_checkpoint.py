@@ -654,7 +654,7 @@ def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path, monk
 
     def held_commit(self, *args):
         held.append(threading.current_thread() is not threading.main_thread())
-        assert release.wait(timeout=120), "the test never released the background writer"
+        assert release.wait(timeout=600), "the test never released the background writer"
         return commit(self, *args)
 
     monkeypatch.setattr(Checkpointer, "_write_files", held_commit)

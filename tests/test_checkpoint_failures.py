@@ -200,7 +200,7 @@ def _run(tmp_path, mode):
         [sys.executable, str(script), str(directory), mode],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     return done, directory
 

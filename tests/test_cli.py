@@ -650,7 +650,7 @@ def test_the_installed_console_script_exits_1_on_a_corrupt_newest_checkpoint(sav
         [str(script), "verify", str(directory), "--json"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 1, done.stderr

@@ -34,7 +34,7 @@ def job(tmp_path_factory):
         + [str(out)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -365,7 +365,7 @@ def test_resize_rank0_gives_every_rank_rank_0s_part_also_ranks_that_existed_befo
             ],
             capture_output=True,
             text=True,
-            timeout=240,
+            timeout=600,
             env=env,
         )
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

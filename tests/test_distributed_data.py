@@ -205,7 +205,7 @@ def test_under_torchrun_the_ranks_come_from_the_process_group(tmp_path):
         [str(torchrun), "--standalone", "--nproc-per-node=2", str(script)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=600,
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -211,7 +211,7 @@ def test_sigterm_to_torchruns_whole_process_group_saves_and_the_job_resumes_bit_
         assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0][-3000:]
         time.sleep(0.05)
     os.killpg(job.pid, signal.SIGTERM)
-    output = job.communicate(timeout=120)[0]
+    output = job.communicate(timeout=600)[0]
     assert "SIGTERM received; checkpoint at" in output, output[-3000:]
     saved = max((run / "checkpoints").glob("step-*"))
     ticks = [len((run / f"seen.rank{r}.jsonl").read_text().splitlines()) for r in range(2)]
@@ -286,7 +286,7 @@ def test_two_torchrun_agents_rendezvous_as_two_nodes_and_train_the_same_job(refe
             )
     try:
         for node in nodes:
-            node.wait(timeout=240)  # below pytest's timeout, so that the logs are shown
+            node.wait(timeout=600)  # below pytest's timeout, so that the logs are shown
     except subprocess.TimeoutExpired:
         pytest.fail("the two agents did not finish:\n" + _tails(logs))
     finally:

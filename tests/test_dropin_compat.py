@@ -16,6 +16,9 @@ import json
 import math
 import pickle
 import re
+import subprocess
+import sys
+import time
 import typing
 import warnings
 
@@ -240,3 +243,59 @@ def test_a_stream_longer_than_its_len_warns_as_torch_does():
     assert ours == theirs
     assert "was reported to be 3" in ours[0] and "4 samples have been fetched" in ours[0]
     assert _warnings(_ours, False) == _warnings(_torch, False) == []  # len() never asked
+
+
+# ------------------------------------------- a worker whose training process was SIGKILLed
+
+_ORPHAN = """
+import os, sys, time
+from unbroken.data.workers import worker_init
+
+parent_alive = sys.argv[1] == "alive"
+init = worker_init(None)  # made in the training process, as the loader makes it
+reader, writer = os.pipe()
+child = os.fork()
+if child == 0:  # the worker
+    init(0)  # what the loader's workers run first
+    os.read(reader, 1)  # the training process has been killed (or not)
+    # What multiprocessing's resource sharer does when the training process it was sending
+    # a batch's tensors to dies: it reports the broken connection through sys.excepthook.
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        sys.excepthook(*sys.exc_info())
+    sys.stderr.write("reported\\n")
+    os._exit(3)
+if parent_alive:
+    os.write(writer, b"x")
+    os.waitpid(child, 0)
+else:  # the training process dies; the worker hears of it as it is torn down
+    os.write(writer, b"x")
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("training_process", ["killed", "alive"])
+def test_a_worker_whose_training_process_died_exits_without_a_traceback(tmp_path, training_process):
+    log = tmp_path / "stderr"
+    with open(log, "w") as err:
+        subprocess.run(
+            [sys.executable, "-c", _ORPHAN, training_process], stderr=err, check=True, timeout=600
+        )
+        deadline = time.monotonic() + 60
+        while training_process == "killed" and time.monotonic() < deadline:
+            time.sleep(0.2)  # the orphaned worker outlives the process we waited for
+            if "reported" in log.read_text() or _exited_quietly(log):
+                break
+    said = log.read_text()
+    if training_process == "killed":
+        assert "Traceback" not in said and "reported" not in said, said
+    else:  # a live training process: a connection error is a real one, and is reported
+        assert "ConnectionResetError" in said and "reported" in said, said
+
+
+def _exited_quietly(log) -> bool:
+    alive = subprocess.run(
+        ["pgrep", "-f", "unbroken.data.workers import worker_init"], capture_output=True
+    )
+    return alive.returncode != 0

@@ -51,7 +51,7 @@ def run(out: Path, *args: str, devices: int = 1, expect: int = 0) -> str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore::DeprecationWarning", "OMP_NUM_THREADS": "1"}
     # Its own process group, so that a SIGTERM to the group reaches the job and its workers only.
     done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=240, start_new_session=True
+        command, env=env, capture_output=True, text=True, timeout=600, start_new_session=True
     )
     ok = done.returncode == expect if expect >= 0 else done.returncode != 0
     assert ok, (

@@ -411,7 +411,7 @@ def test_two_processes_share_one_cache_and_download_each_shard_once(s3, s3_ds, t
         )
         for _ in range(2)
     ]
-    reports = [json.loads(job.communicate(timeout=120)[0].splitlines()[-1]) for job in jobs]
+    reports = [json.loads(job.communicate(timeout=600)[0].splitlines()[-1]) for job in jobs]
     assert all(job.returncode == 0 for job in jobs)
     shards = len(_dataset_index(s3, s3_ds, tmp_path))
     assert sum(r["downloads"] for r in reports) == shards
@@ -451,7 +451,7 @@ def test_sigkill_during_a_download_leaves_nothing_that_is_read_later(s3, s3_ds, 
         [sys.executable, str(script), "read", s3_ds, str(cache), options],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert rerun.returncode == 0, rerun.stderr
     assert json.loads(rerun.stdout.splitlines()[-1])["ids"] == list(range(N))

@@ -263,7 +263,7 @@ def test_a_process_that_exits_after_its_first_batch_exits_cleanly(s3, outage_ds,
             [sys.executable, str(script), outage_ds, str(cache), s3.endpoint, str(workers)],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=600,
         )
         assert done.returncode == 0 and "first batch 8" in done.stdout, done.stderr[-2000:]
         assert "terminate called" not in done.stderr

@@ -106,7 +106,7 @@ def _restart(
     reports.mkdir()
     args = [url, str(cache), json.dumps(options), str(workers), json.dumps(state), str(reports)]
     done = subprocess.run(
-        [sys.executable, "-c", _RESTART, *args], capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", _RESTART, *args], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -16,6 +16,9 @@ the signals while it starts workers (a forked or spawned child inherits the bloc
 signal in that window waits in the worker for the thread, and in the training process it is
 delivered when the mask is put back: late by milliseconds, never lost.
 
+A worker whose training process died (SIGKILL) exits quietly rather than print a connection
+error's traceback (``_quiet_if_orphaned``).
+
 Cost: two ``pthread_sigmask`` calls per ``iter()`` with workers; one idle thread per worker.
 """
 
@@ -25,8 +28,11 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from types import TracebackType
 
 _POSIX = hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwaitinfo")
 
@@ -59,8 +65,38 @@ def _init(
             daemon=True,
             name="unbroken-worker-signals",
         ).start()
+    sys.excepthook = functools.partial(_quiet_if_orphaned, trainer_pid, sys.excepthook)
     if user_init is not None:
         user_init(worker_id)
+
+
+def _quiet_if_orphaned(
+    trainer_pid: int,
+    report: Callable[..., None],
+    kind: type[BaseException],
+    error: BaseException,
+    trace: TracebackType | None,
+) -> None:
+    """A worker's ``sys.excepthook``. When the training process dies (SIGKILL, OOM), a worker
+    that was handing it a batch's tensors loses the connection: ``multiprocessing``'s thread
+    that sends shared memory reports it through this hook, as a ``ConnectionResetError``
+    traceback that reads as a failure. Orphaned, the worker exits quietly instead (torch's
+    worker would exit on its own a few seconds later); anything else is reported as before."""
+    if issubclass(kind, (ConnectionError, EOFError)) and _orphaned(trainer_pid):
+        os._exit(0)
+    report(kind, error, trace)
+
+
+def _orphaned(trainer_pid: int, wait: float = 1.0) -> bool:
+    """Whether the training process is gone. The connection breaks while the kernel tears the
+    killed process down, a moment before its children are given to another parent: wait for
+    that (on this error path only) rather than report a failure that is not one."""
+    deadline = time.monotonic() + wait
+    while os.getppid() == trainer_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _drop_signals(signals: tuple[int, ...], trainer_pid: int) -> None:
