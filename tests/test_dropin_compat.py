@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import re
 import subprocess
@@ -28,6 +29,7 @@ from torch.utils.data import get_worker_info
 
 import unbroken
 from unbroken.errors import StateMismatch
+from unbroken.testing import assert_same
 
 CONTEXTS = ["fork", "spawn"]
 
@@ -142,12 +144,12 @@ def test_a_loader_pickles_and_the_copy_goes_on_from_the_same_state(name):
     next(batches)
     copy = pickle.loads(pickle.dumps(loader))
     assert copy.state_dict() == loader.state_dict()
-    del batches
-    rest = [b for b in loader]
-    assert [
-        torch.equal(a[0], b[0]) if isinstance(a, list) else torch.equal(a, b)
-        for a, b in zip([b for b in copy], rest)
-    ] == [True] * len(rest)
+    # The copy has no iteration of its own open: it goes on where the original is, as a loader
+    # that loaded its state would.
+    rest, copied = list(batches), list(copy)
+    assert len(copied) == len(rest) > 0
+    for got, want in zip(copied, rest):
+        assert_same(got, want)
     if name == "shuffled":  # the copy's sampler is a view of the copy, not of the original
         assert copy.sampler._loader_ref() is copy
         assert list(copy.sampler) == list(loader.sampler)
@@ -299,3 +301,216 @@ def _exited_quietly(log) -> bool:
         ["pgrep", "-f", "unbroken.data.workers import worker_init"], capture_output=True
     )
     return alive.returncode != 0
+
+
+# ------------------------------------------------- the iterator: an object, errors, two at once
+
+
+def _indices(batches) -> list[list[int]]:
+    return [b.tolist() for b in batches]
+
+
+def _epoch(seed: int, epoch: int, n: int = 10, batch_size: int = 3) -> list[list[int]]:
+    """An epoch's batches computed without the loader: unbroken's documented shuffle."""
+    from unbroken.data import keys
+    from unbroken.data.shuffle import IndexShuffle
+
+    order = IndexShuffle(n, keys.shuffle(seed, epoch)).range(0, n)
+    return [list(order[i : i + batch_size]) for i in range(0, n, batch_size)]
+
+
+def test_iter_returns_an_iterator_object_with_len_as_torchs():
+    loader = unbroken.DataLoader(list(range(10)), batch_size=3, seed=0)
+    theirs = iter(torch.utils.data.DataLoader(list(range(10)), batch_size=3))
+    ours = iter(loader)
+    assert iter(ours) is ours and len(ours) == len(theirs) == 4
+    assert not isinstance(ours, typing.Generator)
+    assert next(ours).tolist() == next(theirs).tolist() == [0, 1, 2]
+
+
+def test_workers_start_at_iter_as_torchs(tmp_path):
+    started = tmp_path / "started"
+
+    def init(worker_id: int) -> None:
+        (started / f"{worker_id}").touch()
+
+    started.mkdir()
+    loader = unbroken.DataLoader(
+        list(range(8)), batch_size=2, num_workers=2, worker_init_fn=init, seed=0
+    )
+    batches = iter(loader)
+    deadline = time.monotonic() + 60
+    while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # no next() yet: the workers run anyway
+    assert sorted(p.name for p in started.iterdir()) == ["0", "1"]
+    assert _indices(batches) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_set_epoch_between_iter_and_next_restarts_the_started_workers(workers):
+    loader = unbroken.DataLoader(
+        list(range(10)), batch_size=3, shuffle=True, num_workers=workers, seed=4
+    )
+    batches = iter(loader)  # started for epoch 0
+    loader.set_epoch(5)  # as Lightning does when it resumes
+    assert _indices(batches) == _epoch(4, 5)
+    saved = {**loader.state_dict(), "epoch": 2, "batches": 1, "samples": 3}
+    batches = iter(loader)  # started for epoch 6
+    loader.load_state_dict(saved)
+    assert _indices(batches) == _epoch(4, 2)[1:]
+
+
+class Flaky(torch.utils.data.Dataset):
+    """Samples 4 and 7 raise: a corrupt record in a dataset."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        if i in (4, 7):
+            raise ValueError(f"sample {i} is corrupt")
+        return i
+
+
+def _skip_bad_batches(loader, states=None) -> list:
+    """The "skip bad batches" loop written for torch's loader."""
+    got, batches = [], iter(loader)
+    while True:
+        try:
+            got.append(next(batches).tolist())
+        except StopIteration:
+            return got
+        except ValueError as error:
+            got.append(type(error).__name__)
+        if states is not None:
+            states.append(json.loads(json.dumps(loader.state_dict())))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_in_a_batch_propagates_and_the_loop_goes_on_as_with_torch(workers):
+    theirs = _skip_bad_batches(
+        torch.utils.data.DataLoader(Flaky(), batch_size=3, num_workers=workers)
+    )
+    states: list = []
+    loader = unbroken.DataLoader(Flaky(), batch_size=3, num_workers=workers, seed=0)
+    ours = _skip_bad_batches(loader, states)
+    assert ours == theirs == [[0, 1, 2], "ValueError", "ValueError", [9]]
+    # The failed batch counts as received: a state taken after it resumes at the next batch.
+    assert [s["batches"] for s in states] == [1, 2, 3, 4]
+    for k, state in enumerate(states[:-1]):
+        again = unbroken.DataLoader(Flaky(), batch_size=3, num_workers=workers, seed=0)
+        again.load_state_dict(state)
+        assert _skip_bad_batches(again) == ours[k + 1 :]
+
+
+def test_an_error_from_a_worker_is_raised_as_torch_raises_it():
+    def message(make):
+        with pytest.raises(ValueError) as raised:
+            list(make(Flaky(), batch_size=3, num_workers=1))
+        return str(raised.value)
+
+    theirs, ours = message(_torch), message(_ours)
+    assert (
+        ours.splitlines()[0]
+        == theirs.splitlines()[0]
+        == ("Caught ValueError in DataLoader worker process 0.")
+    )
+    assert "sample 4 is corrupt" in ours and "Traceback" in ours
+
+
+def test_an_error_in_collate_fn_is_a_failed_batch_too():
+    def collate(batch):
+        if 5 in batch:
+            raise RuntimeError("cannot collate")
+        return torch.tensor(batch)
+
+    loader = unbroken.DataLoader(list(range(9)), batch_size=3, collate_fn=collate, seed=0)
+    got, batches = [], iter(loader)
+    for _ in range(3):
+        try:
+            got.append(next(batches).tolist())
+        except RuntimeError:
+            got.append("failed")
+    assert got == [[0, 1, 2], "failed", [6, 7, 8]] and loader.state_dict()["batches"] == 3
+
+
+class DiesOnce(torch.utils.data.Dataset):
+    """The worker reading sample 6 dies (once: it removes ``marker`` first)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, i: int) -> int:
+        if i == 6 and get_worker_info() is not None and os.path.exists(self.marker):
+            os.remove(self.marker)
+            os._exit(1)
+        return i
+
+
+def test_a_failure_outside_the_users_code_leaves_the_position_for_the_next_iteration(tmp_path):
+    # A worker that dies is torch's failure, not a batch's: nothing more counts, and the next
+    # iter() continues from the last batch received, as a resumed run would.
+    marker = tmp_path / "die"
+    marker.touch()
+    loader = unbroken.DataLoader(DiesOnce(marker), batch_size=3, num_workers=1, seed=0)
+    got, batches = [], iter(loader)
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        for batch in batches:
+            got.append(batch.tolist())
+    assert got == [[0, 1, 2], [3, 4, 5]][: len(got)]  # torch notices the death at its pace
+    assert loader.state_dict()["batches"] == len(got) and loader.epoch == 0
+    assert [b.tolist() for b in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]][len(got) :]
+    assert loader.epoch == 1
+
+
+def test_two_iterations_at_once_are_independent_as_with_torch():
+    loader = unbroken.DataLoader(list(range(10)), batch_size=3, shuffle=True, seed=8)
+    pairs = [(a.tolist(), b.tolist()) for a, b in zip(loader, loader)]
+    assert pairs == [(batch, batch) for batch in _epoch(8, 0)]
+    theirs = torch.utils.data.DataLoader(list(range(10)), batch_size=3)
+    assert [(a.tolist(), b.tolist()) for a, b in zip(theirs, theirs)][0] == ([0, 1, 2], [0, 1, 2])
+    assert loader.epoch == 1  # the first of them ran out: its epoch is over
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_peek_inside_a_loop_neither_advances_the_loop_nor_moves_its_state(workers):
+    loader = unbroken.DataLoader(
+        list(range(10)), batch_size=3, shuffle=True, num_workers=workers, seed=8
+    )
+    got, peeks, states = [], [], []
+    for batch in loader:
+        peeks.append(next(iter(loader)).tolist())  # e.g. to log one batch
+        got.append(batch.tolist())
+        states.append(json.loads(json.dumps(loader.state_dict())))
+    assert got == _epoch(8, 0) and peeks == [_epoch(8, 0)[0]] * 4
+    assert [(s["epoch"], s["batches"]) for s in states] == [(0, 1), (0, 2), (0, 3), (0, 4)]
+    for k, state in enumerate(states):  # each state resumes the loop, not the peek
+        again = unbroken.DataLoader(list(range(10)), batch_size=3, shuffle=True, seed=8)
+        again.load_state_dict(state)
+        assert [b.tolist() for b in again] == got[k + 1 :]
+
+
+def test_a_new_loop_while_an_old_iterator_is_held_reads_the_epoch_whole():
+    loader = unbroken.DataLoader(list(range(10)), batch_size=3, shuffle=True, seed=8)
+    held = iter(loader)
+    next(held)  # e.g. a batch taken to see its shapes, the iterator kept
+    assert [b.tolist() for b in loader] == _epoch(8, 0)  # as torch: a whole pass
+    assert [b.tolist() for b in loader] == _epoch(8, 1)  # the held one changes nothing now
+    next(held)
+    assert loader.state_dict()["epoch"] == 2
+
+
+def test_persistent_workers_taken_over_by_a_newer_iteration_say_so():
+    loader = unbroken.DataLoader(
+        list(range(10)), batch_size=2, num_workers=1, persistent_workers=True, seed=0
+    )
+    first = iter(loader)
+    next(first)
+    second = iter(loader)  # torch resets its one persistent iterator here
+    assert next(second).tolist() == [0, 1]
+    with pytest.raises(RuntimeError, match="persistent_workers=True"):
+        next(first)
+    assert [b.tolist() for b in second] == [[2, 3], [4, 5], [6, 7], [8, 9]]

@@ -25,7 +25,6 @@ one ``next()`` per child and a few flags; nothing is replayed on resume.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
@@ -204,8 +203,7 @@ class CombinedLoader(EpochIterable[_Progress]):
             if ended.child_open[i]:
                 cut_short = getattr(child, "epoch", None)  # before close(), which may end it
                 iterator = ended.iters[i]
-                if inspect.isgenerator(iterator):
-                    iterator.close()
+                _close(iterator)
                 if cut_short is not None and sets_epochs(child):
                     child.set_epoch(cut_short + 1)
                 # else (max_size, sequential): the child was iterated in this process, and its
@@ -285,10 +283,16 @@ class CombinedLoader(EpochIterable[_Progress]):
             raise
 
         for iterator in self._pos.iters:
-            if inspect.isgenerator(iterator):
-                iterator.close()
+            _close(iterator)
         pos = _Progress(n, batches, 0 if current is None else current)
         pos.child_batches = [entry["batches"] for entry in entries]
         pos.exhausted = [entry["exhausted"] for entry in entries]
         pos.child_open = [entry["open"] for entry in entries]
         self._restore(epoch, pos)
+
+
+def _close(iterator: Any) -> None:
+    """End a child's iteration now (a generator, or an ``unbroken.DataLoader``'s iterator)."""
+    close = getattr(iterator, "close", None)
+    if callable(close):
+        close()

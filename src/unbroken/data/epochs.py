@@ -10,8 +10,7 @@ alike, and so does anything built on this class):
   which are generators too.
 - An iteration that yielded an item and was abandoned (a ``break``; CPython closes the iterator
   at once) ends its epoch there: a state taken after the loop starts the next epoch, as the
-  uninterrupted run's next ``iter()`` will. One still held but superseded by a new ``iter()``
-  ends its epoch at that ``iter()``.
+  uninterrupted run's next ``iter()`` will.
 - An ``iter()`` that yielded nothing starts nothing (``tqdm.auto`` makes an extra one).
 - The epoch ends when the loop asks past the last item; a state taken inside the loop, after
   the last item, still describes the epoch (its remainder is empty).
@@ -20,6 +19,19 @@ alike, and so does anything built on this class):
   whole state into a new position first, and only then swaps it in with ``_restore``. Until
   the restored position yields an item, ``_restored`` says so (``views``: a sampler's
   ``set_epoch`` keeps such a position).
+
+Two iterations open at once (``zip(loader, loader)``, ``next(iter(loader))`` inside a loop over
+it) depend on the class:
+
+- *independent* (``DataLoader``, whose source can start anywhere): as with torch's loader, each
+  iteration has its own position. One that starts while another holds the current position
+  reads the same epoch from its first item, on its own. The state describes the iteration that
+  delivered an item last (the one the training loop is on); when that one is abandoned while
+  another of the same epoch is open (a peek inside a loop), the state is the other's again.
+  ``set_epoch``, ``load_state_dict`` and an epoch's end start a new *generation*: iterations
+  bound before it still yield their items but never change the state.
+- *dependent* (the others, which read one user object's iterator): one still held but
+  superseded by a new ``iter()`` ends its epoch at that ``iter()``.
 
 A subclass says what a *position* inside an epoch is and how to go on from one:
 
@@ -32,8 +44,8 @@ A subclass says what a *position* inside an epoch is and how to go on from one:
                 yield value
 
 ``_run`` updates the position *before* each yield, so a state taken while the user holds an
-item counts it. Each iteration has its own position object; one whose position is no longer
-current (after ``set_epoch``, ``load_state_dict`` or a newer ``iter()``) changes nothing.
+item counts it. An iteration that drives ``_run`` itself (the ``DataLoader``'s iterator
+object) reports to the bookkeeping below: ``_bind``, ``_yielded``, ``_finished``, ``_abandoned``.
 """
 
 from __future__ import annotations
@@ -44,16 +56,30 @@ from typing import Any, Generic, TypeVar
 P = TypeVar("P")
 
 
+class Binding(Generic[P]):
+    """One iteration's place: its position object, its epoch, and the generation it began in."""
+
+    __slots__ = ("epoch", "generation", "position")
+
+    def __init__(self, position: P, epoch: int, generation: int) -> None:
+        self.position, self.epoch, self.generation = position, epoch, generation
+
+
 class EpochIterable(Generic[P]):
     """Base class that owns the epoch, the position in it and whether an iteration is open."""
 
+    _independent = False  # whether two iterations open at once each have their own position
     _epoch: int
     _pos: P
     _open: bool  # an iteration of this epoch has yielded an item and not finished
     _restored: bool  # the position came from load_state_dict and has yielded nothing yet
+    _owner: Binding[P] | None  # the iteration bound to the current position, if any
+    _generation: int  # set_epoch, load_state_dict and an epoch's end start a new one
+    _live: list[Binding[P]]  # independent: this generation's open ones, last current last
 
     def _init_epochs(self) -> None:
         """Call once the subclass can build a start position (at the end of ``__init__``)."""
+        self._generation = 0
         self._move(0, self._start_position(None))
 
     # What a subclass implements.
@@ -69,9 +95,15 @@ class EpochIterable(Generic[P]):
     def _close_epoch(self, ended: P) -> None:
         """Side effects of an epoch's end (e.g. children moved to their next epoch)."""
 
+    def _current_changed(self) -> None:
+        """Called whenever the current epoch or position changes (e.g. to update a view)."""
+
     def _move(self, epoch: int, position: P) -> None:
-        """Make ``position`` of ``epoch`` current; subclasses drop per-epoch caches here."""
+        """Make ``position`` of ``epoch`` current, in a new generation."""
         self._epoch, self._pos, self._open, self._restored = epoch, position, False, False
+        self._owner, self._live = None, []
+        self._generation += 1
+        self._current_changed()
 
     def _restore(self, epoch: int, position: P) -> None:
         """``_move`` to a position read from a saved state (``load_state_dict``)."""
@@ -92,20 +124,19 @@ class EpochIterable(Generic[P]):
         self._move(epoch, self._start_position(None))
 
     def __iter__(self) -> Iterator[Any]:
-        if self._open:  # the previous iteration yielded items and is still held: it is over
+        if self._open and not self._independent:  # the previous iteration is still held
             self._end_epoch(self._pos)
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
         # A generator: the position is taken at the first next(), after any set_epoch() or
         # load_state_dict() that came between iter() and it.
-        position, epoch = self._pos, self._epoch
-        items = self._run(position, epoch)
+        binding = self._bind()
+        items = self._run(binding.position, binding.epoch)
         held: list = []
         try:
             for item in items:
-                if position is self._pos and not self._open:  # once an epoch
-                    self._open, self._restored = True, False
+                self._yielded(binding)
                 # Yielded through a list, so that this frame holds no reference while the user
                 # has the item: one that the user drops is freed at once.
                 held.append(item)
@@ -113,13 +144,67 @@ class EpochIterable(Generic[P]):
                 yield held.pop()
         except GeneratorExit:
             items.close()  # the subclass's own clean-up first (it may record how the epoch ended)
-            if position is self._pos and self._open:
-                self._end_epoch(position)
+            self._abandoned(binding)
             raise
         # Reached only when the loop asks past the last item: a state taken now starts the next
         # epoch, while one taken inside the loop, after the last item, does not.
-        if position is self._pos:
-            self._end_epoch(position)
+        self._finished(binding)
+
+    # The bookkeeping of one iteration, for _iterate and for iterator objects of subclasses.
+    def _bind(self) -> Binding[P]:
+        """The place of an iteration that starts now: the current position, unless (for an
+        independent class) another iteration holds it: then the epoch from its first item."""
+        if self._independent and self._owner is not None:
+            return Binding(self._start_position(None), self._epoch, self._generation)
+        binding = Binding(self._pos, self._epoch, self._generation)
+        self._owner = binding
+        return binding
+
+    def _yielded(self, binding: Binding[P]) -> None:
+        """``binding``'s iteration is handing the user an item (its position already counts it)."""
+        if binding.position is self._pos:
+            if not self._open:  # its first item
+                self._open, self._restored = True, False
+                if self._independent:
+                    self._live.append(binding)
+        elif self._independent and binding.generation == self._generation:
+            self._switch(binding)  # the state follows the iteration that delivers items
+
+    def _switch(self, binding: Binding[P]) -> None:
+        self._epoch, self._pos, self._owner = binding.epoch, binding.position, binding
+        self._open, self._restored = True, False
+        if binding in self._live:
+            self._live.remove(binding)
+        self._live.append(binding)
+        self._current_changed()
+
+    def _finished(self, binding: Binding[P]) -> None:
+        """``binding``'s iteration was asked past its last item."""
+        if binding.position is self._pos:
+            self._end_epoch(binding.position)
+        elif binding in self._live:
+            self._live.remove(binding)
+
+    def _abandoned(self, binding: Binding[P]) -> None:
+        """``binding``'s iteration was closed, freed or failed before its end."""
+        if binding in self._live:
+            self._live.remove(binding)
+        if binding.position is not self._pos:
+            return
+        if not self._open:  # it yielded nothing: it started nothing
+            self._owner = None
+        elif self._live:  # a peek inside a loop: the state is the loop's again
+            self._switch(self._live[-1])
+        else:
+            self._end_epoch(binding.position)
+
+    def _interrupted(self, binding: Binding[P]) -> None:
+        """``binding``'s iteration failed and cannot go on: its position stays where it was,
+        and the next iteration continues from it (as a run resumed from it would)."""
+        if binding in self._live:
+            self._live.remove(binding)
+        if binding.position is self._pos:
+            self._owner, self._open = None, False
 
     def _end_epoch(self, ended: P) -> None:
         self._close_epoch(ended)

@@ -10,10 +10,12 @@ with ``sample_seed()`` the batch's first position's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from .rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
 from .standin import StandIn
@@ -49,7 +51,7 @@ class SeededDataset(StandIn, Dataset):
     def __len__(self) -> int:
         return len(self._unbroken_dataset)
 
-    def __getitems__(self, keys: Keys) -> list:
+    def __getitems__(self, keys: Keys) -> list | Failed:
         indices, key, start = keys
         current = CURRENT
         saved = keep_main_torch_rng(self._unbroken_rngs)  # put back below, in the main process
@@ -62,6 +64,10 @@ class SeededDataset(StandIn, Dataset):
                 current.position = position
                 out.append(dataset[index])
             return out
+        except StopIteration:
+            raise  # torch ends the iteration on it
+        except Exception as error:
+            return Failed(error)
         finally:
             clear_sample(saved)
 
@@ -73,5 +79,69 @@ class SeededDataset(StandIn, Dataset):
         try:
             self._unbroken_seed(key, start)
             return self._unbroken_dataset[index]
+        except StopIteration:
+            raise
+        except Exception as error:
+            return Failed(error)
         finally:
             clear_sample(saved)
+
+
+class Failed:
+    """A batch whose fetch raised in the user's code (``__getitem__``, ``__getitems__``,
+    ``collate_fn``): handed to the training process like a batch, which counts it as received
+    (torch's iterator moves past a failed batch too) and raises the error there
+    (``iterator``), as torch raises it."""
+
+    __slots__ = ("kind", "original", "text", "where")
+
+    def __init__(self, error: Exception) -> None:
+        self.original: Exception | None = error  # in this process only: it may not pickle
+        self.kind, self.text = type(error), "".join(traceback.format_exception(error))
+        info = get_worker_info()
+        self.where = (
+            "in the main process" if info is None else f"in DataLoader worker process {info.id}"
+        )
+
+    def __reduce__(self) -> tuple:
+        return (_failed, (self.kind, self.text, self.where))
+
+    def error(self) -> BaseException:
+        """The exception to raise: the original in its own process; from a worker, one of its
+        type with torch's message (the worker's traceback in it), or a RuntimeError."""
+        if self.original is not None:
+            return self.original
+        message: Any = f"Caught {self.kind.__name__} {self.where}.\nOriginal {self.text}"
+        if self.kind is KeyError:  # KeyError quotes its argument: torch wraps it the same way
+            message = _KeyErrorMessage(message)
+        try:
+            return self.kind(message)
+        except Exception:  # an exception whose constructor wants other arguments
+            return RuntimeError(message)
+
+
+class _KeyErrorMessage(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _failed(kind: type, text: str, where: str) -> Failed:
+    failed = Failed.__new__(Failed)
+    failed.original, failed.kind, failed.text, failed.where = None, kind, text, where
+    return failed
+
+
+def collating(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The user's ``collate_fn``, letting a ``Failed`` batch through and catching its own."""
+    return functools.partial(_collate, collate_fn)  # picklable, for spawned workers
+
+
+def _collate(collate_fn: Callable[[Any], Any], batch: Any) -> Any:
+    if type(batch) is Failed:
+        return batch
+    try:
+        return collate_fn(batch)
+    except StopIteration:
+        raise
+    except Exception as error:
+        return Failed(error)

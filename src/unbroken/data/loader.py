@@ -19,7 +19,7 @@ torch generator back.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Generator, Iterable
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import torch
@@ -31,12 +31,13 @@ from ..distributed.sharding import world_of
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .arguments import refuse_what_torch_refuses
-from .epochs import EpochIterable
+from .epochs import Binding, EpochIterable
+from .iterator import DETACHED, LoaderIterator, Started
 from .orders import NativeOrder
 from .ranks import RANK_FIELDS, check_ranks, rank_fields
 from .rng import GLOBAL_RNGS, check_global_rngs
 from .select import make_source
-from .sources import SKIP, Cursor
+from .sources import Cursor
 from .states import LOADER, LoaderState
 from .streams import StreamSource, is_stream
 from .views import Adopted, OrderView, adopt
@@ -50,7 +51,7 @@ _FIXED = frozenset(
 )
 
 
-class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # type: ignore[misc]
+class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
     """A drop-in for ``torch.utils.data.DataLoader`` whose position survives a restart.
 
     A subclass of torch's DataLoader (``isinstance`` holds) with its attributes (``sampler``,
@@ -87,6 +88,8 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # t
     ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
     the next epoch (the first is epoch 0).
     """
+
+    _independent = True  # two iterations at once each have their own position (``epochs``)
 
     def __init__(
         self,
@@ -178,6 +181,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # t
             pin_memory_device=pin_memory_device,
         )
         self._reported_length: int | None = None  # len(dataset) of a stream, once len() asked
+        self._on_workers: Started | None = None  # the iteration on persistent workers
         self._init_epochs()
         # torch's attributes, as torch's DataLoader sets them (after torch's checks of them).
         self.sampler, self.batch_sampler = _samplers(self, sampler, batch_sampler)
@@ -200,11 +204,21 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # t
             )
         object.__setattr__(self, name, value)
 
-    def _move(self, epoch: int, position: Cursor) -> None:
-        super()._move(epoch, position)
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy has no iteration open: it goes on from the position, as a loaded state would.
+        state = self.__dict__.copy()
+        state.update(_owner=None, _live=[], _open=False, _restored=True, _on_workers=None)
+        state.pop("_before_last", None)
+        return state
+
+    def _current_changed(self) -> None:
         view = self.__dict__.get("sampler")
         if type(view) is OrderView:
-            view.follow(self.seed, epoch)
+            view.follow(self.seed, self._epoch)
+
+    def __iter__(self) -> LoaderIterator:  # type: ignore[override]
+        """An iterator object, as torch's (``next``, ``len``, ``close``; ``iterator``)."""
+        return LoaderIterator(self)
 
     def __len__(self) -> int:
         """Batches in a whole epoch (like torch's DataLoader), not in what remains of it."""
@@ -224,9 +238,32 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # t
     def _start_position(self, ended: Cursor | None) -> Cursor:
         return Cursor(source=self._source.fresh())
 
-    def _run(self, cursor: Cursor, epoch: int) -> Generator[Any, None, Any]:
+    # Iterations (``iterator.LoaderIterator``): the inner torch loader started for a place.
+    def _prime(self, iterator: LoaderIterator) -> Started:
+        """Start the workers for the place an iteration would take now (``_bind``'s rule)."""
+        fresh = self._owner is not None  # held by another iteration: the epoch afresh
+        return self._launch(self._start_position(None) if fresh else self._pos, self._epoch)
+
+    def _start(self, binding: Binding[Cursor], primed: Started | None) -> Started:
+        """The inner iteration for ``binding``: the primed one if it reads the same batches."""
+        cursor, epoch = binding.position, binding.epoch
         if cursor.batches == 0:
             self._follow_length()
+        if primed is not None:
+            if primed.key == self._key(cursor, epoch):
+                return primed
+            primed.close()  # a set_epoch or load_state_dict came between iter() and next()
+        return self._launch(cursor, epoch)
+
+    def _key(self, cursor: Cursor, epoch: int) -> tuple:
+        """What an inner iteration's batches are a function of."""
+        n = self._source.n if isinstance(self._source, NativeOrder) else None
+        return (self.seed, epoch, cursor.samples, cursor.batches, repr(cursor.source), n)
+
+    def _launch(self, cursor: Cursor, epoch: int) -> Started:
+        if cursor.batches == 0:
+            self._follow_length()
+        key = self._key(cursor, epoch)
         self._worker_seeds.manual_seed(keys.torch_workers(self.seed, epoch))
         receive = self._source.begin(self.seed, epoch, cursor)
         if self.num_workers == 0:
@@ -237,32 +274,37 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # t
             self._inner.worker_init_fn = worker_init(self._user_worker_init)
             with signals_blocked():
                 batches = iter(self._inner)
-        # A dataset that plans its reads (a streaming dataset's prefetch) is told the exact
-        # future order once the workers exist (so no thread of it is forked into them).
+        started = Started(key, batches, receive)
+        if self._inner.persistent_workers:  # one torch iterator, reset by every iter()
+            previous, self._on_workers = self._on_workers, started
+            if previous is not None and previous.batches is batches:
+                previous.batches = DETACHED
+        return started
+
+    def _plan_reads(self, started: Started, binding: Binding[Cursor]) -> None:
+        """A dataset that plans its reads (a streaming dataset's prefetch) is told the exact
+        future order once the workers exist (so no thread of it is forked into them), from
+        the cursor the user's batches move."""
         plans = self._plans_reads
-        plan = plans.plan_reads(self.seed, epoch, cursor) if plans is not None else None
-        held: list = []  # as in EpochIterable: no frame keeps a batch the user has dropped
-        reported = self._reported_length  # as torch: once len(loader) was asked before
-        try:
-            for batch in batches:
-                before = (
-                    cursor.samples,
-                    cursor.batches,
-                    cursor.source,
-                )  # receive() replaces source
-                batch = receive(cursor, batch)  # the cursor moves when the user receives it
-                if batch is SKIP:
-                    continue
-                cursor.batches += 1
-                self._before_last = (cursor, before)
-                if reported is not None and cursor.samples > reported:
-                    _warn_longer_than_reported(self, reported, cursor.samples)
-                held.append(batch)
-                del batch
-                yield held.pop()
-        finally:
-            if plan is not None:
-                plan.close()
+        if plans is not None:
+            started.plan = plans.plan_reads(self.seed, binding.epoch, binding.position)
+
+    def _warn_longer_than_reported(self, reported: int, fetched: int) -> None:
+        """torch's warning (its words) when an IterableDataset yields more than its ``len()``
+        said once ``len(loader)`` was asked; counted in samples, as the message says (torch
+        counts batches: the same with its default batch_size=1)."""
+        message = (
+            f"Length of IterableDataset {self.dataset} was reported to be {reported}"
+            f"(when accessing len(dataloader)), but {fetched} samples have been fetched. "
+        )
+        if self.num_workers > 0:
+            message += (
+                "For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                "for examples."
+            )
+        warnings.warn(message, stacklevel=3)
 
     def state_dict(self) -> LoaderState:
         """What the user has received so far: JSON-serializable (``json.dumps`` works).
@@ -372,24 +414,6 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):  # t
             **self._source.fingerprint(),
             **self._rank_fields,
         }
-
-
-def _warn_longer_than_reported(loader: DataLoader, reported: int, fetched: int) -> None:
-    """torch's warning (its words) when an IterableDataset yields more than its ``len()`` said
-    once ``len(loader)`` was asked; here counted in samples, as the message says (torch counts
-    batches, the same with its default batch_size=1)."""
-    message = (
-        f"Length of IterableDataset {loader.dataset} was reported to be {reported}"
-        f"(when accessing len(dataloader)), but {fetched} samples have been fetched. "
-    )
-    if loader.num_workers > 0:
-        message += (
-            "For multiprocessing data-loading, this could be caused by not properly configuring "
-            "the IterableDataset replica at each worker. Please see "
-            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for "
-            "examples."
-        )
-    warnings.warn(message, stacklevel=3)
 
 
 def _length(dataset: Any) -> int | None:

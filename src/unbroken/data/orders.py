@@ -26,11 +26,11 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate, default_convert
 
 from ..errors import CorruptState
 from . import keys
-from .fetch import Keys, SeededDataset
+from .fetch import Keys, SeededDataset, collating
 from .ranks import refuse_a_global_cursor
 from .shuffle import IndexShuffle
 from .sources import BatchSource, Cursor, Receiver
@@ -103,7 +103,10 @@ class IndexSource(BatchSource):
             "batch_size": 1 if auto_batch else None,  # torch's default, needed with batch_sampler
             "sampler": None if auto_batch else plan,
             "batch_sampler": plan if auto_batch else None,
-            "collate_fn": collate_fn,
+            # Errors in the fetch come back as a Failed batch, counted when received (iterator).
+            "collate_fn": collating(
+                collate_fn or (default_collate if auto_batch else default_convert)
+            ),
         }
 
     def begin(self, seed: int, epoch: int, cursor: Cursor) -> Receiver:
