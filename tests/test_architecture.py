@@ -255,3 +255,56 @@ def test_a_batch_the_user_dropped_is_freed_at_once(make):
     del first
     assert refs[0]() is None  # neither the loader nor the epoch machinery holds it
     next(iterator)
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Which parts of unbroken each part imports, read from the sources (``import`` statements
+    anywhere, those inside functions too). A part is a subpackage (``data``, ``train``, ...) or
+    a top-level module (``errors``, ``preemption``, ...)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(unbroken.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root).with_suffix("").parts
+        part = relative[0]
+        package = relative[:-1] if path.name != "__init__.py" else relative[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - node.level + 1]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                names = [target] if target else [[alias.name] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("unbroken."):
+                names = [node.module.split(".")[1:]]
+            elif isinstance(node, ast.Import):
+                names = [
+                    a.name.split(".")[1:] for a in node.names if a.name.startswith("unbroken.")
+                ]
+            else:
+                continue
+            for target in names:
+                if target and target[0] != part:
+                    graph.setdefault(part, set()).add(target[0])
+    return graph
+
+
+def test_the_packages_import_each_other_without_a_cycle():
+    graph = _package_imports()
+    assert "distributed" in graph["data"]  # the graph is read: data asks World for the ranks
+
+    def cycle_from(node, path):
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                return [*path[path.index(nxt) :], nxt]
+            found = cycle_from(nxt, [*path, nxt])
+            if found:
+                return found
+        return None
+
+    for start in sorted(graph):
+        cycle = cycle_from(start, [start])
+        assert cycle is None, f"unbroken's parts import each other in a cycle: {' -> '.join(cycle)}"
+    # The layers, lowest first: each imports only from those below it.
+    assert not graph.get("distributed", set()) - {"errors"}
+    assert "train" not in graph["data"] and "data" not in graph.get("checkpoint", set())

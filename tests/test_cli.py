@@ -29,7 +29,7 @@ import unbroken
 from unbroken import cli
 from unbroken.checkpoint import MANIFEST, Checkpointer
 from unbroken.errors import StateMismatch
-from unbroken.train.preemption import EXIT_CODE
+from unbroken.preemption import EXIT_CODE
 
 # The Trainer run: 48 samples in batches of 8 (6 training batches an epoch), 16 validation
 # samples in batches of 8 (2), a checkpoint every 2 optimizer steps, keep=3. SIGTERM after the

@@ -3,7 +3,7 @@ import signal
 
 import pytest
 
-from unbroken.train.preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
+from unbroken.preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 
 
 def test_a_signal_only_sets_the_flag_and_handlers_are_restored():
@@ -72,7 +72,7 @@ def test_installing_twice_still_puts_back_the_original_handler():
 
 
 def test_workers_ignore_exactly_the_signals_of_installed_preemptions():
-    from unbroken.train.preemption import active_signals
+    from unbroken.preemption import active_signals
 
     assert signal.SIGINT not in active_signals()
     with Preemption(signals=[signal.SIGINT]):

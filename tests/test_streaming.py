@@ -233,7 +233,7 @@ def test_ranks_share_one_global_order_and_resume_on_another_world_size(local_ds,
     for k in range(len(rest[0])):
         seen += [i for r in range(3) for i in rest[r][k]["id"].tolist()]
     # drop_last on 3 ranks: whole global batches of 24 from the cursor at 80, 9 of them in the
-    # 220 left, so only 4 are dropped, the least possible (unbroken.distributed.sharding).
+    # 220 left, so only 4 are dropped, the least possible (unbroken.data.sharding).
     assert seen == order[: len(seen)] and len(seen) == 80 + 9 * 24
 
 

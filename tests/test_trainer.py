@@ -16,9 +16,9 @@ from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 
 import unbroken
 from unbroken.checkpoint import Checkpointer
+from unbroken.preemption import EXIT_CODE
 from unbroken.testing import assert_same
 from unbroken.train.csvlog import HEADER
-from unbroken.train.preemption import EXIT_CODE
 
 JOB = Path(__file__).with_name("trainer_job.py")
 

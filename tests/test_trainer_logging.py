@@ -10,8 +10,8 @@ from torch.overrides import TorchFunctionMode
 from trainer_job import SignalAt, run
 
 import unbroken
+from unbroken.preemption import EXIT_CODE
 from unbroken.train.csvlog import CSVLog
-from unbroken.train.preemption import EXIT_CODE
 from unbroken.train.progress import LossSum, Progress, TrainerConfig
 
 # ---------------------------------------------------------------------------------- LossSum

@@ -18,7 +18,7 @@ from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 import unbroken
 import unbroken.train.checkpointing
 from unbroken import DirectoryInUse
-from unbroken.train.preemption import EXIT_CODE
+from unbroken.preemption import EXIT_CODE
 
 JOB = Path(__file__).with_name("trainer_job.py")
 TEST_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

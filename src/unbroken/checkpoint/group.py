@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..distributed.world import World
 from ..errors import DirectoryNotShared, RankFailure
 from .layout import SHARED
 from .storage import Storage, join
@@ -42,8 +43,9 @@ class Ranks:
         self.timeout = timeout
         self.group: Any = None
         self.rank, self.world_size = 0, 1
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        world = World.current()
+        if world.distributed:
+            self.rank, self.world_size = world.rank, world.size
             try:
                 # gloo connects the new group's ranks with a few quick retries only: a rank
                 # still busy elsewhere (a slow start, a loaded machine) would fail it, so all

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, SequentialSampler, default_collate, default_convert
 
 from .._state import StateReader, same
-from ..distributed.sharding import world_of
+from ..distributed.world import World
 from ..errors import CorruptState, StateMismatch
 from . import keys
 from .arguments import refuse_what_torch_refuses
@@ -37,6 +37,7 @@ from .orders import NativeOrder
 from .ranks import RANK_FIELDS, check_ranks, rank_fields
 from .rng import GLOBAL_RNGS, check_global_rngs
 from .select import make_source
+from .sharding import world_of
 from .sources import Cursor
 from .states import LOADER, LoaderState
 from .streams import StreamSource, is_stream
@@ -73,7 +74,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
       ``random``; the README's "Randomness" section) but makes draws from it inside
       ``__getitem__`` depend on the worker, so they no longer repeat after a resume;
       ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay exact either way.
-    - ``rank``, ``world_size``: data parallelism (``unbroken.distributed.sharding``). Taken
+    - ``rank``, ``world_size``: data parallelism (``unbroken.data.sharding``). Taken
       from the initialized ``torch.distributed`` process group when left out. A map-style
       dataset in unbroken's own order then gives each rank its share of every global batch of
       one global order; the state is the global cursor, the same on every rank, and resumes on
@@ -453,7 +454,8 @@ def _choose_seed(
 def _rank0_seed(drawn: int, world_size: int) -> int:
     """Rank 0's seed, so that every rank derives one global order even if their global
     generators differ: one broadcast, which every rank makes as it builds its loader."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
+    world = World.current()
+    if not world.initialized or world.size != world_size:
         raise ValueError(
             f"unbroken.DataLoader on {world_size} ranks needs seed= (or an initialized process "
             "group of that size, to take rank 0's): every rank derives the same global order "

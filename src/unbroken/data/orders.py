@@ -168,7 +168,7 @@ class NativeOrder(IndexSource):
         return math.ceil(self.epoch_samples / (self.batch_size or 1))
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
-        self._check_no_source(cursor, what)
+        check_no_source(cursor, what)
         step = self.batch_size or 1
         expected = min(cursor.batches * step, self.epoch_samples)
         if cursor.samples != expected or cursor.batches > len(self):
@@ -177,15 +177,6 @@ class NativeOrder(IndexSource):
                 f"{what} state is inconsistent: samples={cursor.samples} and "
                 f"batches={cursor.batches} do not describe a position of an epoch of "
                 f"{self.epoch_samples} samples in batches of {step}; the state is corrupt"
-            )
-
-    @staticmethod
-    def _check_no_source(cursor: Cursor, what: str) -> None:
-        if cursor.source is not None:
-            raise CorruptState(
-                f"{what} state field 'source': expected null (unbroken's own order "
-                f"keeps no sampler state), got {cursor.source!r:.200}",
-                "source",
             )
 
     def plan_reads(self, seed: int, epoch: int, cursor: Cursor) -> Any:
@@ -217,3 +208,13 @@ class NativeOrder(IndexSource):
                 last = min(first + step, block_end)
                 done.append((last, None))
                 yield indices[offset : offset + step], epoch_key, first
+
+
+def check_no_source(cursor: Cursor, what: str) -> None:
+    """Refuse a cursor with a source part: unbroken's own orders keep none."""
+    if cursor.source is not None:
+        raise CorruptState(
+            f"{what} state field 'source': expected null (unbroken's own order "
+            f"keeps no sampler state), got {cursor.source!r:.200}",
+            "source",
+        )

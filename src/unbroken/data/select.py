@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..distributed.sharding import ShardedOrder, ShardedRangeStream
 from .orders import DatasetOrder, NativeOrder
 from .replicas import stream_source
 from .samplers import UserBatchSampler, UserSampler
+from .sharding import ShardedOrder, ShardedRangeStream
 from .sources import BatchSource
 from .streams import is_stream, warn_if_buffer_shuffled
 

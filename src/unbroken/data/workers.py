@@ -34,15 +34,9 @@ import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
+from ..preemption import active_signals
+
 _POSIX = hasattr(signal, "pthread_sigmask") and hasattr(signal, "sigwaitinfo")
-
-
-def active_signals() -> tuple[signal.Signals, ...]:
-    """The signals of the ``Preemption`` handlers installed now. Imported when asked: data sits
-    below train (which imports nothing from data) and must not pull the training loop in."""
-    from ..train.preemption import active_signals as installed
-
-    return installed()
 
 
 def worker_init(user_init: Callable[[int], None] | None) -> Callable[[int], None]:

@@ -1,12 +1,11 @@
 """Data parallelism on ``torch.distributed`` (torchrun).
 
-- ``sharding``: each rank's share of one global order for a map-style dataset or a
-  global-cursor stream, resumable on any number of ranks (``unbroken.DataLoader(...,
-  rank=, world_size=)``, or the ranks of the initialized process group).
+- ``world``: ``World``, this process's rank and world size, read in one place.
 - ``process_group``: ``init_process_group``, torch's, with each ``torchrun --max-restarts``
   attempt reading only its own keys of the agent's store.
 
-The checkpoints of a data-parallel job are ``unbroken.Checkpointer``'s (collective, with
+Each rank's share of one global order is a data concern: ``unbroken.data.sharding``. The
+checkpoints of a data-parallel job are ``unbroken.Checkpointer``'s (collective, with
 ``PerRank`` entries), its loop ``unbroken.Trainer``'s.
 """
 

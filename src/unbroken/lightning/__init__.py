@@ -16,7 +16,7 @@ with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckp
 - ``io``: ``AtomicCheckpointIO``, checkpoint files written whole or not at all.
 """
 
-from ..train.preemption import EXIT_CODE
+from ..preemption import EXIT_CODE
 from .callback import ExactResume
 from .io import AtomicCheckpointIO
 from .loops import LightningInternalsChanged

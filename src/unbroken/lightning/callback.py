@@ -48,8 +48,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from ..data.epochs import EpochIterable
 from ..data.loader import DataLoader
 from ..errors import CorruptState
+from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from ..train.globalrng import GlobalRNG
-from ..train.preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from ..train.ranks import Job
 from . import loops
 from .io import AtomicCheckpointIO

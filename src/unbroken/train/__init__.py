@@ -12,8 +12,8 @@
 """
 
 from ..errors import DirectoryInUse
+from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .globalrng import GlobalRNG
-from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .trainer import Trainer
 
 __all__ = ["DEFAULT_SIGNALS", "EXIT_CODE", "DirectoryInUse", "GlobalRNG", "Preemption", "Trainer"]

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from typing import Any, TypedDict, cast
 
 import torch
-import torch.distributed as dist
 
+from ..distributed.world import World
 from ..errors import CorruptState, StateMismatch
 
 
@@ -227,7 +227,7 @@ def _mismatch(field: str, saved: Any, current: Any) -> StateMismatch:
 def say(message: str) -> None:
     """Print a line about the run's course (resumed, preempted) for the job's log; in a
     data-parallel job, rank 0's only (every rank would print the same)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if not World.current().first:
         return
     # stderr, flushed, not a logger: it must reach a batch job's log file as it happens.
     print(f"unbroken: {message}", file=sys.stderr, flush=True)

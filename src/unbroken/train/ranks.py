@@ -21,12 +21,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..distributed.world import World
+
 
 class Job:
     def __init__(self) -> None:
-        self.rank, self.world_size = 0, 1
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        world = World.current()
+        self.rank, self.world_size = (world.rank, world.size) if world.distributed else (0, 1)
         self.device = torch.device("cpu")
         if self.distributed and dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())

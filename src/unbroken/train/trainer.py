@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.manager import Checkpointer
+from ..distributed.world import World
 from ..errors import DirectoryInUse
+from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .checkpointing import (
     RUN_CHECKPOINTS,
     SaveSchedule,
@@ -55,7 +57,6 @@ from .determinism import determinism
 from .globalrng import seed_everything
 from .lock import DirectoryLock, not_writable
 from .options import call_hooks, check_arguments, check_loaders, hooks
-from .preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .progress import Progress, TrainerConfig, bar, say
 from .ranks import Job
 from .steps import StepFn, optimizer_step, step_function, step_loss, step_values
@@ -408,6 +409,6 @@ def _exit_to_be_requeued() -> NoReturn:
     before a process exits: an exit with live gloo groups sometimes aborted in their threads'
     destructors ("terminate called without an active exception", exit code -6 instead of 75;
     seen once in CI on a 2-rank job)."""
-    if dist.is_available() and dist.is_initialized():
+    if World.current().initialized:
         dist.destroy_process_group()
     raise SystemExit(EXIT_CODE)

@@ -33,43 +33,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
-from ..data import keys
-from ..data.fetch import Keys
-from ..data.orders import DatasetOrder, NativeOrder, Permutation
-from ..data.rng import make_seeder
-from ..data.sources import Cursor
-from ..data.streams import RangeStream, StreamWorker, Tagged, read_items, set_epoch
+from ..distributed.world import World
 from ..errors import CorruptState
+from . import keys
+from .fetch import Keys
+from .orders import DatasetOrder, NativeOrder, Permutation, check_no_source
+from .rng import make_seeder
+from .sources import Cursor
+from .streams import RangeStream, StreamWorker, Tagged, read_items, set_epoch
 
 _BLOCK = 4096  # positions per numpy call, as in NativeOrder
 
 
 def world_of(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
-    """``(rank, world_size)``: as given, else from an initialized default process group, else
-    None (a single process)."""
-    if rank is None and world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return None
-    if rank is None or world_size is None:
-        raise ValueError(
-            f"pass both rank= and world_size= (or neither, to take them from the initialized "
-            f"process group), got rank={rank!r}, world_size={world_size!r}"
-        )
-    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if rank >= world_size:
-        raise ValueError(f"rank must be < world_size, got rank={rank}, world_size={world_size}")
-    return rank, world_size
+    """``(rank, world_size)`` of ``World.given``, or None for a single process."""
+    world = World.given(rank, world_size)
+    return None if world is None else (world.rank, world.size)
 
 
 def check_global_cursor(cursor: Cursor, n: int, what: str) -> None:
     """Global batches may have had other sizes (another world size saved the state), so the
     counters are checked against the epoch, not against this world's batch size."""
-    NativeOrder._check_no_source(cursor, what)
+    check_no_source(cursor, what)
     ok = cursor.samples <= n and cursor.batches <= cursor.samples
     if not ok or (cursor.batches == 0) != (cursor.samples == 0):
         raise CorruptState(
