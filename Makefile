@@ -75,7 +75,7 @@ bench-stream: $(STAMP)
 	$(PY) benchmarks/stream_peers.py
 
 # Mutation testing of the core modules with mutmut (slow: see TESTING.md). Configured in
-# pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken._shuffle*"` runs one module,
+# pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken.data.shuffle*"` runs one module,
 # MUTATE_CHILDREN sets the parallel workers. PYTHONPATH makes the tests' subprocesses import the
 # mutated copy too. Results: `.venv/bin/mutmut results`, `.venv/bin/mutmut show NAME`.
 MUTATE_CHILDREN ?= 1

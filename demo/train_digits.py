@@ -16,6 +16,7 @@ final weights and every logged value identical bit for bit, or the first differe
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import random
 import shutil
@@ -30,7 +31,6 @@ import torch
 from torch import nn
 
 import unbroken
-from unbroken.train.csvlog import CSVLog
 
 OUTPUT = Path(__file__).resolve().parent.parent / "demo_output"
 EPOCHS, BATCH, SEED = 5, 32, 7
@@ -280,12 +280,10 @@ def _plot(interrupted: Path, reference: Path, kills: list, path: Path) -> None:
         (reference, "-", "uninterrupted"),
         (interrupted, "--", "killed and resumed"),
     ):
-        rows = [
-            r
-            for r in CSVLog.read(run / "metrics.csv")
-            if r["phase"] == "train" and r["name"] == "loss"
-        ]
-        ax.plot([r["step"] for r in rows], [r["value"] for r in rows], style, label=label, lw=1)
+        with open(run / "metrics.csv", newline="") as log:  # step,epoch,phase,name,value
+            rows = [r for r in csv.DictReader(log) if (r["phase"], r["name"]) == ("train", "loss")]
+        steps, losses = [int(r["step"]) for r in rows], [float(r["value"]) for r in rows]
+        ax.plot(steps, losses, style, label=label, lw=1)
     for i, (batch, target) in enumerate(kills):  # target: the phase it hit, or "SIGTERM"
         ax.axvline(batch, color="red", alpha=0.6, lw=1, label="kill" if i == 0 else None)
         what = "SIGTERM (group)" if target == "SIGTERM" else f"SIGKILL, {target}"

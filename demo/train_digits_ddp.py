@@ -92,9 +92,9 @@ class Chaos:
         self.trainer: unbroken.Trainer | None = None
         self.writes = 0  # file writes of the checkpoint being saved, on this rank
         if self.kill_in_save is not None:
-            from unbroken.checkpoint import storage
+            from unbroken.checkpoint import LocalStorage
 
-            write = storage.LocalStorage.write
+            write = LocalStorage.write
 
             def dying_write(storage_self, path, fill):
                 self.writes += 1
@@ -111,7 +111,7 @@ class Chaos:
                     )
                 return write(storage_self, path, fill)
 
-            storage.LocalStorage.write = dying_write
+            LocalStorage.write = dying_write
 
     def _due_in_save(self) -> bool:
         batches = self.trainer.progress.batches if self.trainer else 0

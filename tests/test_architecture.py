@@ -1,6 +1,7 @@
 """The seams issue 9 introduced: the one epoch protocol, the source protocol, the named seed
 keys, the error types and the state versions. Each test fails if its seam is broken."""
 
+import importlib
 import itertools
 import pickle
 
@@ -306,5 +307,38 @@ def test_the_packages_import_each_other_without_a_cycle():
         cycle = cycle_from(start, [start])
         assert cycle is None, f"unbroken's parts import each other in a cycle: {' -> '.join(cycle)}"
     # The layers, lowest first: each imports only from those below it.
-    assert not graph.get("distributed", set()) - {"errors"}
+    assert not graph.get("distributed", set()) - {"errors", "_checks"}
     assert "train" not in graph["data"] and "data" not in graph.get("checkpoint", set())
+
+
+def test_the_modules_mutation_testing_names_exist():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    missing = [path for path in config["only_mutate"] if not (root / path).is_file()]
+    assert not missing, f"pyproject.toml's [tool.mutmut] names modules that are gone: {missing}"
+
+
+def test_the_public_names_are_sorted_and_the_demos_import_only_them():
+    import ast
+    from pathlib import Path
+
+    assert unbroken.__all__ == sorted(unbroken.__all__)
+    demos = Path(__file__).resolve().parent.parent / "demo"
+    for demo in sorted(demos.glob("*.py")):
+        for node in ast.walk(ast.parse(demo.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("unbroken"):
+                offered = importlib.import_module(node.module).__all__
+                unknown = [a.name for a in node.names if a.name not in offered]
+                assert node.module.count(".") <= 1 and not unknown, (
+                    f"{demo.name} imports {unknown} from {node.module}: demos use public names"
+                )
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id == "unbroken":
+                    assert node.attr in unbroken.__all__ or node.attr in (
+                        "distributed",
+                        "streaming",
+                        "testing",
+                    ), f"{demo.name} uses unbroken.{node.attr}, not a public name"

@@ -46,7 +46,6 @@ from .train import EXIT_CODE, GlobalRNG, Preemption, Trainer
 
 __version__ = "0.1.0"
 __all__ = [
-    "EXIT_CODE",
     "Checkpointer",
     "CombinedLoader",
     "CorruptCheckpoint",
@@ -54,6 +53,7 @@ __all__ = [
     "CorruptState",
     "DataLoader",
     "DirectoryInUse",
+    "EXIT_CODE",
     "GlobalRNG",
     "PerRank",
     "Preemption",
@@ -65,11 +65,11 @@ __all__ = [
     "StateMismatch",
     "StreamingDataset",
     "Trainer",
+    "index_parquet",
     "resumable",
     "sample_rng",
     "sample_seed",
     "shuffle_buffer",
-    "index_parquet",
     "write_shards",
 ]
 

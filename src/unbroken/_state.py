@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._checks import is_int
 from .errors import CorruptState, StateMismatch
 
 _TENSOR_TAG = "__tensor__"
@@ -289,7 +290,7 @@ class StateReader:
 
 def check_int(value: Any, where: str, minimum: int = 0, maximum: int = COUNT_LIMIT) -> int:
     """``value`` if it is an int (not a bool) in [minimum, maximum], else a ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+    if not is_int(value) or not minimum <= value <= maximum:
         upper, note = f" and <= {maximum}", ""
         if maximum == COUNT_LIMIT:
             upper, note = "", " (counters stay below 2**63)"

@@ -78,6 +78,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
+from ._units import human
 from .checkpoint import layout
 from .checkpoint.manifest import (
     MANIFEST,
@@ -485,18 +486,6 @@ def _names(names: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------- printing
-
-
-def human(size: int) -> str:
-    """``size`` bytes, readable: ``"512 B"``, ``"1.5 KiB"``, ``"2.0 GiB"``."""
-    if size < 1024:
-        return f"{size} B"
-    value = float(size)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:

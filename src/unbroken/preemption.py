@@ -27,7 +27,7 @@ _active: list[tuple[signal.Signals, ...]] = []  # the signals of each Preemption
 def active_signals() -> tuple[signal.Signals, ...]:
     """The default preemption signals and any other that an entered ``Preemption`` handles.
 
-    DataLoader workers ignore these (``unbroken._workers``): they must outlive a signal sent
+    DataLoader workers ignore these (``unbroken.data.workers``): they must outlive a signal sent
     to the whole process group until the training process has saved.
     """
     extra = [s for signals in _active for s in signals if s not in DEFAULT_SIGNALS]

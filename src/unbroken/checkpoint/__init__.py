@@ -17,5 +17,6 @@ from .manifest import MANIFEST
 from .per_rank import PerRank
 from .restore import Restored
 from .sharded import Sharded
+from .storage import LocalStorage, Storage
 
-__all__ = ["MANIFEST", "Checkpointer", "PerRank", "Restored", "Sharded"]
+__all__ = ["MANIFEST", "Checkpointer", "LocalStorage", "PerRank", "Restored", "Sharded", "Storage"]

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from .._checks import is_int, is_number
 from .._state import has_state
 from ..errors import CorruptCheckpoint, StateMismatch
 from . import layout
@@ -122,12 +123,12 @@ class Checkpointer:
     def __init__(
         self, directory: str | os.PathLike, keep: int = 2, *, timeout: float = 600.0
     ) -> None:
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+        if not is_int(keep) or keep < 2:
             raise ValueError(
                 f"keep must be an int >= 2, got {keep!r}: with a single checkpoint, one that is "
                 "corrupted (a disk error, a truncated copy) leaves nothing to resume from"
             )
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        if not is_number(timeout) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.directory = Path(directory)
         self.keep = keep
@@ -163,7 +164,7 @@ class Checkpointer:
         ``RankFailure`` on the others) and nothing is committed; so do ranks that give
         different steps or different ``PerRank`` names.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
         _check_names(state, "save")
         self.wait()

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._units import human
 from .storage import Storage, join
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -46,12 +47,12 @@ def disk_full(
     )
     message = (
         f"{os.strerror(error.errno)}: checkpoint step {step} was not saved, as {where}. It "
-        f"needs about {_human(needed)} ({needed} bytes, an estimate from the sizes of its "
+        f"needs about {human(needed)} ({needed} bytes, an estimate from the sizes of its "
         "tensors and values)"
-        + (f" and {_human(free)} ({free} bytes) are free there" if free is not None else "")
+        + (f" and {human(free)} ({free} bytes) are free there" if free is not None else "")
         + (
             f"; the {len(kept)} checkpoint{'s' * (len(kept) > 1)} kept there take"
-            f"{'s' * (len(kept) == 1)} {_human(used)}"
+            f"{'s' * (len(kept) == 1)} {human(used)}"
             if kept
             else ""
         )
@@ -95,11 +96,3 @@ def _du(storage: Storage, directory: str) -> int:
         )
     except OSError:
         return 0
-
-
-def _human(size: float) -> str:
-    for unit in ("bytes", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1000
-    raise AssertionError("unreachable")

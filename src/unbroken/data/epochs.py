@@ -53,6 +53,8 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from typing import Any, Generic, TypeVar
 
+from .._checks import is_int
+
 P = TypeVar("P")
 
 
@@ -213,6 +215,6 @@ class EpochIterable(Generic[P]):
 
 def check_epoch(epoch: Any) -> int:
     """``epoch`` if it is an int >= 0 (not a bool), else a ``ValueError`` saying so."""
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+    if not is_int(epoch) or epoch < 0:
         raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
     return epoch

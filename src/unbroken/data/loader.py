@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, SequentialSampler, default_collate, default_convert
 
+from .._checks import is_int
 from .._state import StateReader, same
 from ..distributed.world import World
 from ..errors import CorruptState, StateMismatch
@@ -432,7 +433,7 @@ def _choose_seed(
 ) -> tuple[int, bool]:
     """The data seed and whether the user chose it (then a saved state must have the same)."""
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+        if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         return seed, True
     if generator is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._checks import is_int
 from .orders import DatasetOrder, NativeOrder
 from .replicas import stream_source
 from .samplers import UserBatchSampler, UserSampler
@@ -54,7 +55,5 @@ def make_source(
 
 
 def _check_batch_size(batch_size: Any) -> None:
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0
-    ):
+    if batch_size is not None and (not is_int(batch_size) or batch_size <= 0):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import is_int
 from .._state import (
     COUNT_LIMIT,
     StateReader,
@@ -91,9 +92,9 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
     """
 
     def __init__(self, iterable: Any, size: int, *, seed: int) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        if not is_int(size) or size < 1:
             raise ValueError(f"size must be an int >= 1 (items per window), got {size!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        if not is_int(seed) or not 0 <= seed < 1 << 64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
         stateful = has_state(iterable) and isinstance(iterable, Iterable)
         self.upstream = iterable if stateful else Resumable(iterable)

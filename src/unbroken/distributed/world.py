@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .._checks import is_int
+
 
 @dataclass(frozen=True)
 class World:
@@ -50,7 +52,7 @@ class World:
                 f"process group), got rank={rank!r}, world_size={world_size!r}"
             )
         for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if rank >= world_size:
             raise ValueError(f"rank must be < world_size, got rank={rank}, world_size={world_size}")

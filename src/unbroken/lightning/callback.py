@@ -45,6 +45,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from .._checks import is_int
 from ..data.epochs import EpochIterable
 from ..data.loader import DataLoader
 from ..errors import CorruptState
@@ -70,7 +71,7 @@ class ExactResume(Callback):
     """
 
     def __init__(self, signals: Any = DEFAULT_SIGNALS, check_every: int = 1) -> None:
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+        if not is_int(check_every) or check_every < 1:
             raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
         self.preemption = Preemption(signals)
         self.check_every = check_every

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from filelock import FileLock
 
+from .._checks import is_int
 from ..errors import CorruptShard
 from .index import Shard, checksum_of
 from .remote import Remote
@@ -40,7 +41,7 @@ class ShardCache:
     """A directory of verified shards with an optional size limit (bytes)."""
 
     def __init__(self, directory: str, limit: int | None = None) -> None:
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        if limit is not None and (not is_int(limit)):
             raise ValueError(f"cache_limit must be an int (bytes) or None, got {limit!r}")
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.limit = limit

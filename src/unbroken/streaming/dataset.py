@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import is_int
 from ..errors import CorruptShard
 from .cache import ShardCache
 from .index import INDEX_NAME, fetch_index, read_index
@@ -115,7 +116,7 @@ class StreamingDataset(torch.utils.data.Dataset):
             ("prefetch_bytes", prefetch_bytes, 0),
             ("prefetch_threads", prefetch_threads, 1),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         self.remote = Remote(url, storage_options, retries)
         self.cache = ShardCache(cache_dir or default_cache_dir(), cache_limit)

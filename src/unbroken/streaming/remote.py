@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._checks import is_int
 from ..errors import RemoteUnavailable
 
 T = TypeVar("T")
@@ -83,7 +84,7 @@ class Remote:
             raise ValueError(
                 f"url must be a non-empty string such as 's3://bucket/ds', got {url!r}"
             )
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        if not is_int(retries) or retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})

@@ -33,6 +33,7 @@ from typing import Any, TypedDict, TypeGuard
 
 import torch
 
+from .._checks import is_int
 from .._state import has_state
 from ..checkpoint import Checkpointer, PerRank, Restored, Sharded
 from ..checkpoint.per_rank import unwrap
@@ -184,7 +185,7 @@ class MetricState:
                 f"metric state: expected {{'states': dict, 'updates': int}}, got {got}"
             )
         updates = state.get("updates")
-        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 0:
+        if not is_int(updates) or updates < 0:
             raise CorruptState(
                 f"metric state: updates must be an int >= 0, got {updates!r}", field="updates"
             )

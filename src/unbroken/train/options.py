@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._checks import is_int, is_number
 from .._state import has_state
 
 SCHEDULER_INTERVALS = ("step", "epoch")
@@ -48,12 +49,12 @@ def check_arguments(trainer: Any) -> None:
     positive("log_every", trainer.log_every)
     positive("preemption_check_every", trainer.preemption_check_every)
     timeout = trainer.checkpoint_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+    if not is_number(timeout) or not timeout > 0:
         raise ValueError(f"checkpoint_timeout must be a number of seconds > 0, got {timeout!r}")
 
 
 def positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 

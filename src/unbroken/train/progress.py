@@ -25,6 +25,7 @@ from typing import Any, TypedDict, cast
 
 import torch
 
+from .._checks import is_int, is_number
 from ..distributed.world import World
 from ..errors import CorruptState, StateMismatch
 
@@ -188,7 +189,7 @@ def _checked(state: Any, config: TrainerConfig) -> ProgressState:
         )
     for name in COUNTERS:
         value = state[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not is_int(value) or value < 0:
             raise CorruptState(
                 f"Progress state: {name} must be an int >= 0, got {value!r}", field=name
             )
@@ -197,7 +198,7 @@ def _checked(state: Any, config: TrainerConfig) -> ProgressState:
             f"Progress state: phase must be one of {PHASES}, got {state['phase']!r}", field="phase"
         )
     loss_sum = state["loss_sum"]
-    if isinstance(loss_sum, bool) or not isinstance(loss_sum, (int, float)):
+    if not is_number(loss_sum):
         raise CorruptState(
             f"Progress state: loss_sum must be a float, got {loss_sum!r}", field="loss_sum"
         )
