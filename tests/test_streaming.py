@@ -233,7 +233,7 @@ def test_ranks_share_one_global_order_and_resume_on_another_world_size(local_ds,
     for k in range(len(rest[0])):
         seen += [i for r in range(3) for i in rest[r][k]["id"].tolist()]
     # drop_last on 3 ranks: whole global batches of 24 from the cursor at 80, 9 of them in the
-    # 220 left, so only 4 are dropped, the least possible (unbroken.data.sharding).
+    # 220 left, so only 4 are dropped, the least possible (unbroken.data.sources.sharding).
     assert seen == order[: len(seen)] and len(seen) == 80 + 9 * 24
 
 
@@ -276,7 +276,7 @@ def test_prefetch_fetches_the_shards_of_the_future_order_in_order_and_stays_in_b
     for position, shard in enumerate(np.searchsorted(ends, future, side="right").tolist()):
         first_use.setdefault(shard, position // 16)
     sizes = [s["bytes"] for s in index["shards"]]
-    cursor = unbroken.data.sources.Cursor(112, 7)
+    cursor = unbroken.data.sources.base.Cursor(112, 7)
     plan = loader._source.plan_reads(loader.seed, 0, cursor)
 
     def settled(count):

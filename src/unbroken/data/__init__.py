@@ -1,7 +1,9 @@
 """Resumable data: loaders whose position is a few integers, and the pieces they are built from.
 
-- ``loader``: ``DataLoader``, torch's loader around a *source* of batches (``sources``: the
-  map-style orders, ``streams``: iterable datasets), resumed in O(1).
+- ``loader``: ``DataLoader``, torch's loader around a *source* of batches (the subpackage
+  ``sources``: map-style orders, samplers, iterable datasets, a rank's share; one table picks
+  one), resumed in O(1); ``iterator``: what ``iter(loader)`` returns; ``views``: torch's
+  sampler attributes onto the loader's order; ``arguments``: torch's argument checks.
 - ``epochs``: the epoch protocol every resumable iterable here shares (``iter()`` continues a
   loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
 - ``combined``, ``iterable`` (``resumable``), ``shuffling`` (``shuffle_buffer``): iterables

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from .streams import is_stream
+from .sources.streams import is_stream
 
 
 def refuse_what_torch_refuses(dataset: Any, **arguments: Any) -> None:

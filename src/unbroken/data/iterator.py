@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .epochs import Binding
-from .fetch import Failed
-from .sources import SKIP, Cursor, Receiver
+from .sources.base import SKIP, Cursor, Receiver
+from .sources.fetch import Failed
 
 if TYPE_CHECKING:
     from .loader import DataLoader

@@ -34,14 +34,14 @@ from . import keys
 from .arguments import refuse_what_torch_refuses
 from .epochs import Binding, EpochIterable
 from .iterator import DETACHED, LoaderIterator, Started
-from .orders import NativeOrder
-from .ranks import RANK_FIELDS, check_ranks, rank_fields
 from .rng import GLOBAL_RNGS, check_global_rngs
-from .select import make_source
-from .sharding import world_of
-from .sources import Cursor
+from .sources import make_source
+from .sources.base import Cursor
+from .sources.orders import NativeOrder
+from .sources.ranks import RANK_FIELDS, check_ranks, rank_fields
+from .sources.sharding import world_of
+from .sources.streams import StreamSource, is_stream
 from .states import LOADER, LoaderState
-from .streams import StreamSource, is_stream
 from .views import Adopted, OrderView, adopt
 from .workers import signals_blocked, worker_init
 
@@ -75,14 +75,14 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
       ``random``; the README's "Randomness" section) but makes draws from it inside
       ``__getitem__`` depend on the worker, so they no longer repeat after a resume;
       ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay exact either way.
-    - ``rank``, ``world_size``: data parallelism (``unbroken.data.sharding``). Taken
+    - ``rank``, ``world_size``: data parallelism (``unbroken.data.sources.sharding``). Taken
       from the initialized ``torch.distributed`` process group when left out. A map-style
       dataset in unbroken's own order then gives each rank its share of every global batch of
       one global order; the state is the global cursor, the same on every rank, and resumes on
       any number of ranks (without ``seed``, every rank must build its loader: see above). A
       global-cursor stream with ``len()`` is split too. Other iterable datasets (with their
       own state, or a Hugging Face stream split by ``split_dataset_by_node``) and user samplers
-      are iterated by each rank on its own (``unbroken.data.ranks``): on more than one rank
+      are iterated by each rank on its own (``unbroken.data.sources.ranks``): on more than one rank
       their state records ``rank`` and ``world_size`` in its fingerprint and resumes only on
       the rank and world size that saved it (each rank loads its own state); another rank,
       another world size or a single process's state is refused with a ``StateMismatch``.

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
-from .orders import IndexSource, NativeOrder
-from .sources import Cursor
+from .sources.base import Cursor
+from .sources.orders import IndexSource, NativeOrder
 
 if TYPE_CHECKING:
     from .loader import DataLoader

@@ -4,7 +4,7 @@
 - ``process_group``: ``init_process_group``, torch's, with each ``torchrun --max-restarts``
   attempt reading only its own keys of the agent's store.
 
-Each rank's share of one global order is a data concern: ``unbroken.data.sharding``. The
+Each rank's share of one global order is a data concern: ``unbroken.data.sources.sharding``. The
 checkpoints of a data-parallel job are ``unbroken.Checkpointer``'s (collective, with
 ``PerRank`` entries), its loop ``unbroken.Trainer``'s.
 """

@@ -250,7 +250,7 @@ class StreamingDataset(torch.utils.data.Dataset):
             self._files.popitem(last=False)
         return file
 
-    # The loader's hooks (``unbroken.data.orders``): the shuffle and the exact prefetch.
+    # The loader's hooks (``unbroken.data.sources.orders``): the shuffle and the exact prefetch.
 
     def shuffle_order(self, key: int) -> WindowShuffle:
         """The epoch's shuffled order for ``unbroken.DataLoader(shuffle=True)``."""

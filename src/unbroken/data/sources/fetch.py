@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import Dataset, get_worker_info
 
-from .rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
+from ..rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
 from .standin import StandIn
 
 # A batch as the inner torch loader's batch sampler yields it and a worker receives it: the

@@ -10,7 +10,7 @@
 - ``ReplayStream``: neither: a resume re-reads and skips the worker's consumed items (O(k),
   with a warning).
 
-``stream_source`` picks the source of an iterable dataset (these, or ``RangeStream``).
+``sources.SOURCES`` picks the source of an iterable dataset (these, or ``RangeStream``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from .._state import COUNT_LIMIT, check_user_state, encode_or_defer, from_jsonable, has_state
-from ..errors import CorruptState
-from .rng import clear_sample, keep_main_torch_rng
-from .streams import RangeStream, StreamSource, set_epoch
+from ..._state import COUNT_LIMIT, check_user_state, encode_or_defer, from_jsonable
+from ...errors import CorruptState
+from ..rng import clear_sample, keep_main_torch_rng
+from .streams import set_epoch
 from .worker_streams import Opened, PerWorkerStream, ReplicaStart
 
 _END = object()
@@ -182,19 +182,3 @@ class ReplayStream(PerWorkerStream):
             "state_dict/load_state_dict to resume in O(1).",
             stacklevel=4,  # warn_resume, check_cursor, load_state_dict, the caller
         )
-
-
-def stream_source(
-    dataset: Any, batch_size: int | None, drop_last: bool, num_workers: int
-) -> StreamSource:
-    """The source for an iterable dataset, by what it offers to resume with."""
-    kind: type[StreamSource]
-    if callable(getattr(dataset, "read_range", None)):
-        kind = RangeStream
-    elif has_state(dataset):
-        kind = StatefulStream
-    elif hasattr(dataset, "sampler") and callable(getattr(dataset, "__next__", None)):
-        kind = SamplerPatternStream
-    else:
-        kind = ReplayStream
-    return kind(dataset, batch_size, drop_last, num_workers)

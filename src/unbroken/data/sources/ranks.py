@@ -18,9 +18,9 @@ before this check: they were seeded per sample, ``unbroken.data.states``.)
 
 from __future__ import annotations
 
-from .._state import check_int
-from ..errors import CorruptState, StateMismatch
-from .sources import BatchSource
+from ..._state import check_int
+from ...errors import CorruptState, StateMismatch
+from .base import BatchSource
 
 RANK_FIELDS = ("rank", "world_size")
 

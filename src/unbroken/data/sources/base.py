@@ -1,20 +1,21 @@
 """Where an epoch's batches come from: the ``BatchSource`` protocol ``DataLoader`` is built on.
 
 ``unbroken.DataLoader`` is one loop around a real ``torch.utils.data.DataLoader``; what varies
-with the dataset and its options is the *source*, chosen once at construction:
+with the dataset and its options is the *source*, chosen once at construction by the table
+``sources.SOURCES``:
 
 ===========================  =============================================  ================
 source                       for                                            module
 ===========================  =============================================  ================
 ``NativeOrder``              map-style, ``shuffle`` on or off                ``orders``
-``ShardedOrder``             the same, one rank's share of it                ``distributed``
-``ShardedRangeStream``       a ``read_range`` stream, one rank's share       ``distributed``
+``ShardedOrder``             the same, one rank's share of it                ``sharding``
+``ShardedRangeStream``       a ``read_range`` stream, one rank's share       ``sharding``
 ``UserSampler``              map-style with a ``sampler``                    ``samplers``
 ``UserBatchSampler``         map-style with a ``batch_sampler``              ``samplers``
 ``RangeStream``              an iterable with ``read_range`` (global cursor)  ``streams``
-``StatefulStream``           an iterable with ``state_dict``                 ``worker_streams``
-``SamplerPatternStream``     an iterable with ``sampler``/``sampler_iter``   ``worker_streams``
-``ReplayStream``             any other iterable (re-read and skip)           ``worker_streams``
+``StatefulStream``           an iterable with ``state_dict``                 ``replicas``
+``SamplerPatternStream``     an iterable with ``sampler``/``sampler_iter``   ``replicas``
+``ReplayStream``             any other iterable (re-read and skip)           ``replicas``
 ===========================  =============================================  ================
 
 A source tells the inner torch loader what to iterate (``torch_dataset``), what a fresh

@@ -34,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from ..distributed.world import World
-from ..errors import CorruptState
-from . import keys
+from ...distributed.world import World
+from ...errors import CorruptState
+from .. import keys
+from ..rng import make_seeder
+from .base import Cursor
 from .fetch import Keys
 from .orders import DatasetOrder, NativeOrder, Permutation, check_no_source
-from .rng import make_seeder
-from .sources import Cursor
 from .streams import RangeStream, StreamWorker, Tagged, read_items, set_epoch
 
 _BLOCK = 4096  # positions per numpy call, as in NativeOrder

@@ -15,12 +15,12 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from .._state import Unsaveable, check_int, schema_fields
-from ..errors import CorruptState, StateMismatch
-from . import keys
-from .rng import Seeder, make_seeder
-from .sources import SKIP, Cursor
-from .states import WorkerPosition, WorkersPosition
+from ..._state import Unsaveable, check_int, schema_fields
+from ...errors import CorruptState, StateMismatch
+from .. import keys
+from ..rng import Seeder, make_seeder
+from ..states import WorkerPosition, WorkersPosition
+from .base import SKIP, Cursor
 from .streams import PLACEHOLDER, StreamSource, StreamWorker, Tagged, read_items
 
 Opened = tuple[Iterator, Callable[[], Any]]

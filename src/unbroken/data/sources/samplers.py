@@ -17,18 +17,18 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from .._state import (
+from ..._state import (
     check_user_state,
     encode_or_defer,
     from_jsonable,
     has_state,
     raise_if_unsaveable,
 )
-from ..errors import CorruptState, StateMismatch
-from . import keys
+from ...errors import CorruptState, StateMismatch
+from .. import keys
+from .base import Cursor
 from .fetch import Keys
 from .orders import IndexSource
-from .sources import Cursor
 
 
 class _UserOrder(IndexSource):
