@@ -20,8 +20,8 @@ batch: epoch, tick, ids, loss) and each epoch's logged mean loss to ``epochs.ran
 rank 0 writes the final weights to ``RUN_DIR/final.pt``.
 """
 
-import atexit
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -99,12 +99,12 @@ class Chaos:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     def on_preempted(self, trainer, seconds):
-        # The preemption checkpoint is committed; this rank is slow to exit (a big process's
-        # teardown, after fit): torchrun sends SIGTERM to it once another rank has exited,
-        # which must not kill it.
+        # The preemption checkpoint is committed; this rank is slow to exit (the script's own
+        # clean-up as fit raises SystemExit, below): torchrun sends SIGTERM to it once another
+        # rank has exited, which must not kill it.
         slow = OPTIONS.get("slow_exit", {})
         if slow.get("rank") == RANK:
-            atexit.register(time.sleep, slow["seconds"])
+            trainer.slow_exit = slow["seconds"]
 
 
 if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
@@ -166,9 +166,12 @@ def training_step(model, batch):
     return torch.nn.functional.cross_entropy(logits, y)
 
 
-logs = trainer.fit(
-    model, optimizer, loader, training_step=training_step, train_metrics={"acc": accuracy}
-)
+try:
+    logs = trainer.fit(
+        model, optimizer, loader, training_step=training_step, train_metrics={"acc": accuracy}
+    )
+finally:
+    time.sleep(getattr(trainer, "slow_exit", 0))  # on_preempted, with slow_exit
 if OPTIONS.get("fsdp"):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -178,4 +181,8 @@ else:
 if RANK == 0:
     torch.save(weights, RUN / "final.pt")
     (RUN / "logs.json").write_text(json.dumps(logs))
+# The DDP model goes before its process group: torn down after it at interpreter exit, torch's
+# DDP on gloo aborts the process now and then (see unbroken.preemption.exit_to_be_requeued).
+trainer = model = optimizer = None
+gc.collect()
 dist.destroy_process_group()

@@ -36,6 +36,7 @@ optimizer and scheduler states go to ``OUT/final.pt``.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -353,7 +354,9 @@ def main() -> None:
         fit(args, out, "last" if last.exists() else None)
     if torch.distributed.is_initialized():
         # gloo's threads otherwise abort the exiting process now and then ("terminate called
-        # without an active exception"), and torchrun reports the job failed.
+        # without an active exception"), and torchrun reports the job failed; Lightning's DDP
+        # model goes first (collected), as DDP torn down after its group aborts it too.
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 

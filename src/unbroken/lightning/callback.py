@@ -49,7 +49,7 @@ from .._checks import is_int
 from ..data.epochs import EpochIterable
 from ..data.loader import DataLoader
 from ..errors import CorruptState
-from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
+from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.globalrng import GlobalRNG
 from ..train.ranks import Job
 from . import loops
@@ -328,7 +328,7 @@ class ExactResume(Callback):
         trainer.save_checkpoint(_last_path(trainer))  # on every rank: it gathers their states
         self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
         loops.keep_ignoring_after_teardown(trainer, self.preemption.signals)
-        raise SystemExit(EXIT_CODE)
+        exit_to_be_requeued(destroy_groups=False)  # Lightning's teardown still uses them
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind in self._warned or (self._job is not None and not self._job.first):

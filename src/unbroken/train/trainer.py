@@ -35,15 +35,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.manager import Checkpointer
-from ..distributed.world import World
 from ..errors import DirectoryInUse
-from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
+from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
 from .checkpointing import (
     RUN_CHECKPOINTS,
     SaveSchedule,
@@ -362,7 +360,7 @@ class Trainer:
             self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
             say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
             call_hooks(self.callbacks, "on_preempted", self, seconds)
-            _exit_to_be_requeued()
+            exit_to_be_requeued()
         if time_due or self.schedule.by_steps(progress):
             self._save(blocking=not self.async_save)
 
@@ -378,7 +376,7 @@ class Trainer:
                 f"{name} received before training started: nothing new to save; "
                 f"exiting with {EXIT_CODE} to be requeued"
             )
-            _exit_to_be_requeued()
+            exit_to_be_requeued()
 
     def _save(self, blocking: bool = True) -> None:
         if self.progress.ticks == self.progress.saved_at:
@@ -401,14 +399,3 @@ class Trainer:
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
         self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
-
-
-def _exit_to_be_requeued() -> NoReturn:
-    """End the process with ``EXIT_CODE``. Under ``torch.distributed`` the process groups are
-    destroyed first (every rank gets here together, after the agreed save), as torch asks
-    before a process exits: an exit with live gloo groups sometimes aborted in their threads'
-    destructors ("terminate called without an active exception", exit code -6 instead of 75;
-    seen once in CI on a 2-rank job)."""
-    if World.current().initialized:
-        dist.destroy_process_group()
-    raise SystemExit(EXIT_CODE)
