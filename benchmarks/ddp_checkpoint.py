@@ -102,6 +102,9 @@ def worker(args: argparse.Namespace) -> None:
                 shutil.rmtree(root)
     if rank == 0:
         Path(args.out, "results.json").write_text(json.dumps(results))
+    # The models before their process group: DDP torn down after it may abort the exit.
+    built.clear()
+    del model, optimizer, state, entry
     dist.destroy_process_group()
 
 

@@ -207,6 +207,8 @@ def worker(run: Path, options: dict) -> None:
     if rank == 0:
         torch.save(net.state_dict(), run / "final_weights.pt")
         (run / "logs.json").write_text(json.dumps(logs))
+    chaos.trainer = None  # the DDP model goes before its process group (README: torchrun)
+    del trainer, model, optimizer, scheduler
     dist.destroy_process_group()
 
 
