@@ -106,7 +106,7 @@ def test_round_trip_restores_every_object_and_value(tmp_path, blocking, optimize
         name: obj.state_dict() if hasattr(obj, "state_dict") else obj for name, obj in state.items()
     }
     with Checkpointer(tmp_path, keep=2) as checkpointer:
-        assert checkpointer.save(7, state, blocking=blocking) == tmp_path / "step-000000007"
+        assert checkpointer.save(7, state, blocking=blocking) == str(tmp_path / "step-000000007")
 
     fresh_model, fresh_opt, fresh_scheduler = _trained(optimizer=optimizer, steps=0)
     fresh = {
@@ -121,7 +121,7 @@ def test_round_trip_restores_every_object_and_value(tmp_path, blocking, optimize
     }
     restored = Checkpointer(tmp_path).load_latest(fresh)
     assert isinstance(restored, Restored) and restored.unrequested == {}
-    assert restored.step == 7 and restored.path == tmp_path / "step-000000007"
+    assert restored.step == 7 and restored.path == str(tmp_path / "step-000000007")
     assert list(restored.values) == ["epoch", "history", "note"]
     for name, obj in fresh.items():
         assert_same(
@@ -197,7 +197,7 @@ def test_restored_is_always_true_and_plain_values_are_returned_not_rebound(tmp_p
     restored = Checkpointer(tmp_path).load_latest(state)
     assert state["epoch"] is None  # the caller's dict is not changed
     assert type(restored.step) is int and restored.step == 3
-    assert restored.path == tmp_path / "step-000000003"
+    assert restored.path == str(tmp_path / "step-000000003")
     assert restored.values == {"epoch": 4}
     assert list(restored.unrequested) == ["optimizer", "history"]
     assert restored.unrequested["history"] == [0.5]
@@ -252,7 +252,7 @@ def test_every_file_and_directory_written_is_fsynced(tmp_path, monkeypatch, bloc
     checkpointer = Checkpointer(directory)
     for step, new in [(1, True), (1, False), (2, False)]:  # new, replaced, plain
         synced.clear()
-        final = checkpointer.save(step, {"model": _model(), "epoch": 1}, blocking=blocking)
+        final = Path(checkpointer.save(step, {"model": _model(), "epoch": 1}, blocking=blocking))
         checkpointer.wait()
         temporary = {path.parent for path in synced if path.name == MANIFEST}
         assert len(temporary) == 1

@@ -10,6 +10,7 @@ that ``except ValueError`` still catches it.
 import hashlib
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def _reseal(checkpoint, **changes):
 def test_a_checkpoint_that_fails_verification_is_a_corrupt_checkpoint(tmp_path, damage):
     checkpointer = Checkpointer(tmp_path, keep=3)
     checkpointer.save(1, {"model": _model()})
-    path = checkpointer.save(2, {"model": _model()})
+    path = Path(checkpointer.save(2, {"model": _model()}))
     data = next(path.glob("000-*.pt"))
     if damage == "flipped byte":
         content = bytearray(data.read_bytes())
@@ -87,7 +88,7 @@ def test_a_checkpoint_that_fails_verification_is_a_corrupt_checkpoint(tmp_path, 
 
 
 def test_a_file_that_torch_cannot_load_is_a_corrupt_checkpoint(tmp_path):
-    path = Checkpointer(tmp_path).save(1, {"model": _model()})
+    path = Path(Checkpointer(tmp_path).save(1, {"model": _model()}))
     data = next(path.glob("000-*.pt"))
     data.write_bytes(b"not a zip file")
     manifest = json.loads((path / MANIFEST).read_text())
@@ -109,7 +110,7 @@ def test_a_file_that_torch_cannot_load_is_a_corrupt_checkpoint(tmp_path):
 
 def test_another_format_version_is_a_state_mismatch_and_not_skipped(tmp_path):
     Checkpointer(tmp_path).save(1, {"model": _model()})
-    path = Checkpointer(tmp_path).save(2, {"model": _model()})
+    path = Path(Checkpointer(tmp_path).save(2, {"model": _model()}))
     _reseal(path, version=3)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not skipped: no warning, no fallback to step 1

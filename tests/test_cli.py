@@ -523,7 +523,7 @@ def test_a_damaged_newest_checkpoint_fails_verify_and_resume_falls_back(
         "(sample 20); it would skip step-000000012 (corrupt)"
     )
     restored, said = _load_latest(directory)  # what the command predicts is what happens
-    assert restored.path.name == resume["checkpoint"] and restored.step == resume["step"]
+    assert Path(restored.path).name == resume["checkpoint"] and restored.step == resume["step"]
     assert any("skipping checkpoint" in line and "step-000000012" in line for line in said)
     assert not (directory / "code-ran").exists()
 

@@ -37,7 +37,7 @@ def _newest_checkpoint(directory: Path) -> tuple[str, dict]:
     """The newest committed checkpoint's directory name and the loop counters it holds."""
     restored = Checkpointer(directory / "checkpoints").load_latest({"progress": None})
     assert restored is not None, f"no checkpoint was committed in {directory}"
-    return restored.path.name, restored.values["progress"]
+    return Path(restored.path).name, restored.values["progress"]
 
 
 def _finish(directory: Path, **config) -> torch.nn.Module:

@@ -22,7 +22,8 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
-from pathlib import Path
+
+from .storage import basename, parent
 
 _unseen: set[BackgroundSave] = set()  # saves whose outcome no caller has been handed yet
 _lock = threading.Lock()
@@ -32,12 +33,12 @@ _hooked = False
 class BackgroundSave:
     """Runs ``write()`` in a thread; ``result()`` waits for it and raises what it raised."""
 
-    def __init__(self, final: Path, write: Callable[[], None]) -> None:
+    def __init__(self, final: str, write: Callable[[], None]) -> None:
         global _hooked
         self.final = final
         self._write: Callable[[], None] | None = write
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{final.name}")
+        self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{basename(final)}")
         with _lock:
             if not _hooked:
                 atexit.register(_report_unseen)
@@ -83,7 +84,7 @@ def _report_unseen() -> None:
             "load_latest) on its Checkpointer, which would have raised it:\n"
             + "".join(traceback.format_exception(type(error), error, error.__traceback__))
             + f"The checkpoint was not written: load_latest resumes from the newest earlier "
-            f"one in {save.final.parent}. Call checkpointer.close() before the script ends, "
+            f"one in {parent(save.final)}. Call checkpointer.close() before the script ends, "
             "or use `with Checkpointer(...) as checkpointer:`, to have such a failure raised.\n"
         )
         stream.flush()

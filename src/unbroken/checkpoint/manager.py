@@ -52,7 +52,6 @@ import os
 import warnings
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -82,7 +81,7 @@ from .per_rank import SKIP, PerRank, resized, unwrap
 from .restore import Restored, restore
 from .sharded import Sharded, save_state, written_by
 from .space import FULL, disk_full
-from .storage import Digest, LocalStorage, Storage, join, sha256
+from .storage import Digest, LocalStorage, Storage, basename, join, parents, sha256
 from .weights_only import checked_copy
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
@@ -121,7 +120,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, keep: int = 2, *, timeout: float = 600.0
+        self,
+        directory: str | os.PathLike,
+        keep: int = 2,
+        *,
+        timeout: float = 600.0,
+        storage: Storage | None = None,
     ) -> None:
         if not is_int(keep) or keep < 2:
             raise ValueError(
@@ -130,10 +134,10 @@ class Checkpointer:
             )
         if not is_number(timeout) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        self.directory = Path(directory)
+        self.directory = os.fspath(directory)  # a path or a URI, as the storage takes it
         self.keep = keep
-        self._storage: Storage = LocalStorage()
-        self._root = str(self.directory)  # what the storage is given: paths as strings
+        self._storage: Storage = storage if storage is not None else LocalStorage()
+        self._root = self.directory
         self._pending: BackgroundSave | None = None
         self._ranks = Ranks(float(timeout))
         self._ranks.settle(_attempt(self._check_directory), "checking the directory")
@@ -147,7 +151,7 @@ class Checkpointer:
     def world_size(self) -> int:
         return self._ranks.world_size
 
-    def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> Path:
+    def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> str:
         """Write ``state`` as checkpoint ``step``; returns its final directory.
 
         Once the save is committed, ``load_latest`` restores it: a checkpoint of the same step
@@ -182,7 +186,7 @@ class Checkpointer:
         replicated, own, shapes = prepared
         if ranks.first_rank:
             try:
-                newer = [Path(path).name for number, path in self._committed() if number > step]
+                newer = [basename(path) for number, path in self._committed() if number > step]
             except OSError:  # the save itself will say what is wrong, on every rank
                 newer = []
             if newer:
@@ -192,7 +196,7 @@ class Checkpointer:
                     "resumes from this save",
                     stacklevel=2,
                 )
-        final = self.directory / layout.final_name(step)
+        final = join(self._root, layout.final_name(step))
         order = {name: index for index, name in enumerate(state)}
         if blocking:
             self._write(step, final, replicated, own, shapes, order)
@@ -270,7 +274,7 @@ class Checkpointer:
         listed = _attempt(self._candidates if ranks.first_rank else self._check_directory)
         found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
         for step, where in reversed(found):
-            path = Path(where)
+            path = where
             read = _attempt(self._read, where, step, state)
             # Only the verdict travels (None: fine), never the state read.
             verdict = read if isinstance(read, BaseException) else None
@@ -375,11 +379,7 @@ class Checkpointer:
             return
         # Nothing there (the first save creates it), unless a file blocks the way to it.
         blocker = next(
-            (
-                p
-                for p in reversed(self.directory.parents)
-                if storage.exists(str(p)) and not storage.is_directory(str(p))
-            ),
+            (p for p in parents(self._root) if storage.exists(p) and not storage.is_directory(p)),
             None,
         )
         if blocker is not None or storage.exists(self._root):
@@ -396,7 +396,7 @@ class Checkpointer:
     def _write(
         self,
         step: int,
-        final: Path,
+        final: str,
         replicated: dict[str, Any],
         own: dict[str, Any],
         shapes: dict[str, ParamShapes],
@@ -473,13 +473,13 @@ class Checkpointer:
         self,
         step: int,
         tmp: str,
-        final: Path,
+        final: str,
         written: list[Written],
         shapes: dict[str, ParamShapes],
     ) -> None:
         """Rank 0, once every rank's files are durable: the manifest, the rename that commits
         the checkpoint, and the removal of what no longer is kept."""
-        storage, root, target = self._storage, self._root, join(self._root, final.name)
+        storage, root, target = self._storage, self._root, final
         entries: dict[str, EntrySpec] = {}
         files: dict[str, Digest] = {}
         folders = []
@@ -500,25 +500,13 @@ class Checkpointer:
             storage.sync_directory(folder)
         storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
         storage.sync_directory(tmp)
-        old = None
-        try:
-            if storage.exists(target):  # a directory cannot be renamed over a non-empty one
-                old = join(root, layout.aside_name(final.name))
-                storage.rename(target, old)
-            storage.rename(tmp, target)  # the commit
-            storage.sync_directory(root)
-        except BaseException:
-            if old is not None and not storage.exists(target):
-                storage.rename(old, target)
-            raise
-        if old is not None:
-            storage.remove_tree(old)
+        storage.commit(tmp, target, join(root, layout.aside_name(basename(final))))
         committed = self._committed()
         doomed = [path for number, path in committed if number > step]
         doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
-            aside = join(root, layout.doomed_name(Path(path).name))
+            aside = join(root, layout.doomed_name(basename(path)))
             storage.rename(path, aside)
             storage.remove_tree(aside)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import reprlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ class Restored:
 
     step: int
     """The step given to ``save``."""
-    path: Path
+    path: str
     """The checkpoint's directory."""
     values: dict[str, Any]
     """The saved values of the names of ``state`` that have no ``load_state_dict`` (plain
@@ -82,7 +81,7 @@ _SHORT = _Short()
 
 
 def restore(
-    state: dict[str, Any], saved: dict[str, Any], entries: dict[str, EntrySpec], path: Path
+    state: dict[str, Any], saved: dict[str, Any], entries: dict[str, EntrySpec], path: str
 ) -> None:
     """Give each object of ``state`` with ``load_state_dict`` its entry of ``saved``."""
     missing = [name for name in state if name not in saved]

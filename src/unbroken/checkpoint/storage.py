@@ -24,7 +24,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, NamedTuple, Protocol, cast
 
-__all__ = ["Digest", "Entry", "LocalStorage", "Storage", "join", "sha256"]
+__all__ = [
+    "Digest",
+    "Entry",
+    "LocalStorage",
+    "Storage",
+    "basename",
+    "join",
+    "parent",
+    "parents",
+    "sha256",
+]
 
 
 class Digest(NamedTuple):
@@ -96,6 +106,15 @@ class Storage(Protocol):
         """Bytes free for new data on the filesystem holding ``path``."""
         ...
 
+    def commit(self, staged: str, target: str, aside: str) -> None:
+        """Make the checkpoint written (manifest last) in directory ``staged`` appear whole at
+        ``target``, replacing one there, durably: after it, ``target`` holds all of it or, if
+        the process died during it, the old one (maybe at ``aside``, a free name, from which
+        ``layout.clean`` puts it back) or nothing; never a mix. A local disk renames the
+        directory; a store without renames writes the manifest last, so that a checkpoint
+        without one is not one (``manifest.read_manifest``)."""
+        ...
+
 
 class LocalStorage:
     """``Storage`` on the local filesystem."""
@@ -160,6 +179,21 @@ class LocalStorage:
     def free_space(self, path: str) -> int:
         return shutil.disk_usage(path).free
 
+    def commit(self, staged: str, target: str, aside: str) -> None:
+        old = None
+        try:
+            if self.exists(target):  # a directory cannot be renamed over a non-empty one
+                self.rename(target, aside)
+                old = aside
+            self.rename(staged, target)  # the commit
+            self.sync_directory(parent(target))
+        except BaseException:
+            if old is not None and not self.exists(target):
+                self.rename(old, target)
+            raise
+        if old is not None:
+            self.remove_tree(old)
+
 
 class _HashingWriter:
     """A write-only file that hashes what passes through, so each byte is handled once."""
@@ -189,6 +223,25 @@ def sha256(storage: Storage, path: str) -> str:
         while chunk := file.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def parent(path: str) -> str:
+    """The directory holding ``path`` (a local path or a URI)."""
+    head = path.rstrip("/").rpartition("/")[0]
+    return head if head else ("/" if path.startswith("/") else ".")
+
+
+def parents(path: str) -> list[str]:
+    """Every directory above ``path``, the outermost first (``/``, or a URI's first part)."""
+    found, current = [], path.rstrip("/")
+    while "/" in current.strip("/"):
+        current = parent(current)
+        found.append(current)
+    return found[::-1]
+
+
+def basename(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2]
 
 
 def join(directory: str, name: str) -> str:
