@@ -13,7 +13,16 @@
 
 from ..errors import DirectoryInUse
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
+from .config import TrainerOptions
 from .globalrng import GlobalRNG
 from .trainer import Trainer
 
-__all__ = ["DEFAULT_SIGNALS", "EXIT_CODE", "DirectoryInUse", "GlobalRNG", "Preemption", "Trainer"]
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "EXIT_CODE",
+    "DirectoryInUse",
+    "GlobalRNG",
+    "Preemption",
+    "Trainer",
+    "TrainerOptions",
+]

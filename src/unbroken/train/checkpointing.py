@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict, TypeGuard
 
 import torch
@@ -67,7 +67,7 @@ def checkpoint_entries(
     scaler: Any,
     log: CSVLog | None,
     metrics: dict[str, dict[str, Any]],
-    callbacks: list[Any],
+    callbacks: Sequence[Any],
 ) -> dict[str, Any]:
     """Everything a checkpoint holds, by name. ``metrics``: ``{phase: {name: metric}}``;
     ``log``: rank 0's CSV log (``None`` on the other ranks, which write no log)."""

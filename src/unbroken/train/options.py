@@ -1,61 +1,12 @@
-"""What the Trainer accepts, checked where it is given: its arguments and ``fit``'s loaders.
-
-Every check runs before anything is trained, saved or locked, and its error names the argument,
-the value received and what is expected. Costs a few ``isinstance`` checks per call.
-"""
+"""The Trainer's callbacks (its hooks, looked up once) and ``fit``'s loaders, checked where
+they are given. The Trainer's own options are checked in ``config``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._checks import is_int, is_number
 from .._state import has_state
-
-SCHEDULER_INTERVALS = ("step", "epoch")
-
-
-def check_arguments(trainer: Any) -> None:
-    """Raise ``ValueError`` for a ``Trainer`` argument out of its range (read from the
-    Trainer's attributes, before it installs anything)."""
-    max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
-    checkpoint_every_seconds = trainer.checkpoint_every_seconds
-    checkpoint_every_steps = trainer.checkpoint_every_steps
-    accumulate, deterministic = trainer.accumulate, trainer.deterministic
-    scheduler_interval = trainer.scheduler_interval
-    positive("max_epochs", max_epochs)
-    for name, value in (
-        ("max_steps", max_steps),
-        ("checkpoint_every_steps", checkpoint_every_steps),
-    ):
-        if value is not None:
-            positive(name, value)
-    if checkpoint_every_seconds is not None and (
-        isinstance(checkpoint_every_seconds, bool)
-        or not isinstance(checkpoint_every_seconds, (int, float))
-        or not checkpoint_every_seconds > 0
-    ):
-        raise ValueError(
-            "checkpoint_every_seconds must be a number > 0 or None, got "
-            f"{checkpoint_every_seconds!r}"
-        )
-    if deterministic not in (None, True, False):
-        raise ValueError(f"deterministic must be True, False or None, got {deterministic!r}")
-    positive("accumulate", accumulate)
-    if scheduler_interval not in SCHEDULER_INTERVALS:
-        raise ValueError(
-            f"scheduler_interval must be 'step' or 'epoch', got {scheduler_interval!r}"
-        )
-    positive("log_every", trainer.log_every)
-    positive("preemption_check_every", trainer.preemption_check_every)
-    timeout = trainer.checkpoint_timeout
-    if not is_number(timeout) or not timeout > 0:
-        raise ValueError(f"checkpoint_timeout must be a number of seconds > 0, got {timeout!r}")
-
-
-def positive(name: str, value: Any) -> None:
-    if not is_int(value) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def hooks(callbacks: Iterable[Any], hook: str) -> tuple[Callable[..., Any], ...]:

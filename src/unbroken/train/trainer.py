@@ -32,6 +32,7 @@ at every place a checkpoint can be taken.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,14 +51,20 @@ from .checkpointing import (
     reset_metrics,
     resume,
 )
+from .config import TrainerOptions
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
 from .lock import DirectoryLock, not_writable
-from .options import call_hooks, check_arguments, check_loaders, hooks
-from .progress import Progress, TrainerConfig, bar, say
+from .options import call_hooks, check_loaders, hooks
+from .progress import Progress, bar, say
 from .ranks import Job
 from .steps import StepFn, optimizer_step, step_function, step_loss, step_values
+
+_DEFAULTS = {
+    option.name: None if option.default is dataclasses.MISSING else option.default
+    for option in dataclasses.fields(TrainerOptions)
+}
 
 
 class Trainer:
@@ -81,9 +88,16 @@ class Trainer:
       norm, or ``None``. ``scheduler_interval``: ``"step"`` or ``"epoch"``. All three shape
       the computation, are recorded and must match on resume.
     - ``callbacks``: objects with any of ``on_fit_start``, ``on_train_batch_end``,
-      ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``, ``on_preempted``,
-      ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are checkpointed. The
-      ``logs`` the hooks get hold the latest logged value of each name.
+      ``on_optimizer_step`` (after each optimizer step, the epoch's last, partial accumulation
+      window's included: EMA weights, gradient statistics), ``on_validation_start`` and
+      ``on_validation_end`` (around each validation pass, and again when a resumed run goes on
+      inside one: a weight swap for validation must see whether it already swapped, e.g. from
+      its own state), ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``,
+      ``on_preempted``, ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are
+      checkpointed. The ``logs`` the hooks get hold the latest logged value of each name.
+    - ``options``: all of the above as one value instead, a ``unbroken.train.TrainerOptions``
+      (every field's doc and check in one place); ``trainer.options`` holds them either way,
+      and ``trainer.max_epochs`` etc. read them.
     - ``log_every``: a batch's loss and the other scalars its step returns are logged (CSV,
       TensorBoard, ``logs``, the progress bar's postfix) on every ``log_every``-th batch of its
       phase (default 50, as Lightning's ``log_every_n_steps``): only these batches' values are
@@ -107,7 +121,7 @@ class Trainer:
         self,
         directory: str | Path,
         *,
-        max_epochs: int,
+        max_epochs: int | None = None,
         max_steps: int | None = None,
         seed: int = 0,
         checkpoint_every_seconds: float | None = 600.0,
@@ -125,34 +139,52 @@ class Trainer:
         deterministic: bool | None = None,
         preemption_check_every: int = 1,
         checkpoint_timeout: float = 600.0,
+        options: TrainerOptions | None = None,
     ) -> None:
-        self.directory = Path(directory)
-        self.max_epochs, self.max_steps = max_epochs, max_steps
-        self.checkpoint_every_seconds = checkpoint_every_seconds
-        self.checkpoint_every_steps = checkpoint_every_steps
-        self.keep, self.async_save, self.deterministic = keep, async_save, deterministic
-        self.accumulate, self.clip_grad_norm = accumulate, clip_grad_norm
-        self.scheduler_interval = scheduler_interval
-        self.callbacks = list(callbacks)
-        self.progress_bar, self.signals = progress_bar, tuple(signals)
-        self.seed = seed
-        self.tensorboard = tensorboard  # None: write TensorBoard events if it is installed
-        self.log_every = log_every
-        self.preemption_check_every = preemption_check_every
-        self.checkpoint_timeout = checkpoint_timeout
-        check_arguments(self)
-        # What shapes the computation: saved with the loop's counters, checked on resume.
-        config = TrainerConfig(
+        given: dict[str, Any] = dict(
+            max_epochs=max_epochs,
+            max_steps=max_steps,
             seed=seed,
+            checkpoint_every_seconds=checkpoint_every_seconds,
+            checkpoint_every_steps=checkpoint_every_steps,
+            keep=keep,
             accumulate=accumulate,
             clip_grad_norm=clip_grad_norm,
             scheduler_interval=scheduler_interval,
+            callbacks=callbacks,
+            progress_bar=progress_bar,
+            signals=signals,
+            async_save=async_save,
+            tensorboard=tensorboard,
+            log_every=log_every,
+            deterministic=deterministic,
+            preemption_check_every=preemption_check_every,
+            checkpoint_timeout=checkpoint_timeout,
         )
+        self.directory = Path(directory)
+        # The options, checked (train.config), before anything is installed or locked.
+        if options is None:
+            options = TrainerOptions(**given)
+        elif changed := [name for name, value in given.items() if value != _DEFAULTS[name]]:
+            raise ValueError(
+                f"Trainer got options= and {', '.join(changed)}=: pass the options one way, "
+                "as keywords or as a TrainerOptions"
+            )
+        self.options = options
+        config = self.options.on_resume()  # saved with the loop's counters, checked on resume
         self.progress = Progress(config=config)
         self.logs: dict[str, float] = {}  # the latest value of everything logged
+        self._on_optimizer_step: tuple = ()  # the callbacks' hooks, looked up as fit starts
         # Handled from now on, so a signal while the model is built or a checkpoint is read
         # ends the run with EXIT_CODE (to be requeued) instead of killing it.
-        self.preemption = Preemption(self.signals).install()
+        self.preemption = Preemption(self.options.signals).install()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names not found otherwise: the options, read as the Trainer's attributes.
+        options = self.__dict__.get("options")
+        if options is not None and name in _DEFAULTS:
+            return getattr(options, name)
+        raise AttributeError(f"'Trainer' object has no attribute {name!r}")
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -189,7 +221,7 @@ class Trainer:
             self.val_metrics = dict(val_metrics or {})
             check_loaders(train_loader, val_loader)
             self.job = Job()
-            with self.preemption, determinism(self.deterministic, model):
+            with self.preemption, determinism(self.options.deterministic, model):
                 self._exit_if_preempted_before_training()
                 try:
                     self.directory.mkdir(parents=True, exist_ok=True)
@@ -199,7 +231,7 @@ class Trainer:
                     self._fit(train_loader, val_loader)
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
-        call_hooks(self.callbacks, "on_fit_end", self)
+        call_hooks(self.options.callbacks, "on_fit_end", self)
         return self.logs
 
     @contextmanager
@@ -226,12 +258,14 @@ class Trainer:
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         self.run_log = RunLog(
             self.directory,
-            self.tensorboard,
+            self.options.tensorboard,
             self.logs,
             write=self.job.first,  # one rank writes the log; the others keep `logs` only
         )
         self.checkpointer = Checkpointer(
-            self.directory / RUN_CHECKPOINTS, keep=self.keep, timeout=self.checkpoint_timeout
+            self.directory / RUN_CHECKPOINTS,
+            keep=self.options.keep,
+            timeout=self.options.checkpoint_timeout,
         )
         self.entries = checkpoint_entries(
             progress=self.progress,
@@ -242,28 +276,37 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.scaler,
             log=self.run_log.csv,
-            callbacks=self.callbacks,
+            callbacks=self.options.callbacks,
             metrics={"train": self.train_metrics, "val": self.val_metrics},
         )
         progress = self.progress
         try:
-            restored = resume(self.checkpointer, self.entries, val_loader, self.seed)
+            restored = resume(self.checkpointer, self.entries, val_loader, self.options.seed)
             self._exit_if_preempted_before_training()
             if restored is None:
                 self.run_log.restart()
-                seed_everything(self.seed)
+                seed_everything(self.options.seed)
+            elif self.scaler is not None and self.scaler.is_enabled():
+                # torch's GradScaler makes its scale tensor at its first scale(), from the
+                # loaded state: a run resumed at an epoch's end steps the window left pending
+                # (partial gradients) before it scales any loss. Scaling a zero makes it now,
+                # changing nothing of the state.
+                self.scaler.scale(torch.zeros((), device=_device_of(self.optimizer)))
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
-            self.schedule = SaveSchedule(self.checkpoint_every_steps, self.checkpoint_every_seconds)
-            call_hooks(self.callbacks, "on_fit_start", self)
-            while progress.epoch < self.max_epochs and not self._max_steps_reached():
+            self.schedule = SaveSchedule(
+                self.options.checkpoint_every_steps, self.options.checkpoint_every_seconds
+            )
+            self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
+            call_hooks(self.options.callbacks, "on_fit_start", self)
+            while progress.epoch < self.options.max_epochs and not self._max_steps_reached():
                 if progress.phase == "train":
                     self._train_epoch(train_loader)
                     progress.phase = "val" if val_loader is not None else "end"
                 if progress.phase == "val" and val_loader is not None:
                     self._validate(val_loader)
                     progress.phase = "end"
-                call_hooks(self.callbacks, "on_epoch_end", self, self.logs)
+                call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
                 progress.next_epoch()
             self._save()
         finally:
@@ -271,21 +314,25 @@ class Trainer:
             self.run_log.close()
 
     def _train_epoch(self, loader: Iterable) -> None:
-        progress, model, log_every = self.progress, self.model, self.log_every
+        progress, model, log_every = self.progress, self.model, self.options.log_every
         model.train()
         if progress.epoch_batches == 0:
             reset_metrics(self.train_metrics)
             progress.start_phase()
-        on_batch_end = hooks(self.callbacks, "on_train_batch_end")  # looked up once, not per batch
-        with bar(self.progress_bar and self.job.first, loader, progress, "train") as batches:
+        on_batch_end = hooks(
+            self.options.callbacks, "on_train_batch_end"
+        )  # looked up once, not per batch
+        with bar(
+            self.options.progress_bar and self.job.first, loader, progress, "train"
+        ) as batches:
             for batch in batches:
                 output = self.training_step(model, batch)
                 loss = step_loss(output)
                 # Dividing by 1 would add a no-op node to the graph: skip it.
-                scaled = loss / self.accumulate if self.accumulate > 1 else loss
+                scaled = loss / self.options.accumulate if self.options.accumulate > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 progress.batch_done(loss)  # adds the loss to the epoch's sum, without a sync
-                if progress.micro == self.accumulate:
+                if progress.micro == self.options.accumulate:
                     self._optimizer_step()
                 # The one place a batch's values reach the host: a sync on a GPU, so only on
                 # the batches that are logged.
@@ -301,19 +348,21 @@ class Trainer:
             self._optimizer_step()
         epoch_loss = self.job.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.train_metrics)})
-        if self.scheduler is not None and self.scheduler_interval == "epoch":
+        if self.scheduler is not None and self.options.scheduler_interval == "epoch":
             self.scheduler.step()
 
     def _optimizer_step(self) -> None:
-        per_step = self.scheduler if self.scheduler_interval == "step" else None
+        per_step = self.scheduler if self.options.scheduler_interval == "step" else None
         optimizer_step(
             self.model,
             self.optimizer,
             scaler=self.scaler,
             scheduler=per_step,
-            clip_grad_norm=self.clip_grad_norm,
+            clip_grad_norm=self.options.clip_grad_norm,
         )
         self.progress.optimizer_step_done()
+        for hook in self._on_optimizer_step:
+            hook(self)
 
     @torch.no_grad()
     def _validate(self, loader: Iterable) -> None:
@@ -323,8 +372,12 @@ class Trainer:
         if progress.val_batches == 0:
             reset_metrics(self.val_metrics)
             progress.start_phase()
-        on_batch_end, log_every = hooks(self.callbacks, "on_validation_batch_end"), self.log_every
-        with bar(self.progress_bar and self.job.first, loader, progress, "val") as batches:
+        call_hooks(self.options.callbacks, "on_validation_start", self)
+        on_batch_end, log_every = (
+            hooks(self.options.callbacks, "on_validation_batch_end"),
+            self.options.log_every,
+        )
+        with bar(self.options.progress_bar and self.job.first, loader, progress, "val") as batches:
             for batch in batches:
                 output = step(model, batch)
                 progress.val_batch_done(step_loss(output))
@@ -336,6 +389,7 @@ class Trainer:
                 self._after_batch()
         epoch_loss = self.job.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.val_metrics)}, "val")
+        call_hooks(self.options.callbacks, "on_validation_end", self, self.logs)
         model.train()
 
     def _after_batch(self) -> None:
@@ -343,7 +397,7 @@ class Trainer:
         progress, received = self.progress, self.preemption.received
         preempted, time_due = received is not None, self.schedule.by_time()
         if self.job.distributed:  # act only on what every rank knows, at the same batch
-            if progress.ticks % self.preemption_check_every:
+            if progress.ticks % self.options.preemption_check_every:
                 preempted = time_due = False
             else:
                 preempted, time_due = self.job.any_of(preempted, time_due)
@@ -359,10 +413,10 @@ class Trainer:
             )
             self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
             say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
-            call_hooks(self.callbacks, "on_preempted", self, seconds)
+            call_hooks(self.options.callbacks, "on_preempted", self, seconds)
             exit_to_be_requeued()
         if time_due or self.schedule.by_steps(progress):
-            self._save(blocking=not self.async_save)
+            self._save(blocking=not self.options.async_save)
 
     def _exit_if_preempted_before_training(self) -> None:
         (preempted,) = self.job.any_of(self.preemption.received is not None)
@@ -384,11 +438,11 @@ class Trainer:
         self.progress.saved_at = self.progress.ticks
         self.schedule.saved()
         self.run_log.flush_board()
-        call_hooks(self.callbacks, "on_save_start", self)
+        call_hooks(self.options.callbacks, "on_save_start", self)
         self.checkpointer.save(self.progress.ticks, self.entries, blocking=blocking)
 
     def _max_steps_reached(self) -> bool:
-        return self.max_steps is not None and self.progress.steps >= self.max_steps
+        return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
 
     # -- logging and callbacks --------------------------------------------------------------
 
@@ -399,3 +453,11 @@ class Trainer:
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
         self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    """Where the optimizer's parameters are (the first one's device)."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            return parameter.device
+    return torch.device("cpu")
