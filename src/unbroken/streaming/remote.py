@@ -3,9 +3,10 @@
 ``Remote`` holds the URL and the fsspec ``storage_options`` (plain data, so a dataset pickles
 to its workers) and opens the filesystem lazily, once per process: an fsspec filesystem made
 before a fork is not used after it (s3fs runs an event loop on a thread, which a forked child
-does not have). Every call goes through ``retrying``: a bounded number of attempts with
-exponential backoff, then ``RemoteUnavailable`` naming the URL and the last error. A missing
-object is not retried: ``FileNotFoundError`` says so at once.
+does not have). Every call goes through ``unbroken.retry.retrying``: a bounded number of
+attempts with exponential backoff, then ``RemoteUnavailable`` naming the URL and the last
+error; a missing object is not retried. The retry policy and what it does to keep the global
+random generators the user's (below) live in ``unbroken.retry``, shared with the checkpoints.
 
 **The global random generators are the user's.** The loader seeds them for each batch, and the
 batch's samples draw from them in turn, so a library that draws from them while a sample is
@@ -24,50 +25,14 @@ fetched shifts that batch's augmentation: botocore does, for the jitter of its r
 
 from __future__ import annotations
 
-import errno
 import os
-import random
-import threading
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._checks import is_int
-from ..errors import RemoteUnavailable
+from ..retry import drawing_nothing, retrying
 
 T = TypeVar("T")
-
-
-# Errors of the storage's client libraries that say the connection failed; s3fs lets some
-# through unwrapped (botocore's EndpointConnectionError is no OSError).
-_CLIENT_PACKAGES = {"botocore", "aiobotocore", "aiohttp", "urllib3", "requests", "google"}
-
-
-# Errors of this machine, not of the connection: a full or read-only disk, paths, permissions.
-_LOCAL_ERRNOS = {
-    errno.ENOSPC,
-    errno.EROFS,
-    errno.EDQUOT,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EISDIR,
-    errno.ENOTDIR,
-}
-
-
-def _transient(error: Exception) -> bool:
-    """Whether a failed request may succeed if tried again: a connection that failed or timed
-    out, not credentials, paths or a full local disk."""
-    if isinstance(error, OSError) and error.errno in _LOCAL_ERRNOS:
-        return False
-    if isinstance(error, (PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(error, (OSError, TimeoutError)):
-        return True
-    name = type(error).__name__
-    if "Credential" in name or "ParamValidation" in name or "Forbidden" in name:
-        return False  # botocore's NoCredentialsError, ParamValidationError; google's 403
-    return type(error).__module__.partition(".")[0] in _CLIENT_PACKAGES
 
 
 class Remote:
@@ -110,7 +75,7 @@ class Remote:
             self._fs, self._root = fsspec.core.url_to_fs(
                 self.url,
                 skip_instance_cache=True,
-                **_drawing_nothing(self.url, self.storage_options),
+                **drawing_nothing(self.url, self.storage_options),
             )
             self._pid = os.getpid()
         return self._fs
@@ -126,26 +91,15 @@ class Remote:
 
     def retrying(self, what: str, name: str, call: Callable[[], T]) -> T:
         """``call()``, retried on errors of the connection (not on a missing object)."""
-        for attempt in range(self.retries + 1):
-            try:
-                return _keeping_random(call)
-            except FileNotFoundError as error:  # not retried; said with what was asked for
-                raise FileNotFoundError(
-                    f"could not {what} {self.where(name)}: it does not exist ({error}). Check "
-                    "the URL (and the bucket), or that the dataset was not deleted or rewritten "
-                    "since its index was read (refresh_index=True reads the index again)"
-                ) from error
-            except Exception as error:
-                if not _transient(error):
-                    raise
-                if attempt == self.retries:
-                    raise RemoteUnavailable(
-                        f"could not {what} {self.where(name)} after {attempt + 1} attempt(s): "
-                        f"{type(error).__name__}: {error}. Check the URL, the endpoint and the "
-                        "credentials in storage_options, and that the storage is reachable."
-                    ) from error
-                time.sleep(self.backoff * 2**attempt)
-        raise AssertionError("unreachable")
+        return retrying(
+            what,
+            self.where(name),
+            call,
+            self.retries,
+            self.backoff,
+            missing="or that the dataset was not deleted or rewritten since its index was read "
+            "(refresh_index=True reads the index again)",
+        )
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """The bytes of object ``name`` (a byte range if given; negative ``start`` counts from
@@ -185,28 +139,3 @@ class Remote:
     def makedirs(self) -> None:
         root = self.path("")
         self.retrying("create", "", lambda: self.fs.makedirs(root, exist_ok=True))
-
-
-def _drawing_nothing(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
-    """``storage_options`` with botocore's retries (whose jitter draws from ``random``) down to
-    one attempt for an S3 URL, unless the options set them (see the module)."""
-    import fsspec
-
-    protocol = fsspec.core.split_protocol(url)[0]
-    if protocol not in ("s3", "s3a"):
-        return storage_options
-    config = dict(storage_options.get("config_kwargs") or {})
-    config.setdefault("retries", {"total_max_attempts": 1})
-    return {**storage_options, "config_kwargs": config}
-
-
-def _keeping_random(call: Callable[[], T]) -> T:
-    """``call()``; on the thread that reads samples, with Python's ``random`` state put back
-    after it (see the module). Not on other threads: their draws would race the reader's."""
-    if threading.current_thread() is not threading.main_thread():
-        return call()
-    state = random.getstate()
-    try:
-        return call()
-    finally:
-        random.setstate(state)
