@@ -28,6 +28,7 @@ from torch import nn
 import unbroken
 from unbroken import cli
 from unbroken.checkpoint import MANIFEST, Checkpointer
+from unbroken.cli import scan
 from unbroken.errors import StateMismatch
 from unbroken.preemption import EXIT_CODE
 
@@ -462,15 +463,15 @@ def test_verify_and_inspect_load_every_file_with_weights_only(saves, monkeypatch
 def test_large_entries_are_not_kept_for_positions_except_the_trainers_own(
     run_dir, monkeypatch, capsys
 ):
-    monkeypatch.setattr(cli, "READ_LIMIT", 0)  # every entry is "large" now
+    monkeypatch.setattr(scan, "READ_LIMIT", 0)  # every entry is "large" now
     kept = []
-    real = cli.loaders
+    real = scan.loaders
 
     def spy(states):
         kept.append(sorted(states))
         return real(states)
 
-    monkeypatch.setattr(cli, "loaders", spy)
+    monkeypatch.setattr(scan, "loaders", spy)
     _, document = _json(["inspect", run_dir], capsys)
     assert kept and {tuple(names) for names in kept} == {("progress", "train_loader", "val_loader")}
     assert [c["position"] for c in document["checkpoints"]] == list(RUN.values())

@@ -1,0 +1,139 @@
+"""``unbroken inspect DIR`` and ``unbroken verify DIR``: what a run's checkpoints hold, and
+whether a resume would find them whole.
+
+``DIR`` is a run directory (``unbroken.Trainer``'s: its checkpoints are in ``DIR/checkpoints``),
+a ``Checkpointer`` directory (one ``step-*`` subdirectory per checkpoint), or one checkpoint
+directory. Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
+a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
+
+A checkpoint *verifies* when its manifest is intact (its seal, its schema, every listed file
+there with its size: ``manifest.read_manifest``), every listed file matches its sha256
+(``manifest.verify_file``), and every file but DCP's shards loads with
+``torch.load(weights_only=True)`` and fits its manifest entry (``manifest.load_file``,
+``check_entry``): the checks with which ``Checkpointer.load_latest`` decides to skip a
+checkpoint, so a file resealed over garbage or a pickle that would run code is reported as
+corrupt, as ``load_latest`` would skip it. ``inspect`` also keeps the small entries, to find the
+Trainer's loop counters (entry ``progress``) and the loaders' cursors (any saved
+``unbroken.DataLoader``, ``CombinedLoader``, ``resumable`` or ``shuffle_buffer`` state, at the
+top of an entry or nested in a dict); of a checkpoint saved by several ranks, rank 0's part.
+``verify`` makes the same checks; it prints no positions.
+
+Batches and samples are counts of what the user had received in the epoch (epochs count from
+0), so "continue epoch 2 at batch 37" means 37 batches of epoch 2 were trained on and batch 37
+(counting from 0) comes next.
+
+Exit status: 0 when the newest checkpoint verifies (``inspect``: whenever checkpoints were
+found); 1 (``verify``) when the newest checkpoint does not verify, even if an older one does;
+2 for a usage error, a missing directory or no checkpoints found.
+
+``--json`` prints one JSON document (``Report``) on stdout instead of the text::
+
+    {"command": "inspect" | "verify",
+     "directory": "<DIR as given>",
+     "kind": "run" | "checkpoints" | "checkpoint",
+     "checkpoints_directory": "<absolute path of the directory holding the checkpoints>",
+     "checkpoints": [                       # oldest step first
+        {"name": "step-000000120", "path": "<absolute path>", "step": 120,
+         "written": "2025-01-31T12:00:00Z" | null,   # manifest.json's mtime, UTC
+         "bytes": 123456,                            # every file under the directory
+         "verified": true,
+         "status": "ok" | "corrupt" | "unsupported", # unsupported: another format version
+         "problems": ["000-model.pt does not match its sha256 in the manifest", ...],
+         "world_size": 1 | null, "entries": ["model", "optimizer", ...] | null,
+         "position": null | {"epoch": 2, "phase": "train" | "val" | "end" | null,
+                             "batch": 37, "sample": 2368 | null,
+                             "optimizer_step": 120 | null,
+                             "source": "progress" | "<a loader's entry name>"},
+         "loaders": [<loader>, ...]},                # the loaders' cursors, as below
+        ...],
+     "newest": "step-000000130",
+     "ok": false,                            # the newest checkpoint verifies
+     "resume": {"checkpoint": "step-000000120" | null,   # what load_latest would restore
+                "step": 120 | null,
+                "skipped": ["step-000000130"],           # newer ones it would skip as corrupt
+                "fails": null | "<why load_latest would raise instead>",
+                "position": <as above> | null,
+                "loaders": [<loader>, ...],              # of the checkpoint it would load
+                "summary": "resume would load checkpoint step-000000120 and ..."}}
+
+    <loader>: {"name": "train_loader", "format": "unbroken.DataLoader", "version": 3,
+               "seed": 0, "epoch": 2, "batches": 37, "samples": 2368}
+               (the fields its state has: a CombinedLoader's "mode", and its children's in
+               "loaders", named "train_loader[a]"; a resumable's "items")
+
+``verify --json`` has the same shape, with every ``position`` null and every ``loaders`` empty. A usage
+error prints ``{"command": ..., "directory": ..., "error": "<message>"}`` (and the message on
+stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .._units import human
+from .report import report, table, text
+from .scan import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, UsageError, check, loaders
+
+__all__ = ["check", "human", "loaders", "main", "report", "table", "text"]
+
+
+# ------------------------------------------------------------------------------- the command
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "directory",
+        metavar="DIR",
+        help="a run directory (a Trainer's), a Checkpointer directory, or one checkpoint",
+    )
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    main_parser = argparse.ArgumentParser(
+        prog="unbroken",
+        description="Inspect and verify unbroken checkpoints (nothing on disk is changed).",
+    )
+    commands = main_parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands.add_parser(
+        "inspect",
+        parents=[common],
+        help="list the checkpoints: position, time, size, whether they verify; what a resume "
+        "would do",
+        description="List every checkpoint (step, epoch and batch, time written, size, whether "
+        "it verifies), the loaders' cursors in the newest one that verifies, and what a resume "
+        "would do. Exit 0 if checkpoints were found, 2 otherwise.",
+    )
+    commands.add_parser(
+        "verify",
+        parents=[common],
+        help="exit 0 if the newest checkpoint verifies, 1 if it is corrupt",
+        description="Check every checkpoint's manifest and the sha256 of each of its files. "
+        "Exit 0 if the newest checkpoint verifies, 1 if it does not (even if an older one "
+        "does), 2 if there is no checkpoint.",
+    )
+    return main_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``unbroken`` command; returns its exit status."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as stop:  # argparse's usage errors (2) and --help (0)
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+    command, directory, as_json = args.command, args.directory, args.json
+    try:
+        document = report(command, directory, read_states=command == "inspect")
+    except (UsageError, OSError) as error:  # OSError: a directory that cannot be listed
+        print(f"unbroken {command}: error: {error}", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"command": command, "directory": directory, "error": str(error)}))
+        return EXIT_USAGE
+    if as_json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(text(document))
+    if command == "verify" and not document["ok"]:
+        return EXIT_CORRUPT
+    return EXIT_OK

@@ -1,0 +1,225 @@
+"""The report of ``inspect``/``verify``: what a resume would do, and the text printed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .._units import human
+from ..checkpoint.storage import LocalStorage
+from .scan import CheckpointReport, LoaderReport, Position, Report, Resume, check, locate
+
+# -------------------------------------------------------------------------------- the report
+
+
+def report(command: str, given: str, read_states: bool) -> Report:
+    """Everything the command prints, as data. Raises ``UsageError`` if there is nothing to
+    report on."""
+    storage = LocalStorage()
+    kind, root, found = locate(Path(given), storage)
+    checked = [check(storage, path, step, read_states) for step, path in found]
+    return Report(
+        command=command,
+        directory=given,
+        kind=kind,
+        checkpoints_directory=os.path.abspath(root),
+        checkpoints=checked,
+        newest=checked[-1]["name"],
+        ok=checked[-1]["verified"],
+        resume=_resume(checked, kind),
+    )
+
+
+def _resume(checked: list[CheckpointReport], kind: str) -> Resume:
+    """What ``load_latest`` would do: try the newest first, skip the corrupt ones, raise at one
+    of another format version."""
+    skipped: list[str] = []
+    chosen: CheckpointReport | None = None
+    fails = None
+    for candidate in reversed(checked):
+        if candidate["status"] == "unsupported":
+            fails = candidate["problems"][0]
+            break
+        if candidate["verified"]:
+            chosen = candidate
+            break
+        skipped.append(candidate["name"])
+    one = kind == "checkpoint"
+    return Resume(
+        checkpoint=chosen["name"] if chosen else None,
+        step=chosen["step"] if chosen else None,
+        skipped=skipped,
+        fails=fails,
+        position=chosen["position"] if chosen else None,
+        loaders=chosen["loaders"] if chosen else [],
+        summary=_summary(chosen, skipped, fails, one),
+    )
+
+
+def _summary(
+    chosen: CheckpointReport | None, skipped: list[str], fails: str | None, one: bool
+) -> str:
+    skips = f" (skipping {_names(skipped)}: corrupt)" if skipped else ""
+    if fails is not None:
+        return f"a resume would fail{skips}: {fails}"
+    if chosen is None:
+        what = "this checkpoint does not verify" if one else "no checkpoint verifies"
+        return f"{what}: a resume would skip {_names(skipped)} and start fresh"
+    where = _where(chosen["position"])
+    text = f"resume would load checkpoint {chosen['name']}{where}"
+    if skipped:
+        text += f"; it would skip {_names(skipped)} (corrupt)"
+    return text
+
+
+def _where(position: Position | None) -> str:
+    if position is None:
+        return ""
+    epoch, batch, phase = position["epoch"], position["batch"], position["phase"]
+    sample = f" (sample {position['sample']})" if position["sample"] is not None else ""
+    step = position["optimizer_step"]
+    steps = f", optimizer step {step}" if step is not None else ""
+    if phase == "val":
+        return f" and continue the validation of epoch {epoch} at batch {batch}{sample}{steps}"
+    if phase == "end":
+        return f" and finish epoch {epoch}, then start epoch {epoch + 1}{steps}"
+    if batch == 0 and phase == "train":
+        # Only the save at the end of fit is taken before an epoch's first batch.
+        finished = " (where the run ended: only a larger max_epochs or max_steps trains on)"
+        finished = finished if epoch else ""
+        return f" and start epoch {epoch} at its first batch{steps}{finished}"
+    return f" and continue epoch {epoch} at batch {batch}{sample}{steps}"
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names)
+
+
+# ---------------------------------------------------------------------------------- printing
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Rows aligned under their headers; the columns in ``right`` right-aligned."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [
+            str(cell).rjust(width) if i in right else str(cell).ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _cell(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def text(document: Report) -> str:
+    inspecting = document["command"] == "inspect"
+    where = document["checkpoints_directory"]
+    kind = {"run": "run directory", "checkpoints": "checkpoint directory"}.get(document["kind"])
+    lines = [
+        f"{kind} {document['directory']}: checkpoints in {where}"
+        if kind
+        else f"checkpoint {document['directory']}",
+        "",
+    ]
+    headers = ["CHECKPOINT", "STEP"]
+    if inspecting:
+        headers += ["EPOCH", "BATCH", "SAMPLE", "OPT STEP"]
+    headers += ["WRITTEN (UTC)", "SIZE", "VERIFIED"]
+    rows = []
+    for checkpoint in document["checkpoints"]:
+        row = [checkpoint["name"], str(checkpoint["step"])]
+        if inspecting:
+            position = checkpoint["position"]
+            if position is None:
+                row += ["-", "-", "-", "-"]
+            else:
+                batch = str(position["batch"])
+                if position["phase"] in ("val", "end"):
+                    batch = f"{position['phase']} {batch}"
+                row += [
+                    str(position["epoch"]),
+                    batch,
+                    _cell(position["sample"]),
+                    _cell(position["optimizer_step"]),
+                ]
+        verdict = {"ok": "ok", "corrupt": "CORRUPT", "unsupported": "UNSUPPORTED"}
+        row += [
+            checkpoint["written"] or "-",
+            human(checkpoint["bytes"]),
+            verdict[checkpoint["status"]],
+        ]
+        rows.append(row)
+    right = {1, 2, 3, 4, 5, 7} if inspecting else {1, 3}
+    lines += table(headers, rows, right)
+    troubled = [c for c in document["checkpoints"] if c["problems"]]
+    if troubled:
+        lines.append("")
+    for checkpoint in troubled:
+        for problem in checkpoint["problems"]:
+            lines.append(f"{checkpoint['name']}: {problem}")
+    resume = document["resume"]
+    if inspecting and resume["loaders"]:
+        lines += ["", f"loaders in {resume['checkpoint']}:"]
+        rows = []
+
+        def add(loader: LoaderReport) -> None:
+            rows.append(
+                [
+                    loader["name"],
+                    loader.get("format", "-"),
+                    loader.get("mode", "-"),
+                    _cell(loader.get("seed")),
+                    _cell(loader.get("epoch")),
+                    _cell(loader.get("batches")),
+                    _cell(loader.get("samples", loader.get("items"))),
+                ]
+            )
+            for child in loader.get("loaders", []):
+                add(child)
+
+        for loader in resume["loaders"]:
+            add(loader)
+        headers = ["NAME", "FORMAT", "MODE", "SEED", "EPOCH", "BATCHES", "SAMPLES"]
+        lines += ["  " + line for line in table(headers, rows, {3, 4, 5, 6})]
+    lines.append("")
+    lines.append(_verdict(document) if not inspecting else _sentence(resume["summary"]))
+    return "\n".join(lines)
+
+
+def _verdict(document: Report) -> str:
+    """``verify``'s last line: whether the newest checkpoint verifies, and if not, what a
+    resume would do instead."""
+    newest, resume = document["checkpoints"][-1], document["resume"]
+    if document["ok"]:
+        return f"OK: the newest checkpoint, {newest['name']}, verifies"
+    if newest["status"] == "unsupported":  # load_latest raises at it rather than skip it
+        return (
+            f"FAILED: the newest checkpoint, {newest['name']}, is of another format version; "
+            f"a resume would fail: {newest['problems'][0]}"
+        )
+    if resume["checkpoint"] is not None:
+        then = (
+            f"a resume would skip {_names(resume['skipped'])} and fall back to "
+            f"{resume['checkpoint']} (step {resume['step']})"
+        )
+    elif resume["fails"] is not None:
+        then = (
+            "a resume would fail"
+            + (f" (after skipping {_names(resume['skipped'])})" if resume["skipped"] else "")
+            + f": {resume['fails']}"
+        )
+    else:
+        then = "no checkpoint verifies: a resume would start fresh"
+    return (
+        f"FAILED: the newest checkpoint, {newest['name']}, does not verify "
+        f"({newest['problems'][0]}); {then}"
+    )
+
+
+def _sentence(summary: str) -> str:
+    return summary[:1].upper() + summary[1:] + "."

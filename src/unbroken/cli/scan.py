@@ -1,0 +1,328 @@
+"""Finding a directory's checkpoints and checking each as ``load_latest`` would; what its
+small entries say of where the run stands (the Trainer's counters, the loaders' cursors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypedDict, cast
+
+from ..checkpoint import layout
+from ..checkpoint.manifest import (
+    MANIFEST,
+    Manifest,
+    check_entry,
+    load_file,
+    read_manifest,
+    validate,
+    verify_file,
+)
+from ..checkpoint.storage import Storage, join
+from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
+from ..errors import CorruptCheckpoint, StateMismatch
+from ..train.checkpointing import PROGRESS, RUN_CHECKPOINTS, TRAIN_LOADER, VAL_LOADER
+from ..train.progress import COUNTERS, PHASES
+
+LOADER_FORMATS = (LOADER.name, COMBINED.name, RESUMABLE.name, SHUFFLE_BUFFER.name)
+# Entries read to find positions: the Trainer's always, others only if this small (a loader's
+# state is a few hundred bytes; a model's is not worth unpickling to find none).
+ALWAYS_READ = (PROGRESS, TRAIN_LOADER, VAL_LOADER)
+READ_LIMIT = 1 << 20
+_NESTING = 4  # how deep inside a dict entry loader states are looked for
+_NAMED = re.compile(r"(?:\.old-)?step-(\d+)(?:-[0-9a-f]+)?")
+
+EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
+
+
+class Position(TypedDict):
+    epoch: int
+    phase: str | None
+    batch: int
+    sample: int | None
+    optimizer_step: int | None
+    source: str
+
+
+class CheckpointReport(TypedDict):
+    name: str
+    path: str
+    step: int
+    written: str | None
+    bytes: int
+    verified: bool
+    status: str
+    problems: list[str]
+    world_size: int | None
+    entries: list[str] | None
+    position: Position | None
+    loaders: list[LoaderReport]
+
+
+class LoaderReport(TypedDict, total=False):
+    name: str
+    format: str
+    version: int
+    seed: int
+    mode: str
+    epoch: int
+    batches: int
+    samples: int
+    items: int
+    loaders: list[LoaderReport]
+
+
+class Resume(TypedDict):
+    checkpoint: str | None
+    step: int | None
+    skipped: list[str]
+    fails: str | None
+    position: Position | None
+    loaders: list[LoaderReport]
+    summary: str
+
+
+class Report(TypedDict):
+    command: str
+    directory: str
+    kind: str
+    checkpoints_directory: str
+    checkpoints: list[CheckpointReport]
+    newest: str
+    ok: bool
+    resume: Resume
+
+
+class UsageError(Exception):
+    """Nothing to report on: exit status 2, with this message."""
+
+
+# ------------------------------------------------------------------------------ finding them
+
+
+def locate(directory: Path, storage: Storage) -> tuple[str, Path, list[tuple[int, str]]]:
+    """``(kind, the directory holding the checkpoints, [(step, path)] oldest first)``."""
+    if not directory.exists():
+        raise UsageError(f"{directory}: no such directory")
+    if not directory.is_dir():
+        raise UsageError(f"{directory} is not a directory")
+    named = _NAMED.fullmatch(directory.name)
+    if named or (directory / MANIFEST).exists():
+        step = int(named.group(1)) if named else _manifest_step(directory)
+        return "checkpoint", directory.parent, [(step, str(directory))]
+    found = layout.candidates(storage, str(directory))
+    if found:
+        return "checkpoints", directory, found
+    inside = directory / RUN_CHECKPOINTS
+    found = layout.candidates(storage, str(inside))
+    if found:
+        return "run", inside, found
+    if inside.is_dir():
+        raise UsageError(
+            f"no checkpoints found in the run directory {directory}: {inside} holds no step-* "
+            "checkpoint directory"
+        )
+    raise UsageError(
+        f"no checkpoints found in {directory}: it is neither a run directory (with "
+        f"{RUN_CHECKPOINTS}/ inside), a checkpoint directory (with step-* directories) nor a "
+        f"checkpoint (with {MANIFEST})"
+    )
+
+
+def _manifest_step(directory: Path) -> int:
+    """The step a checkpoint directory not named ``step-*`` says it holds (0 if unreadable:
+    its verification then says what is wrong)."""
+    try:
+        step = json.loads((directory / MANIFEST).read_bytes()).get("step")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return 0
+    return step if type(step) is int and step >= 0 else 0
+
+
+# ------------------------------------------------------------------------------- checking one
+
+
+def check(storage: Storage, path: str, step: int, read_states: bool) -> CheckpointReport:
+    """One checkpoint: verified as ``load_latest`` verifies it, and (``read_states``) where it
+    stands, from its small entries whose files verified."""
+    problems: list[str] = []
+    status = "ok"
+    manifest: Manifest | None = None
+    try:
+        manifest = read_manifest(storage, path, step)
+    except CorruptCheckpoint as error:
+        problems.append(str(error))
+        status = "corrupt"
+        manifest = _sealed(storage, path, step)  # a file's size was off: the rest still reads
+    except StateMismatch as error:
+        problems.append(str(error))
+        status = "unsupported"
+    states: dict[str, Any] = {}
+    if manifest is not None:
+        for problem in _check_files(storage, path, manifest, states if read_states else None):
+            status = "corrupt"
+            if problem not in problems:
+                problems.append(problem)
+    return CheckpointReport(
+        name=Path(path).name,
+        path=os.path.abspath(path),
+        step=step,
+        written=_written(Path(path) / MANIFEST),
+        bytes=_size(Path(path)),
+        verified=status == "ok",
+        status=status,
+        problems=problems,
+        world_size=manifest["world_size"] if manifest is not None else None,
+        entries=list(manifest["entries"]) if manifest is not None else None,
+        position=_position(states),
+        loaders=loaders(states),
+    )
+
+
+def _sealed(storage: Storage, path: str, step: int) -> Manifest | None:
+    """The manifest if it is intact itself (its seal and schema), its files aside."""
+    try:
+        with storage.open_read(join(path, MANIFEST)) as opened:
+            return validate(opened.read(), step, path)
+    except (OSError, ValueError):  # CorruptCheckpoint and StateMismatch are ValueErrors
+        return None
+
+
+def _written(manifest: Path) -> str | None:
+    try:
+        mtime = manifest.stat().st_mtime
+    except OSError:
+        return None
+    return datetime.fromtimestamp(mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _size(directory: Path) -> int:
+    total = 0
+    for parent, _, files in os.walk(directory):
+        for file in files:
+            try:
+                total += os.lstat(os.path.join(parent, file)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _check_files(
+    storage: Storage, path: str, manifest: Manifest, states: dict[str, Any] | None
+) -> list[str]:
+    """Why ``load_latest`` would skip checkpoint ``path`` for its files (none: it would load
+    them): each listed file matches its sha256, and each file of a replicated or per-rank entry
+    loads with ``torch.load(weights_only=True)`` (which runs no code from the file) and fits
+    what the manifest says of it, the very checks ``load_latest`` makes (a file whose sha256
+    was resealed over garbage, a truncated zip or a pickle that would run code passes the hash
+    alone). DCP's shard files are hashed only: DCP reads them. ``states``, if given, receives
+    the entries worth reading for a position (``ALWAYS_READ``, or small), by name; of an entry
+    saved by several ranks, rank 0's part."""
+    problems: list[str] = []
+    bad: set[str] = set()
+    for file in manifest["files"]:
+        try:
+            verify_file(storage, path, manifest, file)
+        except CorruptCheckpoint as error:
+            bad.add(file)
+            problems.append(str(error))
+    for name, entry in manifest["entries"].items():
+        files = [entry["file"]] if "file" in entry else entry.get("ranks", [])
+        for file in files:
+            if file in bad:
+                continue
+            try:
+                value = load_file(storage, path, manifest, file, verify=False)  # hashed above
+                check_entry(name, entry, value)
+            except CorruptCheckpoint as error:
+                problems.append(f"state[{name!r}]: {error}")
+                continue
+            small = name in ALWAYS_READ or manifest["files"][file]["size"] <= READ_LIMIT
+            if states is not None and file == files[0] and small:
+                states[name] = value
+            del value  # one file in memory at a time
+    return problems
+
+
+def _is_progress(value: Any) -> bool:
+    """Whether ``value`` is the Trainer's ``Progress`` state (its loop counters)."""
+    return (
+        isinstance(value, dict)
+        and all(type(value.get(name)) is int for name in COUNTERS)
+        and value.get("phase") in PHASES
+    )
+
+
+def _is_loader(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("format") in LOADER_FORMATS
+
+
+def loaders(states: dict[str, Any]) -> list[LoaderReport]:
+    """The cursors of every loader state among ``states`` (entries, or dicts inside them)."""
+    found: list[LoaderReport] = []
+
+    def visit(name: str, value: Any, depth: int) -> None:
+        if _is_loader(value):
+            found.append(_loader(name, value))
+        elif isinstance(value, dict) and depth < _NESTING and not _is_progress(value):
+            for key, item in value.items():
+                visit(f"{name}.{key}", item, depth + 1)
+
+    for name, value in states.items():
+        visit(name, value, 0)
+    return found
+
+
+def _loader(name: str, state: dict[str, Any]) -> LoaderReport:
+    report: dict[str, Any] = {"name": name}
+    for field in ("format", "version", "seed", "mode", "epoch", "batches", "samples", "items"):
+        value = state.get(field)
+        if type(value) is (str if field in ("format", "mode") else int):
+            report[field] = value
+    children = state.get("loaders")
+    if state.get("format") == COMBINED.name and isinstance(children, list):
+        keys = state.get("keys")
+        names = keys if isinstance(keys, list) else list(range(len(children)))
+        report["loaders"] = [
+            _loader(f"{name}[{key}]", child["state"])
+            for key, child in zip(names, children)
+            if isinstance(child, dict) and _is_loader(child.get("state"))
+        ]
+    return cast(LoaderReport, report)
+
+
+def _position(states: dict[str, Any]) -> Position | None:
+    """Where a resume from these states continues: the Trainer's counters if there are any,
+    else the first loader's cursor (the train loader's, if it is named so)."""
+    found = loaders(states)
+    by_name = {loader["name"]: loader for loader in found}
+    progress = states.get(PROGRESS)
+    if not _is_progress(progress):
+        progress = next((value for value in states.values() if _is_progress(value)), None)
+    if progress is not None:
+        phase = progress["phase"]
+        batch = progress["val_batches"] if phase == "val" else progress["epoch_batches"]
+        loader = by_name.get(VAL_LOADER if phase == "val" else TRAIN_LOADER, {})
+        return Position(
+            epoch=progress["epoch"],
+            phase=phase,
+            batch=batch,
+            sample=loader.get("samples"),
+            optimizer_step=progress["steps"],
+            source=PROGRESS,
+        )
+    first = by_name.get(TRAIN_LOADER) or next(
+        (loader for loader in found if "epoch" in loader and "batches" in loader), None
+    )
+    if first is None or "epoch" not in first or "batches" not in first:
+        return None
+    return Position(
+        epoch=first["epoch"],
+        phase=None,
+        batch=first["batches"],
+        sample=first.get("samples"),
+        optimizer_step=None,
+        source=first["name"],
+    )
