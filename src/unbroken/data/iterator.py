@@ -22,12 +22,16 @@ iterations; the position taken at the first ``next()``), and adds what torch's i
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from . import keys
 from .epochs import Binding
 from .sources.base import SKIP, Cursor, Receiver
 from .sources.fetch import Failed
+from .sources.orders import NativeOrder
+from .workers import signals_blocked, worker_init
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -44,7 +48,7 @@ class LoaderIterator:
         self._over = False
         # With workers, start them now for the position the loader has now (torch starts its
         # workers in iter()); __next__ checks that it is still the one it takes.
-        self._primed = loader._prime(self) if loader.num_workers > 0 else None
+        self._primed = prime(loader) if loader.num_workers > 0 else None
 
     def __iter__(self) -> LoaderIterator:
         return self
@@ -79,7 +83,7 @@ class LoaderIterator:
         loader._yielded(binding)
         reported = self._reported
         if reported is not None and cursor.samples > reported:
-            loader._warn_longer_than_reported(reported, cursor.samples)
+            warn_longer_than_reported(loader, reported, cursor.samples)
         if type(batch) is Failed:  # received and counted: the loop may go on after it
             raise batch.error()
         return batch
@@ -88,9 +92,9 @@ class LoaderIterator:
         loader = self._loader
         binding = self._binding = loader._bind()
         primed, self._primed = self._primed, None
-        started = loader._start(binding, primed)
+        started = start(loader, binding, primed)
         self._started, self._reported = started, loader._reported_length
-        loader._plan_reads(started, binding)
+        plan_reads(loader, started, binding)
         return started
 
     def _end(self, report: Any) -> None:
@@ -112,6 +116,80 @@ class LoaderIterator:
         # CPython closes a generator a loop broke out of.
         if self.__dict__.get("_started") is not None:
             self.close()
+
+
+# The inner torch loader started for a place (``Started``), for an iteration.
+def prime(loader: DataLoader) -> Started:
+    """Start the workers for the place an iteration would take now (``_bind``'s rule)."""
+    fresh = loader._owner is not None  # held by another iteration: the epoch afresh
+    return _launch(loader, loader._start_position(None) if fresh else loader._pos, loader._epoch)
+
+
+def start(loader: DataLoader, binding: Binding[Cursor], primed: Started | None) -> Started:
+    """The inner iteration for ``binding``: the primed one if it reads the same batches."""
+    cursor, epoch = binding.position, binding.epoch
+    if cursor.batches == 0:
+        loader._follow_length()
+    if primed is not None:
+        if primed.key == _key(loader, cursor, epoch):
+            return primed
+        primed.close()  # a set_epoch or load_state_dict came between iter() and next()
+    return _launch(loader, cursor, epoch)
+
+
+def _key(loader: DataLoader, cursor: Cursor, epoch: int) -> tuple:
+    """What an inner iteration's batches are a function of."""
+    n = loader._source.n if isinstance(loader._source, NativeOrder) else None
+    return (loader.seed, epoch, cursor.samples, cursor.batches, repr(cursor.source), n)
+
+
+def _launch(loader: DataLoader, cursor: Cursor, epoch: int) -> Started:
+    if cursor.batches == 0:
+        loader._follow_length()
+    key = _key(loader, cursor, epoch)
+    loader._worker_seeds.manual_seed(keys.torch_workers(loader.seed, epoch))
+    receive = loader._source.begin(loader.seed, epoch, cursor)
+    if loader.num_workers == 0:
+        batches = iter(loader._inner)
+    else:
+        # Workers ignore the preemption signals, which the training process may handle now
+        # but not when the loader was built; see workers.
+        loader._inner.worker_init_fn = worker_init(loader._user_worker_init)
+        with signals_blocked():
+            batches = iter(loader._inner)
+    started = Started(key, batches, receive)
+    if loader._inner.persistent_workers:  # one torch iterator, reset by every iter()
+        previous, loader._on_workers = loader._on_workers, started
+        if previous is not None and previous.batches is batches:
+            previous.batches = DETACHED
+    return started
+
+
+def plan_reads(loader: DataLoader, started: Started, binding: Binding[Cursor]) -> None:
+    """A dataset that plans its reads (a streaming dataset's prefetch) is told the exact
+    future order once the workers exist (so no thread of it is forked into them), from
+    the cursor the user's batches move."""
+    plans = loader._plans_reads
+    if plans is not None:
+        started.plan = plans.plan_reads(loader.seed, binding.epoch, binding.position)
+
+
+def warn_longer_than_reported(loader: DataLoader, reported: int, fetched: int) -> None:
+    """torch's warning (its words) when an IterableDataset yields more than its ``len()``
+    said once ``len(loader)`` was asked; counted in samples, as the message says (torch
+    counts batches: the same with its default batch_size=1)."""
+    message = (
+        f"Length of IterableDataset {loader.dataset} was reported to be {reported}"
+        f"(when accessing len(dataloader)), but {fetched} samples have been fetched. "
+    )
+    if loader.num_workers > 0:
+        message += (
+            "For multiprocessing data-loading, this could be caused by not properly "
+            "configuring the IterableDataset replica at each worker. Please see "
+            "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+            "for examples."
+        )
+    warnings.warn(message, stacklevel=4)
 
 
 class Started:

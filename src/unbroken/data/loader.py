@@ -18,35 +18,28 @@ torch generator back.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import BatchSampler, SequentialSampler, default_collate, default_convert
 
-from .._checks import is_int
 from .._state import StateReader, same
-from ..distributed.world import World
 from ..errors import CorruptState, StateMismatch
-from . import keys
 from .arguments import refuse_what_torch_refuses
-from .epochs import Binding, EpochIterable
-from .iterator import DETACHED, LoaderIterator, Started
+from .epochs import EpochIterable
+from .iterator import LoaderIterator, Started
 from .rng import GLOBAL_RNGS, check_global_rngs
+from .seeds import SEED_LIMIT, choose_seed
 from .sources import make_source
 from .sources.base import Cursor
 from .sources.orders import NativeOrder
 from .sources.ranks import RANK_FIELDS, check_ranks, rank_fields
 from .sources.sharding import world_of
-from .sources.streams import StreamSource, is_stream
+from .sources.streams import StreamSource
 from .states import LOADER, LoaderState
-from .views import Adopted, OrderView, adopt
-from .workers import signals_blocked, worker_init
+from .views import OrderView, adopt, default_collate_of, samplers
 
 T_co = TypeVar("T_co", covariant=True)
-_SEED_LIMIT = 1 << 64
 # torch's DataLoader refuses to change these once built; so does this one.
 _FIXED = frozenset(
     ("dataset", "batch_size", "batch_sampler", "sampler", "drop_last", "persistent_workers")
@@ -152,7 +145,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         self.num_workers = num_workers
         self.global_rngs = check_global_rngs(global_rngs)
         ranks = world_of(rank, world_size) or taken.ranks
-        self.seed, self._seed_given = _choose_seed(seed, generator, taken, ranks)
+        self.seed, self._seed_given = choose_seed(seed, generator, taken, ranks)
         self.rank, self.world_size = ranks if ranks is not None else (0, 1)
         self._source = make_source(
             dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers, ranks
@@ -186,8 +179,8 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         self._on_workers: Started | None = None  # the iteration on persistent workers
         self._init_epochs()
         # torch's attributes, as torch's DataLoader sets them (after torch's checks of them).
-        self.sampler, self.batch_sampler = _samplers(self, sampler, batch_sampler)
-        self.collate_fn = collate_fn if collate_fn is not None else _default_collate(self)
+        self.sampler, self.batch_sampler = samplers(self, sampler, batch_sampler)
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate_of(self)
         self.generator = generator
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = inner.multiprocessing_context
@@ -239,74 +232,6 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
 
     def _start_position(self, ended: Cursor | None) -> Cursor:
         return Cursor(source=self._source.fresh())
-
-    # Iterations (``iterator.LoaderIterator``): the inner torch loader started for a place.
-    def _prime(self, iterator: LoaderIterator) -> Started:
-        """Start the workers for the place an iteration would take now (``_bind``'s rule)."""
-        fresh = self._owner is not None  # held by another iteration: the epoch afresh
-        return self._launch(self._start_position(None) if fresh else self._pos, self._epoch)
-
-    def _start(self, binding: Binding[Cursor], primed: Started | None) -> Started:
-        """The inner iteration for ``binding``: the primed one if it reads the same batches."""
-        cursor, epoch = binding.position, binding.epoch
-        if cursor.batches == 0:
-            self._follow_length()
-        if primed is not None:
-            if primed.key == self._key(cursor, epoch):
-                return primed
-            primed.close()  # a set_epoch or load_state_dict came between iter() and next()
-        return self._launch(cursor, epoch)
-
-    def _key(self, cursor: Cursor, epoch: int) -> tuple:
-        """What an inner iteration's batches are a function of."""
-        n = self._source.n if isinstance(self._source, NativeOrder) else None
-        return (self.seed, epoch, cursor.samples, cursor.batches, repr(cursor.source), n)
-
-    def _launch(self, cursor: Cursor, epoch: int) -> Started:
-        if cursor.batches == 0:
-            self._follow_length()
-        key = self._key(cursor, epoch)
-        self._worker_seeds.manual_seed(keys.torch_workers(self.seed, epoch))
-        receive = self._source.begin(self.seed, epoch, cursor)
-        if self.num_workers == 0:
-            batches = iter(self._inner)
-        else:
-            # Workers ignore the preemption signals, which the training process may handle now
-            # but not when the loader was built; see workers.
-            self._inner.worker_init_fn = worker_init(self._user_worker_init)
-            with signals_blocked():
-                batches = iter(self._inner)
-        started = Started(key, batches, receive)
-        if self._inner.persistent_workers:  # one torch iterator, reset by every iter()
-            previous, self._on_workers = self._on_workers, started
-            if previous is not None and previous.batches is batches:
-                previous.batches = DETACHED
-        return started
-
-    def _plan_reads(self, started: Started, binding: Binding[Cursor]) -> None:
-        """A dataset that plans its reads (a streaming dataset's prefetch) is told the exact
-        future order once the workers exist (so no thread of it is forked into them), from
-        the cursor the user's batches move."""
-        plans = self._plans_reads
-        if plans is not None:
-            started.plan = plans.plan_reads(self.seed, binding.epoch, binding.position)
-
-    def _warn_longer_than_reported(self, reported: int, fetched: int) -> None:
-        """torch's warning (its words) when an IterableDataset yields more than its ``len()``
-        said once ``len(loader)`` was asked; counted in samples, as the message says (torch
-        counts batches: the same with its default batch_size=1)."""
-        message = (
-            f"Length of IterableDataset {self.dataset} was reported to be {reported}"
-            f"(when accessing len(dataloader)), but {fetched} samples have been fetched. "
-        )
-        if self.num_workers > 0:
-            message += (
-                "For multiprocessing data-loading, this could be caused by not properly "
-                "configuring the IterableDataset replica at each worker. Please see "
-                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
-                "for examples."
-            )
-        warnings.warn(message, stacklevel=3)
 
     def state_dict(self) -> LoaderState:
         """What the user has received so far: JSON-serializable (``json.dumps`` works).
@@ -366,7 +291,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
                     "with the unbroken release that started it (0.1.x), or start a new one."
                 ),
             )
-        saved_seed = reader.int("seed", 0, _SEED_LIMIT - 1)
+        saved_seed = reader.int("seed", 0, SEED_LIMIT - 1)
         if self._seed_given and saved_seed != self.seed:
             raise StateMismatch(
                 what,
@@ -423,65 +348,3 @@ def _length(dataset: Any) -> int | None:
         return len(dataset)
     except TypeError:  # a map-style dataset may lack __len__ when a sampler drives it
         return None
-
-
-def _choose_seed(
-    seed: int | None,
-    generator: torch.Generator | None,
-    taken: Adopted,
-    ranks: tuple[int, int] | None,
-) -> tuple[int, bool]:
-    """The data seed and whether the user chose it (then a saved state must have the same)."""
-    if seed is not None:
-        if not is_int(seed) or not 0 <= seed < _SEED_LIMIT:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-        return seed, True
-    if generator is not None:
-        return generator.initial_seed() % _SEED_LIMIT, True
-    if taken.seed is not None:
-        return taken.seed % _SEED_LIMIT, taken.seed_given
-    # The draw torch's RandomSampler would make from torch's global generator, so that
-    # torch.manual_seed (or Lightning's seed_everything) reproduces the order and the samples'
-    # randomness; made on a copy, so that building a loader never moves the training process's
-    # draws (Lightning builds a val loader lazily, at a point a resumed run does not repeat).
-    copy = torch.Generator()
-    copy.set_state(torch.get_rng_state())
-    drawn = int(torch.empty((), dtype=torch.int64).random_(generator=copy).item())
-    if ranks is not None and ranks[1] > 1:
-        drawn = _rank0_seed(drawn, ranks[1])
-    return drawn, False
-
-
-def _rank0_seed(drawn: int, world_size: int) -> int:
-    """Rank 0's seed, so that every rank derives one global order even if their global
-    generators differ: one broadcast, which every rank makes as it builds its loader."""
-    world = World.current()
-    if not world.initialized or world.size != world_size:
-        raise ValueError(
-            f"unbroken.DataLoader on {world_size} ranks needs seed= (or an initialized process "
-            "group of that size, to take rank 0's): every rank derives the same global order "
-            "from it"
-        )
-    box = [drawn]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
-
-
-def _samplers(loader: DataLoader, sampler: Any, batch_sampler: Any) -> tuple[Any, Any]:
-    """``sampler`` and ``batch_sampler`` as torch's DataLoader sets them: the user's, else the
-    loader's own order seen as torch's samplers (``views``); none for an iterable dataset."""
-    if is_stream(loader.dataset):
-        return None, None
-    if batch_sampler is not None:
-        # As torch: set, and never used.
-        return SequentialSampler(loader.dataset), batch_sampler  # type: ignore[arg-type]
-    if sampler is None:
-        sampler = OrderView(loader)
-    if loader.batch_size is None:
-        return sampler, None
-    return sampler, BatchSampler(sampler, loader.batch_size, loader.drop_last)
-
-
-def _default_collate(loader: DataLoader) -> Any:
-    auto_collation = loader.batch_size is not None or loader.batch_sampler is not None
-    return default_collate if auto_collation else default_convert

@@ -22,10 +22,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    default_collate,
+    default_convert,
+)
 
 from .sources.base import Cursor
 from .sources.orders import IndexSource, NativeOrder
+from .sources.streams import is_stream
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -184,3 +192,23 @@ def _order_of(
         ranks = (sampler.rank, sampler.num_replicas)
         return sampler.shuffle, sampler.seed, True, ranks
     return None
+
+
+def samplers(loader: DataLoader, sampler: Any, batch_sampler: Any) -> tuple[Any, Any]:
+    """``sampler`` and ``batch_sampler`` as torch's DataLoader sets them: the user's, else the
+    loader's own order seen as torch's samplers (``views``); none for an iterable dataset."""
+    if is_stream(loader.dataset):
+        return None, None
+    if batch_sampler is not None:
+        # As torch: set, and never used.
+        return SequentialSampler(loader.dataset), batch_sampler  # type: ignore[arg-type]
+    if sampler is None:
+        sampler = OrderView(loader)
+    if loader.batch_size is None:
+        return sampler, None
+    return sampler, BatchSampler(sampler, loader.batch_size, loader.drop_last)
+
+
+def default_collate_of(loader: DataLoader) -> Any:
+    auto_collation = loader.batch_size is not None or loader.batch_sampler is not None
+    return default_collate if auto_collation else default_convert
