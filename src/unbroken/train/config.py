@@ -102,8 +102,48 @@ def _signals(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class TrainerOptions:
-    """Everything a ``Trainer`` is told, but its directory. ``help(TrainerOptions)`` lists the
-    fields; each one's ``doc`` is in ``TrainerOptions.describe()``."""
+    """Everything a ``Trainer`` is told, but its directory (``describe()``: each field's doc in
+    one line):
+
+    - ``max_epochs``: epochs to train. ``max_steps``: stop after this many optimizer steps.
+      Both may change between a run and its resume.
+    - ``seed``: seeds the process RNGs of a fresh run (model init happens before ``fit``, so
+      seed that yourself). Recorded in checkpoints; must match on resume.
+    - ``checkpoint_every_seconds``: save when this much wall-clock time passed since the last
+      save, at the next batch boundary (default 600: a crash loses at most ~10 minutes);
+      ``None`` turns it off. ``checkpoint_every_steps``: also save every this many optimizer
+      steps (default ``None``). A preemption signal and the end of training always save.
+    - ``keep``: committed checkpoints kept (>= 2). ``async_save``: write periodic checkpoints
+      in a background thread (preemption and final saves block).
+    - ``accumulate``: training batches per optimizer step. ``clip_grad_norm``: max gradient
+      norm, or ``None``. ``scheduler_interval``: ``"step"`` or ``"epoch"``. All three shape
+      the computation, are recorded and must match on resume.
+    - ``callbacks``: objects with any of ``on_fit_start``, ``on_train_batch_end``,
+      ``on_optimizer_step`` (after each optimizer step, the epoch's last, partial accumulation
+      window's included: EMA weights, gradient statistics), ``on_validation_start`` and
+      ``on_validation_end`` (around each validation pass, and again when a resumed run goes on
+      inside one: a weight swap for validation must see whether it already swapped, e.g. from
+      its own state), ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``,
+      ``on_preempted``, ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are
+      checkpointed. The ``logs`` the hooks get hold the latest logged value of each name.
+    - ``log_every``: a batch's loss and the other scalars its step returns are logged (CSV,
+      TensorBoard, ``logs``, the progress bar's postfix) on every ``log_every``-th batch of its
+      phase (default 50, as Lightning's ``log_every_n_steps``): only these batches' values are
+      read on the host. Epoch values (``epoch_loss``, metrics) are logged at every phase's end.
+    - ``progress_bar``: a tqdm bar. ``tensorboard``: ``None`` writes TensorBoard events if it
+      is installed, ``True`` requires it, ``False`` never.
+    - ``signals``: the preemption signals (default SIGTERM, SIGUSR1). They are handled from
+      the moment the Trainer is built until ``fit`` returns; one that comes before training
+      starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
+    - ``preemption_check_every``: under ``torch.distributed``, the ranks agree every this many
+      batches whether any rank got a preemption signal or is due a wall-clock checkpoint (one
+      all-reduce of two ints; default 1: every batch). A signal waits for the next agreement.
+      ``checkpoint_timeout``: how long (seconds) a rank waits for the others in a checkpoint
+      save or load, rank 0's writing of the replicated state included (default 600).
+    - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
+      bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
+      nothing and says so once if the model is on CUDA; ``False`` changes nothing.
+    """
 
     max_epochs: int = _option(
         dataclasses.MISSING, "epochs to train; may change on resume", positive

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ..errors import DirectoryInUse
+from .ranks import Job
 
 NAME = ".lock"
 _held: dict[str, int] = {}  # real path -> fd: record locks never conflict within one process
@@ -87,3 +90,25 @@ def not_writable(directory: Any, error: OSError) -> OSError:
         "(to look at a run on a read-only disk, use `unbroken inspect` or `unbroken verify`, "
         "which write nothing)",
     )
+
+
+@contextmanager
+def locked_by_every_rank(directory: Path, job: Job) -> Iterator[None]:
+    """The run directory's lock, taken by every rank or by none: a rank refused alone would
+    leave the others waiting for it in their first collective."""
+    lock, refused = DirectoryLock(directory, job.rank), None
+    try:
+        lock.acquire()
+    except DirectoryInUse as error:
+        refused = error
+    (anyone,) = job.any_of(refused is not None)
+    if anyone:
+        lock.release()
+        raise refused or DirectoryInUse(
+            f"{directory} is in use by another training job: another rank of this job found "
+            "its lock held. Stop that job first, or train in another directory."
+        )
+    try:
+        yield
+    finally:
+        lock.release()

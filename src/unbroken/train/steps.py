@@ -69,3 +69,16 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
         scheduler.step()
+
+
+def ready_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """After a resume: torch's GradScaler makes its scale tensor at its first ``scale()``, from
+    the loaded state, and a run resumed at an epoch's end steps the window it left pending
+    (partial gradients) before it scales any loss. Scaling a zero makes it now, changing
+    nothing of the state."""
+    if scaler is not None and scaler.is_enabled():
+        device = next(
+            (p.device for group in optimizer.param_groups for p in group["params"]),
+            torch.device("cpu"),
+        )
+        scaler.scale(torch.zeros((), device=device))

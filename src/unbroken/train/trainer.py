@@ -33,15 +33,13 @@ at every place a checkpoint can be taken.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..checkpoint.manager import Checkpointer
-from ..errors import DirectoryInUse
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
 from .checkpointing import (
     RUN_CHECKPOINTS,
@@ -55,11 +53,11 @@ from .config import TrainerOptions
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
-from .lock import DirectoryLock, not_writable
+from .lock import locked_by_every_rank, not_writable
 from .options import call_hooks, check_loaders, hooks
 from .progress import Progress, bar, say
 from .ranks import Job
-from .steps import StepFn, optimizer_step, step_function, step_loss, step_values
+from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
 
 _DEFAULTS = {
     option.name: None if option.default is dataclasses.MISSING else option.default
@@ -70,51 +68,16 @@ _DEFAULTS = {
 class Trainer:
     """A training loop that resumes bit for bit: ``Trainer("runs/exp1", max_epochs=3).fit(...)``.
 
-    Arguments (all keyword-only except ``directory``):
-
-    - ``directory``: the run directory: ``checkpoints/``, ``metrics.csv``, ``tensorboard/``.
-      One process at a time may train in it (an OS lock, released when the process ends).
-    - ``max_epochs``: epochs to train. ``max_steps``: stop after this many optimizer steps.
-      Both may change between a run and its resume.
-    - ``seed``: seeds the process RNGs of a fresh run (model init happens before ``fit``, so
-      seed that yourself). Recorded in checkpoints; must match on resume.
-    - ``checkpoint_every_seconds``: save when this much wall-clock time passed since the last
-      save, at the next batch boundary (default 600: a crash loses at most ~10 minutes);
-      ``None`` turns it off. ``checkpoint_every_steps``: also save every this many optimizer
-      steps (default ``None``). A preemption signal and the end of training always save.
-    - ``keep``: committed checkpoints kept (>= 2). ``async_save``: write periodic checkpoints
-      in a background thread (preemption and final saves block).
-    - ``accumulate``: training batches per optimizer step. ``clip_grad_norm``: max gradient
-      norm, or ``None``. ``scheduler_interval``: ``"step"`` or ``"epoch"``. All three shape
-      the computation, are recorded and must match on resume.
-    - ``callbacks``: objects with any of ``on_fit_start``, ``on_train_batch_end``,
-      ``on_optimizer_step`` (after each optimizer step, the epoch's last, partial accumulation
-      window's included: EMA weights, gradient statistics), ``on_validation_start`` and
-      ``on_validation_end`` (around each validation pass, and again when a resumed run goes on
-      inside one: a weight swap for validation must see whether it already swapped, e.g. from
-      its own state), ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``,
-      ``on_preempted``, ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are
-      checkpointed. The ``logs`` the hooks get hold the latest logged value of each name.
-    - ``options``: all of the above as one value instead, a ``unbroken.train.TrainerOptions``
-      (every field's doc and check in one place); ``trainer.options`` holds them either way,
-      and ``trainer.max_epochs`` etc. read them.
-    - ``log_every``: a batch's loss and the other scalars its step returns are logged (CSV,
-      TensorBoard, ``logs``, the progress bar's postfix) on every ``log_every``-th batch of its
-      phase (default 50, as Lightning's ``log_every_n_steps``): only these batches' values are
-      read on the host. Epoch values (``epoch_loss``, metrics) are logged at every phase's end.
-    - ``progress_bar``: a tqdm bar. ``tensorboard``: ``None`` writes TensorBoard events if it
-      is installed, ``True`` requires it, ``False`` never.
-    - ``signals``: the preemption signals (default SIGTERM, SIGUSR1). They are handled from
-      the moment the Trainer is built until ``fit`` returns; one that comes before training
-      starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
-    - ``preemption_check_every``: under ``torch.distributed``, the ranks agree every this many
-      batches whether any rank got a preemption signal or is due a wall-clock checkpoint (one
-      all-reduce of two ints; default 1: every batch). A signal waits for the next agreement.
-      ``checkpoint_timeout``: how long (seconds) a rank waits for the others in a checkpoint
-      save or load, rank 0's writing of the replicated state included (default 600).
-    - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
-      bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
-      nothing and says so once if the model is on CUDA; ``False`` changes nothing.
+    Arguments: ``directory``, the run directory (``checkpoints/``, ``metrics.csv``,
+    ``tensorboard/``), where one process at a time may train (an OS lock, released when the
+    process ends); then, keyword-only, the options, each described in
+    ``help(unbroken.train.TrainerOptions)``: ``max_epochs``, ``max_steps``, ``seed``,
+    ``checkpoint_every_seconds``, ``checkpoint_every_steps``, ``keep``, ``async_save``,
+    ``accumulate``, ``clip_grad_norm``, ``scheduler_interval``, ``callbacks``, ``log_every``,
+    ``progress_bar``, ``tensorboard``, ``signals``, ``preemption_check_every``,
+    ``checkpoint_timeout``, ``deterministic``; or ``options``, all of them as one
+    ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
+    read them).
     """
 
     def __init__(
@@ -141,26 +104,7 @@ class Trainer:
         checkpoint_timeout: float = 600.0,
         options: TrainerOptions | None = None,
     ) -> None:
-        given: dict[str, Any] = dict(
-            max_epochs=max_epochs,
-            max_steps=max_steps,
-            seed=seed,
-            checkpoint_every_seconds=checkpoint_every_seconds,
-            checkpoint_every_steps=checkpoint_every_steps,
-            keep=keep,
-            accumulate=accumulate,
-            clip_grad_norm=clip_grad_norm,
-            scheduler_interval=scheduler_interval,
-            callbacks=callbacks,
-            progress_bar=progress_bar,
-            signals=signals,
-            async_save=async_save,
-            tensorboard=tensorboard,
-            log_every=log_every,
-            deterministic=deterministic,
-            preemption_check_every=preemption_check_every,
-            checkpoint_timeout=checkpoint_timeout,
-        )
+        given = {name: value for name, value in locals().items() if name in _DEFAULTS}
         self.directory = Path(directory)
         # The options, checked (train.config), before anything is installed or locked.
         if options is None:
@@ -227,33 +171,12 @@ class Trainer:
                     self.directory.mkdir(parents=True, exist_ok=True)
                 except OSError as error:
                     raise not_writable(self.directory, error) from error
-                with self._locked():
+                with locked_by_every_rank(self.directory, self.job):
                     self._fit(train_loader, val_loader)
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
         call_hooks(self.options.callbacks, "on_fit_end", self)
         return self.logs
-
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The run directory's lock, taken by every rank or by none: a rank refused alone would
-        leave the others waiting for it in their first collective."""
-        lock, refused = DirectoryLock(self.directory, self.job.rank), None
-        try:
-            lock.acquire()
-        except DirectoryInUse as error:
-            refused = error
-        (anyone,) = self.job.any_of(refused is not None)
-        if anyone:
-            lock.release()
-            raise refused or DirectoryInUse(
-                f"{self.directory} is in use by another training job: another rank of this job "
-                "found its lock held. Stop that job first, or train in another directory."
-            )
-        try:
-            yield
-        finally:
-            lock.release()
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         self.run_log = RunLog(
@@ -286,12 +209,8 @@ class Trainer:
             if restored is None:
                 self.run_log.restart()
                 seed_everything(self.options.seed)
-            elif self.scaler is not None and self.scaler.is_enabled():
-                # torch's GradScaler makes its scale tensor at its first scale(), from the
-                # loaded state: a run resumed at an epoch's end steps the window left pending
-                # (partial gradients) before it scales any loss. Scaling a zero makes it now,
-                # changing nothing of the state.
-                self.scaler.scale(torch.zeros((), device=_device_of(self.optimizer)))
+            else:
+                ready_scaler(self.scaler, self.optimizer)  # a resumed run's pending window
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
             self.schedule = SaveSchedule(
@@ -453,11 +372,3 @@ class Trainer:
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
         self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
-
-
-def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
-    """Where the optimizer's parameters are (the first one's device)."""
-    for group in optimizer.param_groups:
-        for parameter in group["params"]:
-            return parameter.device
-    return torch.device("cpu")
