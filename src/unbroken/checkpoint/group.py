@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import pickle
 import secrets
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -34,6 +35,8 @@ from ..distributed.world import World
 from ..errors import DirectoryNotShared, RankFailure
 from .layout import SHARED
 from .storage import Storage, join
+
+T = TypeVar("T")
 
 
 class Ranks:
@@ -142,3 +145,12 @@ def _portable(outcome: Any) -> Any:
         except Exception:
             return RuntimeError(f"{type(outcome).__name__}: {outcome}")
     return outcome
+
+
+def attempt(function: Callable[..., T], *args: Any) -> T | BaseException:
+    """``function(*args)``, or the exception it raised: what a rank hands to ``Ranks.settle``,
+    so that a failure on one rank reaches the others instead of leaving them waiting."""
+    try:
+        return function(*args)
+    except BaseException as error:
+        return error

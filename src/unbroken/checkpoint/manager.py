@@ -29,14 +29,16 @@ never load different steps. The ranks must see one directory (checked when the C
 is made: ``DirectoryNotShared``); a rank that died or does not arrive becomes a
 ``RankFailure`` after ``timeout`` seconds (``group``).
 
-The parts: ``layout`` (the names above, and cleaning up after killed writers),
-``weights_only`` (what save refuses), ``storage`` (the filesystem operations, as the
-protocol ``Storage``: hashed, fsynced writes, renames, listing), ``space`` (disk-full errors),
-``manifest`` (the seal and its schema; reading a checkpoint), ``group`` (the ranks and how
-they agree), ``per_rank`` (``PerRank`` entries, and what a job on another number of ranks loads), ``background`` (saves with
-``blocking=False`` and their report at exit), ``restore`` (in place, and ``Restored``). The
-Checkpointer touches files only through its ``Storage`` (a ``LocalStorage``), so another
-filesystem is one new ``Storage`` class, not a change here.
+The parts: ``layout`` (the names above, and cleaning up after killed writers), ``entries``
+(one class per kind of entry: replicated, per rank, through DCP; each prepares, writes,
+describes and reads its own), ``writing`` (the write path, every rank together),
+``weights_only`` (what save refuses), ``storage`` (the operations on where checkpoints live,
+as the protocol ``Storage``: hashed, fsynced writes, listing, ``commit``), ``space`` (disk-full
+errors), ``manifest`` (the seal and its schema; reading a checkpoint), ``group`` (the ranks and
+how they agree), ``per_rank`` (``PerRank`` entries, and what a job on another number of ranks
+loads), ``background`` (saves with ``blocking=False``), ``restore`` (in place, and
+``Restored``). The Checkpointer touches storage only through its ``Storage``
+(``LocalStorage`` unless given one), so another backend is one new class.
 
 Costs: a blocking save writes each byte once, hashing it on the way (sha256 runs at about
 1 GB/s on one core), plus one fsync per file and two per directory. ``blocking=False`` blocks
@@ -50,52 +52,27 @@ from __future__ import annotations
 import errno
 import os
 import warnings
-from collections.abc import Callable
-from functools import partial
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from .._checks import is_int, is_number
 from .._state import has_state
-from ..errors import CorruptCheckpoint, StateMismatch
+from ..errors import CorruptCheckpoint
 from . import layout
 from .background import BackgroundSave
-from .group import Ranks
-from .manifest import (
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    EntrySpec,
-    Manifest,
-    ParamShapes,
-    check_entry,
-    dcp_folder,
-    file_name,
-    load_file,
-    read_manifest,
-    seal,
-    verify_file,
-)
-from .per_rank import SKIP, PerRank, resized, unwrap
+from .entries import ABSENT, Kind, Part, Reading, check_loadable, kind_in, kind_of
+from .group import Ranks, attempt
+from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
+from .per_rank import SKIP, PerRank, unwrap
 from .restore import Restored, restore
-from .sharded import Sharded, save_state, written_by
-from .space import FULL, disk_full
-from .storage import Digest, LocalStorage, Storage, basename, join, parents, sha256
-from .weights_only import checked_copy
+from .sharded import Sharded
+from .storage import LocalStorage, Storage, basename, join, parents
+from .writing import Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
 
 T = TypeVar("T")
-
-
-class Part(NamedTuple):
-    """What one rank wrote of one entry: ``kind`` "file" (rank 0's replicated entry), "ranks"
-    (its part of a ``PerRank`` one) or "dcp" (its shards of a ``Sharded`` one, under ``folder``)."""
-
-    kind: str
-    files: list[tuple[str, Digest]]
-    folder: str = ""
 
 
 Written = dict[str, Part]  # one rank's files, by entry name
@@ -140,8 +117,9 @@ class Checkpointer:
         self._root = self.directory
         self._pending: BackgroundSave | None = None
         self._ranks = Ranks(float(timeout))
-        self._ranks.settle(_attempt(self._check_directory), "checking the directory")
+        self._ranks.settle(attempt(self._check_directory), "checking the directory")
         self._ranks.check_shared(self._storage, self._root)
+        self._writing = Writing(self._storage, self._root, self._ranks, keep)
 
     @property
     def rank(self) -> int:
@@ -173,8 +151,10 @@ class Checkpointer:
         _check_names(state, "save")
         self.wait()
         ranks = self._ranks
-        prepared = _attempt(self._prepare, state, blocking)
-        shown = prepared if isinstance(prepared, BaseException) else (step, sorted(prepared[1]))
+        prepared = attempt(self._prepare, state, blocking)
+        shown = (
+            prepared if isinstance(prepared, BaseException) else (step, _every_rank(prepared[0]))
+        )
         agreed = ranks.settle(shown, f"preparing checkpoint step {step}")
         if any(other != agreed[0] for other in agreed):
             raise ValueError(
@@ -183,7 +163,7 @@ class Checkpointer:
                 "save the same step with the same names"
             )
         assert not isinstance(prepared, BaseException)  # settle raised it
-        replicated, own, shapes = prepared
+        mine, shapes = prepared
         if ranks.first_rank:
             try:
                 newer = [basename(path) for number, path in self._committed() if number > step]
@@ -199,41 +179,30 @@ class Checkpointer:
         final = join(self._root, layout.final_name(step))
         order = {name: index for index, name in enumerate(state)}
         if blocking:
-            self._write(step, final, replicated, own, shapes, order)
+            self._writing.write(step, final, mine, shapes, order)
         else:
             self._pending = BackgroundSave(
-                final, lambda: self._write(step, final, replicated, own, shapes, order)
+                final, lambda: self._writing.write(step, final, mine, shapes, order)
             )
         return final
 
     def _prepare(
         self, state: dict[str, Any], blocking: bool
-    ) -> tuple[dict[str, Any], dict[str, Any], dict[str, ParamShapes]]:
-        """This rank's copies of what it writes: the replicated entries (rank 0's), its own
-        parts of the ``PerRank`` and ``Sharded`` ones (``Sharded``: DCP's state, local shards
-        cloned for a background write), and the parameter shapes of each optimizer."""
+    ) -> tuple[dict[str, tuple[Kind, Any]], dict[str, ParamShapes]]:
+        """This rank's copies of what it writes, with their kind (``entries``), and the
+        parameter shapes of each optimizer."""
         self._check_directory()
-        replicated: dict[str, Any] = {}
-        own: dict[str, Any] = {}
+        mine: dict[str, tuple[Kind, Any]] = {}
         shapes: dict[str, ParamShapes] = {}
         for name, entry in state.items():
-            if isinstance(entry, Sharded):
-                own[name] = _Shards(entry.state_dict(), clone=not blocking)
-                continue
-            per_rank = isinstance(entry, PerRank)
-            if not per_rank and not self._ranks.first_rank:
-                continue  # rank 0 writes it
-            obj = unwrap(entry)
-            value = obj.state_dict() if has_state(obj) else obj
-            # A background write needs its own copy: training goes on changing the tensors.
-            copy = checked_copy(value, f"state[{name!r}]", clone=not blocking)
-            (own if per_rank else replicated)[name] = copy
-            if isinstance(obj, torch.optim.Optimizer) and not per_rank:
-                # lets load name a parameter that changed
+            kind = kind_of(entry)
+            if kind.every_rank or self._ranks.first_rank:  # rank 0 writes the replicated ones
+                mine[name] = (kind, kind.prepare(entry, name, blocking))
+            if isinstance(entry, torch.optim.Optimizer):  # lets load name a changed parameter
                 shapes[name] = [
-                    [list(p.shape) for p in group["params"]] for group in obj.param_groups
+                    [list(p.shape) for p in group["params"]] for group in entry.param_groups
                 ]
-        return replicated, own, shapes
+        return mine, shapes
 
     def wait(self) -> None:
         """Block until the background save, if any, is written; re-raise what it raised."""
@@ -271,11 +240,11 @@ class Checkpointer:
         _check_names(state, "load_latest")
         self.wait()
         ranks = self._ranks
-        listed = _attempt(self._candidates if ranks.first_rank else self._check_directory)
+        listed = attempt(self._candidates if ranks.first_rank else self._check_directory)
         found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
         for step, where in reversed(found):
             path = where
-            read = _attempt(self._read, where, step, state)
+            read = attempt(self._read, where, step, state)
             # Only the verdict travels (None: fine), never the state read.
             verdict = read if isinstance(read, BaseException) else None
             verdicts = ranks.settle(verdict, f"reading checkpoint {path}", CorruptCheckpoint)
@@ -297,10 +266,10 @@ class Checkpointer:
                 for name, obj in state.items()
                 if name not in skipped and name not in sharded
             }
-            restored = _attempt(restore, objects, saved, manifest["entries"], path)
+            restored = attempt(restore, objects, saved, manifest["entries"], path)
             ranks.settle(restored, f"restoring checkpoint {path}")
             for name, obj in sharded.items():
-                loaded = _attempt(obj.load, saved[name], ranks.group)
+                loaded = attempt(obj.load, saved[name], ranks.group)
                 ranks.settle(loaded, f"loading state[{name!r}] of checkpoint {path} with DCP")
             return Restored(
                 step=step,
@@ -320,55 +289,19 @@ class Checkpointer:
     ) -> tuple[Manifest, dict[str, Any], list[str]]:
         """What this rank restores from checkpoint ``where``: its manifest, the entries by
         name, and the ``PerRank`` names whose ``resize`` leaves the object as it is."""
-        storage, ranks = self._storage, self._ranks
-        manifest = read_manifest(storage, where, step)
-        saved_world = manifest["world_size"]
+        ranks = self._ranks
+        manifest = read_manifest(self._storage, where, step)
+        at = Reading(self._storage, where, manifest, ranks.rank, ranks.world_size)
         saved: dict[str, Any] = {}
         skipped: list[str] = []
-        for index, (name, entry) in enumerate(manifest["entries"].items()):
-            parts: list[Any] | None = None  # saved per rank, to resize for this world size
-            if isinstance(state.get(name), Sharded) != ("dcp" in entry) and name in state:
-                raise StateMismatch(
-                    f"checkpoint {where}",
-                    f"entries[{name!r}]",
-                    "a DCP directory" if "dcp" in entry else "a file",
-                    type(state[name]).__name__,
-                    message=(
-                        f"checkpoint {where}: state[{name!r}] was saved "
-                        + (
-                            "through DCP by a Sharded(model, optimizers): load it with one"
-                            if "dcp" in entry
-                            else "as one object, not by a Sharded: load it as it was saved"
-                        )
-                    ),
-                )
-            if "dcp" in entry:
-                if name in state:  # each rank checks its share of the files; DCP reads them
-                    for i, file in enumerate(entry["shards"]):
-                        if i % ranks.world_size == ranks.rank:
-                            verify_file(storage, where, manifest, file)
-                    saved[name] = join(where, entry["dcp"])
-            elif "file" in entry:
-                # Every rank loads a replicated file, one checks its sha256: a rank that finds
-                # it changed makes every rank skip the checkpoint (load_latest's agreement).
-                mine = index % ranks.world_size == ranks.rank
-                value = load_file(storage, where, manifest, entry["file"], verify=mine)
-                check_entry(name, entry, value)
-                if isinstance(state.get(name), PerRank) and saved_world != ranks.world_size:
-                    parts = [value]  # version 1 wrote per-rank state as one file (one rank)
-                else:
-                    saved[name] = value
-            elif saved_world == ranks.world_size:
-                saved[name] = load_file(storage, where, manifest, entry["ranks"][ranks.rank])
-            elif name in state:  # another number of ranks: resize, if it may
-                parts = [load_file(storage, where, manifest, file) for file in entry["ranks"]]
-            if parts is not None:
-                value = resized(state[name], name, parts, ranks.rank, ranks.world_size, where)
-                if value is SKIP:
-                    skipped.append(name)
-                else:
-                    saved[name] = value
-            # else: another rank's part of an entry nobody asked for means nothing here
+        for index, (name, spec) in enumerate(manifest["entries"].items()):
+            wanted = state.get(name, ABSENT)
+            check_loadable(where, name, spec, wanted)
+            value = kind_in(spec).read(at, index, name, spec, wanted)
+            if value is SKIP:
+                skipped.append(name)
+            elif value is not ABSENT:
+                saved[name] = value
         return manifest, saved, skipped
 
     def _check_directory(self) -> None:
@@ -391,158 +324,8 @@ class Checkpointer:
                 "holds the step-* checkpoints (it is created if it does not exist)",
             )
 
-    # -------------------------------------------------------------------------------- writing
-
-    def _write(
-        self,
-        step: int,
-        final: str,
-        replicated: dict[str, Any],
-        own: dict[str, Any],
-        shapes: dict[str, ParamShapes],
-        order: dict[str, int],
-    ) -> None:
-        """Every rank: rank 0 opens the temporary directory, each writes its files into it,
-        rank 0 seals and renames it once all are durable, then drops the oldest."""
-        ranks, storage, first = self._ranks, self._storage, self._ranks.first_rank
-        phase = f"writing checkpoint step {step}"
-        tmp = None
-        try:
-            tmp = ranks.settle(_attempt(self._open, step) if first else None, phase)[0]
-            assert tmp is not None
-            written = ranks.settle(_attempt(self._write_files, tmp, replicated, own, order), phase)
-            sealed = _attempt(self._seal, step, tmp, final, written, shapes) if first else None
-            ranks.settle(sealed, phase)
-        except BaseException as error:
-            if first and tmp is not None:
-                storage.remove_tree(tmp)
-            if isinstance(error, OSError) and error.errno in FULL:  # this rank's own
-                raise disk_full(
-                    error,
-                    storage,
-                    self._root,
-                    step,
-                    {**replicated, **own},
-                    self.keep,
-                    [path for _, path in self._committed()],
-                ) from error
-            raise
-
-    def _open(self, step: int) -> str:
-        """Rank 0: the new checkpoint's temporary directory, after cleaning up."""
-        storage, root = self._storage, self._root
-        storage.make_directories(root)
-        layout.clean(storage, root)
-        tmp = join(root, layout.temporary_name(step))
-        storage.make_directory(tmp)
-        return tmp
-
-    def _write_files(
-        self, tmp: str, replicated: dict[str, Any], own: dict[str, Any], order: dict[str, int]
-    ) -> Written:
-        """This rank's files, written and fsynced in ``tmp``, numbered by their ``order`` in the
-        state (so a ``PerRank`` entry has the same number on every rank). ``Sharded`` entries
-        first: DCP's collectives must not wait for a rank that failed on another file."""
-        written: Written = {}
-        rank, storage, group = self._ranks.rank, self._storage, self._ranks.group
-        by_order = sorted({**replicated, **own}.items(), key=lambda item: order[item[0]])
-        for name, value in sorted(by_order, key=lambda item: not isinstance(item[1], _Shards)):
-            index = order[name]
-            if isinstance(value, _Shards):
-                folder = dcp_folder(index, name)
-                save_state(value.state, join(tmp, folder), group)
-                names = [entry.name for entry in storage.list_directory(join(tmp, folder))]
-                files = [
-                    (f"{folder}/{file}", _digest(storage, join(join(tmp, folder), file)))
-                    for file in written_by(names, rank)
-                ]
-                written[name] = Part("dcp", files, folder)
-                continue
-            per_rank = name in own
-            file = file_name(index, name, rank if per_rank else None)
-            try:
-                digest = storage.write(join(tmp, file), partial(torch.save, value))
-            except Exception as error:
-                if not isinstance(error, OSError) and hasattr(error, "add_note"):
-                    error.add_note(f"raised by torch.save of state[{name!r}]")
-                raise
-            written[name] = Part("ranks" if per_rank else "file", [(file, digest)])
-        return written
-
-    def _seal(
-        self,
-        step: int,
-        tmp: str,
-        final: str,
-        written: list[Written],
-        shapes: dict[str, ParamShapes],
-    ) -> None:
-        """Rank 0, once every rank's files are durable: the manifest, the rename that commits
-        the checkpoint, and the removal of what no longer is kept."""
-        storage, root, target = self._storage, self._root, final
-        entries: dict[str, EntrySpec] = {}
-        files: dict[str, Digest] = {}
-        folders = []
-        for mine in written:  # in rank order: rank 0's names first, in its state's order
-            for name, part in mine.items():
-                files.update(part.files)
-                listed = [file for file, _ in part.files]
-                if part.kind == "file":
-                    entries[name] = EntrySpec(file=listed[0])
-                elif part.kind == "ranks":
-                    entries.setdefault(name, EntrySpec(ranks=[]))["ranks"] += listed
-                else:
-                    spec = entries.setdefault(name, EntrySpec(dcp=part.folder, shards=[]))
-                    spec["shards"] = sorted(spec["shards"] + listed)
-                    folders.append(join(tmp, part.folder))
-        data = seal(step, entries, files, shapes, len(written))
-        for folder in dict.fromkeys(folders):  # DCP fsyncs its files, not their directory
-            storage.sync_directory(folder)
-        storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
-        storage.sync_directory(tmp)
-        storage.commit(tmp, target, join(root, layout.aside_name(basename(final))))
-        committed = self._committed()
-        doomed = [path for number, path in committed if number > step]
-        doomed += [path for number, path in committed if number <= step][: -self.keep]
-        for path in doomed:
-            # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
-            aside = join(root, layout.doomed_name(basename(path)))
-            storage.rename(path, aside)
-            storage.remove_tree(aside)
-
     def _committed(self) -> list[tuple[int, str]]:
         return layout.committed(self._storage, self._root)
-
-
-class _Shards:
-    """A ``Sharded`` entry's DCP state to write; cloned (its local shards, where they are) for a
-    background write, as training goes on changing the tensors."""
-
-    def __init__(self, state: Any, clone: bool) -> None:
-        self.state = _cloned(state) if clone else state
-
-
-def _cloned(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()  # a DTensor clones its local shard: no communication
-    if isinstance(value, dict):
-        return {key: _cloned(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cloned(item) for item in value)
-    return value
-
-
-def _digest(storage: Storage, path: str) -> Digest:
-    return Digest(sha256(storage, path), storage.size(path))
-
-
-def _attempt(function: Callable[..., T], *args: Any) -> T | BaseException:
-    """``function(*args)``, or the exception it raised: what a rank hands to ``Ranks.settle``,
-    so that a failure on one rank reaches the others instead of leaving them waiting."""
-    try:
-        return function(*args)
-    except BaseException as error:
-        return error
 
 
 def _check_names(state: Any, method: str) -> None:
@@ -554,3 +337,8 @@ def _check_names(state: Any, method: str) -> None:
     for name in state:
         if not isinstance(name, str):
             raise ValueError(f"state key {name!r} is a {type(name).__name__}; names must be str")
+
+
+def _every_rank(mine: dict[str, tuple[Kind, Any]]) -> list[str]:
+    """The names of the entries every rank writes: the ranks must agree on them."""
+    return sorted(name for name, (kind, _) in mine.items() if kind.every_rank)
