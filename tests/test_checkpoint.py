@@ -29,6 +29,7 @@ from torch import nn
 
 import unbroken
 from unbroken.checkpoint import MANIFEST, Checkpointer, Restored
+from unbroken.checkpoint.writing import Writing
 
 
 def _model(width=8):
@@ -650,14 +651,14 @@ def test_async_save_writes_the_state_as_it_was_when_save_returned(tmp_path, monk
     # The background writer is held until training has changed every tensor in place: what it
     # writes must be the copy taken by save(), whatever the threads' timing.
     release, held = threading.Event(), []
-    commit = Checkpointer._write_files
+    commit = Writing._write_files
 
     def held_commit(self, *args):
         held.append(threading.current_thread() is not threading.main_thread())
         assert release.wait(timeout=600), "the test never released the background writer"
         return commit(self, *args)
 
-    monkeypatch.setattr(Checkpointer, "_write_files", held_commit)
+    monkeypatch.setattr(Writing, "_write_files", held_commit)
     model, opt, scheduler = _trained()
     buffer = torch.arange(4.0)
     history = {"losses": [1.0, 0.5], "buffer": buffer}
