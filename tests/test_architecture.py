@@ -311,6 +311,19 @@ def test_the_packages_import_each_other_without_a_cycle():
     assert "train" not in graph["data"] and "data" not in graph.get("checkpoint", set())
 
 
+def test_no_module_grows_past_a_reading():
+    # About 350 lines is what one reads at once; 400 is the line where a module is split.
+    from pathlib import Path
+
+    package = Path(unbroken.__file__).parent
+    long = {
+        str(path.relative_to(package)): n
+        for path in sorted(package.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 400
+    }
+    assert not long, f"modules to split by concern: {long}"
+
+
 def test_the_modules_mutation_testing_names_exist():
     from pathlib import Path
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from unbroken import PerRank
 from unbroken.checkpoint import Checkpointer, Storage
+from unbroken.checkpoint.scan import classify
 from unbroken.checkpoint.storage import Digest, Entry
 
 ROOT = "mem://bucket/runs/ckpt"
@@ -169,6 +170,10 @@ def test_a_damaged_newest_checkpoint_is_skipped_in_memory(storage):
     assert restored.step == 1
     assert any("step-000000002" in str(w.message) and "sha256" in str(w.message) for w in caught)
     assert torch.equal(model[0].weight, _model(1)[0].weight)
+    # The scan behind `unbroken verify` says the same of the same storage.
+    newest, older = (classify(storage, f"{ROOT}/step-00000000{s}", s) for s in (2, 1))
+    assert (newest.status, older.status) == ("corrupt", "ok")
+    assert "000-model.pt does not match its sha256" in newest.problems[0]
 
 
 def test_retention_replacement_and_a_lower_step_in_memory(storage):

@@ -199,6 +199,12 @@ def _resealed(checkpoint: Path, file: str, data: bytes) -> None:
     reseal(checkpoint, file)
 
 
+def _reshaped(checkpoint: Path) -> None:
+    entries = json.loads((checkpoint / MANIFEST).read_text())["entries"]
+    entries["optimizer"]["param_shapes"] = entries["optimizer"]["param_shapes"] * 2
+    reseal(checkpoint, entries=entries)
+
+
 def _pickle_that_runs_code(checkpoint: Path) -> bytes:
     buffer = io.BytesIO()
     torch.save({"weight": _RunsCode(checkpoint.parent / "code-ran")}, buffer)
@@ -237,6 +243,11 @@ DAMAGE = {
             checkpoint, "000-model.pt", _pickle_that_runs_code(checkpoint)
         ),
         NOT_LOADING,
+    ),
+    # The file loads, but not as the manifest describes it (an optimizer's parameter groups).
+    "param_shapes of another optimizer, resealed": (
+        lambda checkpoint: _reshaped(checkpoint),
+        r"state\['optimizer'\]: manifest\.json is malformed: .*\['param_shapes'\] lists 2 ",
     ),
 }
 

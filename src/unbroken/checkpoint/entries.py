@@ -23,15 +23,7 @@ import torch
 
 from .._state import has_state
 from ..errors import StateMismatch
-from .manifest import (
-    EntrySpec,
-    Manifest,
-    check_entry,
-    dcp_folder,
-    file_name,
-    load_file,
-    verify_file,
-)
+from .manifest import EntrySpec, Manifest, dcp_folder, file_name, load_entry_file, verify_file
 from .per_rank import SKIP, PerRank, resized, unwrap
 from .sharded import Sharded, save_state, written_by
 from .storage import Digest, Storage, join, sha256
@@ -107,8 +99,8 @@ class Replicated(Kind):
         # Every rank loads a replicated file, one checks its sha256: a rank that finds it
         # changed makes every rank skip the checkpoint (load_latest's agreement).
         mine = index % at.world_size == at.rank
-        value = load_file(at.storage, at.where, at.manifest, spec["file"], verify=mine)
-        check_entry(name, spec, value)
+        file = spec["file"]
+        value = load_entry_file(at.storage, at.where, at.manifest, name, spec, file, verify=mine)
         if isinstance(wanted, PerRank) and at.manifest["world_size"] != at.world_size:
             # Version 1 wrote per-rank state as one file (one rank): resized as its parts.
             return resized(wanted, name, [value], at.rank, at.world_size, at.where)
@@ -127,10 +119,10 @@ class EachRank(Kind):
     def read(self, at: Reading, index: int, name: str, spec: EntrySpec, wanted: Any) -> Any:
         storage, where, manifest = at.storage, at.where, at.manifest
         if manifest["world_size"] == at.world_size:
-            return load_file(storage, where, manifest, spec["ranks"][at.rank])
+            return load_entry_file(storage, where, manifest, name, spec, spec["ranks"][at.rank])
         if wanted is ABSENT:
             return ABSENT  # another rank's part of an entry nobody asked for means nothing
-        parts = [load_file(storage, where, manifest, file) for file in spec["ranks"]]
+        parts = [load_entry_file(storage, where, manifest, name, spec, f) for f in spec["ranks"]]
         return resized(wanted, name, parts, at.rank, at.world_size, where)
 
 

@@ -194,16 +194,25 @@ def read(storage: Storage, path: str, step: int) -> tuple[Manifest, dict[str, An
         if "dcp" in entry:
             continue  # read by DCP, through a Sharded
         file = entry["file"] if "file" in entry else entry["ranks"][0]
-        saved[name] = load_file(storage, path, manifest, file)
-        check_entry(name, entry, saved[name])
+        saved[name] = load_entry_file(storage, path, manifest, name, entry, file)
     return manifest, saved
 
 
-def check_entry(name: str, entry: EntrySpec, value: Any) -> None:
-    """What the manifest says of a loaded entry holds (an optimizer's parameter groups)."""
+def load_entry_file(
+    storage: Storage,
+    path: str,
+    manifest: Manifest,
+    name: str,
+    entry: EntrySpec,
+    file: str,
+    verify: bool = True,
+) -> Any:
+    """A file of entry ``name`` loaded (``load_file``) and checked against what the manifest
+    says of the entry (an optimizer's parameter groups and shapes)."""
+    value = load_file(storage, path, manifest, file, verify=verify)
     if "param_shapes" in entry:
-        file = entry.get("file", "")
         _check_param_shapes(name, entry["param_shapes"], value, file)
+    return value
 
 
 def _digest(manifest: Manifest | dict) -> str:

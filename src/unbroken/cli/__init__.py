@@ -6,13 +6,11 @@ a ``Checkpointer`` directory (one ``step-*`` subdirectory per checkpoint), or on
 directory. Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
 a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
 
-A checkpoint *verifies* when its manifest is intact (its seal, its schema, every listed file
-there with its size: ``manifest.read_manifest``), every listed file matches its sha256
-(``manifest.verify_file``), and every file but DCP's shards loads with
-``torch.load(weights_only=True)`` and fits its manifest entry (``manifest.load_file``,
-``check_entry``): the checks with which ``Checkpointer.load_latest`` decides to skip a
-checkpoint, so a file resealed over garbage or a pickle that would run code is reported as
-corrupt, as ``load_latest`` would skip it. ``inspect`` also keeps the small entries, to find the
+A checkpoint *verifies* when ``unbroken.checkpoint.scan.classify`` finds it ``ok``: the one
+judgement ``Checkpointer.load_latest`` makes too (its manifest intact, every listed file there with
+its size and sha256, every file but DCP's shards loading with ``torch.load(weights_only=True)``
+and fitting its manifest entry), so a file resealed over garbage or a pickle that would run code
+is reported as corrupt, as ``load_latest`` would skip it. ``inspect`` also keeps the small entries, to find the
 Trainer's loop counters (entry ``progress``) and the loaders' cursors (any saved
 ``unbroken.DataLoader``, ``CombinedLoader``, ``resumable`` or ``shuffle_buffer`` state, at the
 top of an entry or nested in a dict); of a checkpoint saved by several ranks, rank 0's part.

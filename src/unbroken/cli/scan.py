@@ -11,18 +11,10 @@ from pathlib import Path
 from typing import Any, TypedDict, cast
 
 from ..checkpoint import layout
-from ..checkpoint.manifest import (
-    MANIFEST,
-    Manifest,
-    check_entry,
-    load_file,
-    read_manifest,
-    validate,
-    verify_file,
-)
-from ..checkpoint.storage import Storage, join
+from ..checkpoint.manifest import MANIFEST, Manifest
+from ..checkpoint.scan import classify
+from ..checkpoint.storage import Storage
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
-from ..errors import CorruptCheckpoint, StateMismatch
 from ..train.checkpointing import PROGRESS, RUN_CHECKPOINTS, TRAIN_LOADER, VAL_LOADER
 from ..train.progress import COUNTERS, PHASES
 
@@ -145,49 +137,32 @@ def _manifest_step(directory: Path) -> int:
 
 
 def check(storage: Storage, path: str, step: int, read_states: bool) -> CheckpointReport:
-    """One checkpoint: verified as ``load_latest`` verifies it, and (``read_states``) where it
-    stands, from its small entries whose files verified."""
-    problems: list[str] = []
-    status = "ok"
-    manifest: Manifest | None = None
-    try:
-        manifest = read_manifest(storage, path, step)
-    except CorruptCheckpoint as error:
-        problems.append(str(error))
-        status = "corrupt"
-        manifest = _sealed(storage, path, step)  # a file's size was off: the rest still reads
-    except StateMismatch as error:
-        problems.append(str(error))
-        status = "unsupported"
+    """One checkpoint: judged as ``load_latest`` judges it (``checkpoint.scan.classify``), and
+    (``read_states``) where it stands, from its small entries whose files verified."""
     states: dict[str, Any] = {}
-    if manifest is not None:
-        for problem in _check_files(storage, path, manifest, states if read_states else None):
-            status = "corrupt"
-            if problem not in problems:
-                problems.append(problem)
+
+    def keep(manifest: Manifest, name: str, file: str, value: Any) -> None:
+        spec = manifest["entries"][name]
+        first = spec["file"] if "file" in spec else spec.get("ranks", [""])[0]  # rank 0's part
+        if file == first and (name in ALWAYS_READ or manifest["files"][file]["size"] <= READ_LIMIT):
+            states[name] = value
+
+    verdict = classify(storage, path, step, keep if read_states else None)
+    manifest = verdict.manifest
     return CheckpointReport(
         name=Path(path).name,
         path=os.path.abspath(path),
         step=step,
         written=_written(Path(path) / MANIFEST),
         bytes=_size(Path(path)),
-        verified=status == "ok",
-        status=status,
-        problems=problems,
+        verified=verdict.ok,
+        status=verdict.status,
+        problems=list(verdict.problems),
         world_size=manifest["world_size"] if manifest is not None else None,
         entries=list(manifest["entries"]) if manifest is not None else None,
         position=_position(states),
         loaders=loaders(states),
     )
-
-
-def _sealed(storage: Storage, path: str, step: int) -> Manifest | None:
-    """The manifest if it is intact itself (its seal and schema), its files aside."""
-    try:
-        with storage.open_read(join(path, MANIFEST)) as opened:
-            return validate(opened.read(), step, path)
-    except (OSError, ValueError):  # CorruptCheckpoint and StateMismatch are ValueErrors
-        return None
 
 
 def _written(manifest: Path) -> str | None:
@@ -207,43 +182,6 @@ def _size(directory: Path) -> int:
             except OSError:
                 pass
     return total
-
-
-def _check_files(
-    storage: Storage, path: str, manifest: Manifest, states: dict[str, Any] | None
-) -> list[str]:
-    """Why ``load_latest`` would skip checkpoint ``path`` for its files (none: it would load
-    them): each listed file matches its sha256, and each file of a replicated or per-rank entry
-    loads with ``torch.load(weights_only=True)`` (which runs no code from the file) and fits
-    what the manifest says of it, the very checks ``load_latest`` makes (a file whose sha256
-    was resealed over garbage, a truncated zip or a pickle that would run code passes the hash
-    alone). DCP's shard files are hashed only: DCP reads them. ``states``, if given, receives
-    the entries worth reading for a position (``ALWAYS_READ``, or small), by name; of an entry
-    saved by several ranks, rank 0's part."""
-    problems: list[str] = []
-    bad: set[str] = set()
-    for file in manifest["files"]:
-        try:
-            verify_file(storage, path, manifest, file)
-        except CorruptCheckpoint as error:
-            bad.add(file)
-            problems.append(str(error))
-    for name, entry in manifest["entries"].items():
-        files = [entry["file"]] if "file" in entry else entry.get("ranks", [])
-        for file in files:
-            if file in bad:
-                continue
-            try:
-                value = load_file(storage, path, manifest, file, verify=False)  # hashed above
-                check_entry(name, entry, value)
-            except CorruptCheckpoint as error:
-                problems.append(f"state[{name!r}]: {error}")
-                continue
-            small = name in ALWAYS_READ or manifest["files"][file]["size"] <= READ_LIMIT
-            if states is not None and file == files[0] and small:
-                states[name] = value
-            del value  # one file in memory at a time
-    return problems
 
 
 def _is_progress(value: Any) -> bool:

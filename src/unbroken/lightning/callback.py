@@ -48,16 +48,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from .._checks import is_int
 from ..data.epochs import EpochIterable
 from ..data.loader import DataLoader
-from ..errors import CorruptState
 from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.globalrng import GlobalRNG
 from ..train.ranks import Job
 from . import loops
 from .io import AtomicCheckpointIO
+from .saved import VERSION, metrics, read_state, tensors
 
-_VERSION = 2
-_RANK_FIELDS = {"rng", "metrics", "epoch_metrics"}
-_PLACE_FIELDS = set(loops.Place("").to_state())
 _WHAT = "unbroken.lightning.ExactResume"
 
 
@@ -107,7 +104,7 @@ class ExactResume(Callback):
         trainer = self._trainer
         mine = {
             "rng": GlobalRNG().state_dict(),
-            "metrics": _metrics(trainer),
+            "metrics": metrics(trainer),
             # Epoch aggregates of the training step: after a resume they cover only its batches.
             "epoch_metrics": loops.training_epoch_metrics(trainer) if trainer is not None else [],
         }
@@ -116,7 +113,7 @@ class ExactResume(Callback):
         if job.distributed:
             ranks = [None] * job.world_size
             dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
-        return {"version": _VERSION, "ranks": ranks, "saved_at": self._place.to_state()}
+        return {"version": VERSION, "ranks": ranks, "saved_at": self._place.to_state()}
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -152,7 +149,7 @@ class ExactResume(Callback):
         self._loader_states = loops.saved_loader_states(checkpoint)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ranks, place = _read_state(state_dict)
+        ranks, place = read_state(state_dict)
         job = Job()
         rank, world = job.rank, job.world_size
         if len(ranks) != world:
@@ -187,7 +184,7 @@ class ExactResume(Callback):
         if self._restore is not None:
             self._epoch_metrics_before = self._restore.get("epoch_metrics", [])
             GlobalRNG().load_state_dict(self._restore["rng"])
-            trainer.callback_metrics.update(_tensors(self._restore.get("metrics", {})))
+            trainer.callback_metrics.update(tensors(self._restore.get("metrics", {})))
             self._restore = None
 
     def _load_dropped_loader_states(self, trainer: Trainer, saved: list) -> None:
@@ -353,44 +350,3 @@ def _last_path(trainer: Trainer) -> str:
         name = callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION
         return os.path.join(callback.dirpath, name)
     return os.path.join(trainer.default_root_dir, "last.ckpt")
-
-
-def _metrics(trainer: Trainer | None) -> dict[str, dict[str, Any]]:
-    """``trainer.callback_metrics`` as plain values: each scalar with its dtype."""
-    if trainer is None:
-        return {}
-    saved = {}
-    for name, value in trainer.callback_metrics.items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            saved[name] = {"value": value.item(), "dtype": str(value.dtype).split(".")[-1]}
-    return saved
-
-
-def _tensors(metrics: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-    return {
-        name: torch.tensor(entry["value"], dtype=getattr(torch, entry["dtype"]))
-        for name, entry in metrics.items()
-    }
-
-
-def _read_state(state: Any) -> tuple[list[dict], dict | None]:
-    """(each rank's {"rng", "metrics"}, where it was saved) from a saved state; version 1
-    (generators only) still loads."""
-    version = state.get("version") if isinstance(state, dict) else None
-    if version == 1 and isinstance(state.get("rng"), list) and state["rng"]:
-        return [{"rng": rng, "metrics": {}, "epoch_metrics": []} for rng in state["rng"]], None
-    ranks = state.get("ranks") if version == _VERSION else None
-    place = state.get("saved_at") if version == _VERSION else None
-    if (
-        not isinstance(ranks, list)
-        or not ranks
-        or not all(isinstance(r, dict) and set(r) == _RANK_FIELDS for r in ranks)
-        or not isinstance(place, dict)
-        or set(place) != _PLACE_FIELDS
-    ):
-        raise CorruptState(
-            f"{_WHAT} state: expected {{'version': {_VERSION}, 'ranks': [{{'rng': ..., "
-            f"'metrics': ..., 'epoch_metrics': ...}} per rank], 'saved_at': "
-            f"{sorted(_PLACE_FIELDS)}}}, got {str(state)[:200]}"
-        )
-    return ranks, place
