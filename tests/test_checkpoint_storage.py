@@ -27,6 +27,8 @@ ROOT = "mem://bucket/runs/ckpt"
 class MemoryStorage:
     """Files as bytes in a dict and directories as a set, keyed by their whole path."""
 
+    renames = True
+
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
         self.directories: set[str] = set()

@@ -14,9 +14,19 @@
 
 from .manager import Checkpointer
 from .manifest import MANIFEST
+from .objects import ObjectStorage
 from .per_rank import PerRank
 from .restore import Restored
 from .sharded import Sharded
 from .storage import LocalStorage, Storage
 
-__all__ = ["MANIFEST", "Checkpointer", "LocalStorage", "PerRank", "Restored", "Sharded", "Storage"]
+__all__ = [
+    "MANIFEST",
+    "Checkpointer",
+    "LocalStorage",
+    "ObjectStorage",
+    "PerRank",
+    "Restored",
+    "Sharded",
+    "Storage",
+]

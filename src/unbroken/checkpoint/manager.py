@@ -64,10 +64,11 @@ from .background import BackgroundSave
 from .entries import ABSENT, Kind, Part, Reading, check_loadable, kind_in, kind_of
 from .group import Ranks, attempt
 from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
+from .objects import storage_for
 from .per_rank import SKIP, PerRank, unwrap
 from .restore import Restored, restore
 from .sharded import Sharded
-from .storage import LocalStorage, Storage, basename, join, parents
+from .storage import Storage, basename, join, parents
 from .writing import Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
@@ -87,6 +88,13 @@ class Checkpointer:
     where the installed torch loads them), any of them wrapped in ``PerRank`` to be saved by
     every rank of a ``torch.distributed`` job (rank 0 writes the others).
 
+    ``directory`` is a local path or a URL in object storage (``s3://bucket/run/ckpt``, any
+    fsspec protocol whose package is installed), with ``storage_options`` for its filesystem
+    (endpoint, credentials; as ``StreamingDataset`` takes them): parts are uploaded first and
+    the manifest last, which commits the checkpoint (``checkpoint.objects``). A URL whose bucket
+    does not exist, whose endpoint does not answer or whose protocol is unknown raises here.
+    ``storage`` replaces the storage altogether (a ``Storage`` of your own).
+
     One job writes to a directory at a time: before each save, the writer removes what killed
     writers left behind. Processes that only ``load_latest`` change nothing on disk. Under
     ``torch.distributed``, every rank makes the Checkpointer (collectively, in the same order
@@ -103,6 +111,7 @@ class Checkpointer:
         *,
         timeout: float = 600.0,
         storage: Storage | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not is_int(keep) or keep < 2:
             raise ValueError(
@@ -111,9 +120,11 @@ class Checkpointer:
             )
         if not is_number(timeout) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
-        self.directory = os.fspath(directory)  # a path or a URI, as the storage takes it
         self.keep = keep
-        self._storage: Storage = storage if storage is not None else LocalStorage()
+        if storage is None:
+            storage, directory = storage_for(os.fspath(directory), storage_options)
+        self.directory = os.fspath(directory)  # a path or a URL, as the storage takes it
+        self._storage: Storage = storage
         self._root = self.directory
         self._pending: BackgroundSave | None = None
         self._ranks = Ranks(float(timeout))

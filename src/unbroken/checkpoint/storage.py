@@ -54,6 +54,11 @@ class Entry(NamedTuple):
 class Storage(Protocol):
     """Where checkpoints live. Paths are strings: a local path, or a URI for a remote store."""
 
+    renames: bool
+    """Whether ``rename`` moves a directory in one step (a local disk). Where it cannot (object
+    storage), a checkpoint is written in place and committed by its manifest, written last
+    (``layout``)."""
+
     def exists(self, path: str) -> bool:
         """Whether anything is at ``path``."""
         ...
@@ -111,13 +116,15 @@ class Storage(Protocol):
         ``target``, replacing one there, durably: after it, ``target`` holds all of it or, if
         the process died during it, the old one (maybe at ``aside``, a free name, from which
         ``layout.clean`` puts it back) or nothing; never a mix. A local disk renames the
-        directory; a store without renames writes the manifest last, so that a checkpoint
-        without one is not one (``manifest.read_manifest``)."""
+        directory; a store without renames was given ``staged == target`` (``layout.stage``)
+        and has nothing left to do: the manifest, written last, committed it."""
         ...
 
 
 class LocalStorage:
     """``Storage`` on the local filesystem."""
+
+    renames = True
 
     def exists(self, path: str) -> bool:
         return Path(path).exists()

@@ -42,7 +42,7 @@ class Writing:
             sealed = attempt(self._seal, step, tmp, final, written, shapes) if first else None
             ranks.settle(sealed, phase)
         except BaseException as error:
-            if first and tmp is not None:
+            if first and tmp is not None and not _committed(storage, tmp):
                 storage.remove_tree(tmp)
             if isinstance(error, OSError) and error.errno in FULL:  # this rank's own
                 raise disk_full(
@@ -61,9 +61,7 @@ class Writing:
         storage, root = self.storage, self.root
         storage.make_directories(root)
         layout.clean(storage, root)
-        tmp = join(root, layout.temporary_name(step))
-        storage.make_directory(tmp)
-        return tmp
+        return layout.stage(storage, root, step, join(root, layout.final_name(step)))
 
     def _write_files(
         self, tmp: str, mine: dict[str, tuple[Kind, Any]], order: dict[str, int]
@@ -109,7 +107,16 @@ class Writing:
         doomed = [path for number, path in committed if number > step]
         doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
-            # Renamed first, so that a writer killed mid-delete leaves no half checkpoint in view.
-            aside = join(root, layout.doomed_name(basename(path)))
-            storage.rename(path, aside)
-            storage.remove_tree(aside)
+            layout.retire(storage, root, path)
+
+
+def _committed(storage: Storage, staged: str) -> bool:
+    """Whether the checkpoint written in ``staged`` was committed before the save failed (on a
+    store without rename it is written in place: its manifest says so); if that cannot be told,
+    it is left for ``layout.clean``."""
+    if storage.renames:
+        return False  # renamed away if committed: what is left at ``staged`` is not
+    try:
+        return storage.exists(join(staged, MANIFEST))
+    except Exception:
+        return True

@@ -1,0 +1,229 @@
+"""``Storage`` in object storage (S3, GCS, Azure, MinIO, ...) through fsspec.
+
+An object store has no directories and no rename, so a checkpoint commits differently from a
+local disk (``LocalStorage``), with the same guarantee, "whole and verified, or not there":
+
+- **Parts first, the manifest last.** Every rank uploads its files under the checkpoint's prefix
+  (``.../step-000000123/``); rank 0 writes ``manifest.json`` once every part is there. The
+  manifest is the commit: a prefix without one is not a checkpoint (``layout.committed`` lists
+  only prefixes that hold one), and ``layout.clean`` deletes what a killed writer left.
+- **Replacing a checkpoint** of the same step first deletes its manifest (it is no longer in
+  view), then its parts; a writer killed in between leaves the previous checkpoints, never a mix.
+- **Retention** deletes an old checkpoint's manifest before its parts, for the same reason.
+- **An upload that fails** mid-way is aborted (S3's multipart upload too: nothing of it stays
+  billed or in view) and retried with backoff (``unbroken.retry``); a file is written from its
+  start again, so ``fill`` must be callable more than once (the Checkpointer's are: they
+  serialize a copy held in memory).
+- **Reads** download a whole object once, with retries, and keep the last one: ``load_latest``
+  hashes a file, then loads it, from one download.
+
+The filesystem is made lazily in each process (an fsspec filesystem made before a fork is not
+used after it) with botocore's own retries off, as for ``StreamingDataset`` (``retry``: they
+draw from the user's ``random``).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar, cast
+
+from ..retry import drawing_nothing, retrying
+from .storage import Digest, Entry, LocalStorage, Storage
+
+T = TypeVar("T")
+
+
+def is_url(directory: str) -> bool:
+    """Whether ``directory`` names a store other than the local filesystem."""
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(directory)[0]
+    return protocol not in (None, "file", "local")
+
+
+def storage_for(
+    directory: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Storage, str]:
+    """The ``Storage`` of ``directory`` and the path it takes: ``LocalStorage`` for a path (or
+    a ``file://`` URL, as a path), else an ``ObjectStorage`` for the URL, checked at once (an
+    unknown protocol, an unreachable endpoint or a missing bucket raise here, before anything
+    is trained)."""
+    if not is_url(directory):
+        if storage_options:
+            raise ValueError(
+                f"storage_options are for a URL such as 's3://bucket/run', and {directory!r} is "
+                "a local path: leave them out"
+            )
+        return LocalStorage(), directory.removeprefix("file://")
+    storage = ObjectStorage(directory, storage_options)
+    storage.check()
+    return storage, directory.rstrip("/")
+
+
+class ObjectStorage:
+    """``Storage`` on an fsspec filesystem without rename (see the module)."""
+
+    renames = False
+    """A checkpoint commits by its manifest, written last (``layout``)."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retries: int = 4,
+        backoff: float = 0.5,
+    ) -> None:
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.protocol = fsspec.core.split_protocol(self.url)[0] or "file"
+        self.storage_options = dict(storage_options or {})
+        self.retries, self.backoff = retries, backoff
+        self._fs: Any = None
+        self._pid = -1
+        self._last: tuple[str, bytes] | None = None  # the last object read, whole
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fs", "_pid", "_last")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fs, self._pid, self._last = None, -1, None
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None or self._pid != os.getpid():
+            import fsspec
+
+            try:
+                cls = fsspec.get_filesystem_class(self.protocol)
+            except (ValueError, ImportError) as error:
+                raise ValueError(
+                    f"cannot store checkpoints at {self.url}: fsspec does not know the protocol "
+                    f"{self.protocol!r} here ({error}). Use a local path, or a URL whose "
+                    "filesystem is installed (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
+                ) from None
+            options = drawing_nothing(self.url, self.storage_options)
+            self._fs = cls(skip_instance_cache=True, **options)
+            self._pid = os.getpid()
+        return self._fs
+
+    def _call(self, what: str, path: str, call: Callable[[], T]) -> T:
+        return retrying(what, self._url(path), call, self.retries, self.backoff)
+
+    def _url(self, path: str) -> str:
+        return path if "://" in path else f"{self.protocol}://{path}"
+
+    def check(self) -> None:
+        """Raise now if the store cannot be used: an unknown protocol, an endpoint that does
+        not answer (``RemoteUnavailable``), a bucket (or container) that does not exist."""
+        bucket = self.fs._strip_protocol(self.url).split("/")[0]
+        try:  # not exists(): s3fs says False for an endpoint that does not answer
+            self._call("reach", bucket, lambda: self.fs.info(bucket))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"cannot store checkpoints at {self.url}: the bucket {bucket!r} does not exist "
+                "(or these credentials may not see it). Create it first, or check the URL and "
+                "storage_options",
+            ) from None
+
+    # Reading.
+    def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self._call("look for", path, lambda: self.fs.exists(path)))
+
+    def is_directory(self, path: str) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self._call("look for", path, lambda: self.fs.isdir(path)))
+
+    def list_directory(self, path: str) -> list[Entry]:
+        self.fs.invalidate_cache()
+        try:
+            found = self._call("list", path, lambda: self.fs.ls(path, detail=True))
+        except FileNotFoundError:
+            return []
+        return [
+            Entry(info["name"].rstrip("/").rpartition("/")[2], info["type"] == "directory")
+            for info in found
+        ]
+
+    def open_read(self, path: str) -> BinaryIO:
+        if self._last is None or self._last[0] != path:
+            self._last = None  # one object in memory at a time
+            data = self._call("download", path, lambda: self.fs.cat_file(path))
+            self._last = (path, data)
+        return io.BytesIO(self._last[1])
+
+    def size(self, path: str) -> int:
+        self.fs.invalidate_cache()
+        return int(self._call("look for", path, lambda: self.fs.size(path)))
+
+    def is_link(self, path: str) -> bool:
+        return False
+
+    def free_space(self, path: str) -> int:
+        return 1 << 62  # an object store does not fill up as a disk does
+
+    # Writing.
+    def make_directory(self, path: str) -> None:
+        pass  # a prefix exists once an object is under it
+
+    def make_directories(self, path: str) -> None:
+        pass
+
+    def sync_directory(self, path: str) -> None:
+        pass  # an object is durable once its upload returned
+
+    def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
+        self._last = None
+        return self._call("upload", path, lambda: self._upload(path, fill))
+
+    def _upload(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
+        out = self.fs.open(path, "wb")
+        hashing = _Hashing(out)
+        try:
+            fill(cast(BinaryIO, hashing))
+        except BaseException:
+            out.discard()  # aborts a multipart upload: no part of it stays
+            out.closed = True  # discarded: its close (at garbage collection) must not upload
+            raise
+        out.close()  # the upload's end: the object appears whole
+        return Digest(hashing.sha256.hexdigest(), hashing.size)
+
+    def rename(self, source: str, target: str) -> None:
+        # Not atomic here (a copy, then a delete): the Checkpointer does not rename on a store
+        # that cannot (``renames``); this is for tools.
+        self._call("rename", source, lambda: self.fs.mv(source, target, recursive=True))
+
+    def remove_tree(self, path: str) -> None:
+        self._last = None
+        try:
+            self._call("delete", path, lambda: self.fs.rm(path, recursive=True))
+        except (FileNotFoundError, OSError):
+            pass  # as LocalStorage: what cannot be removed stays, and is cleaned up later
+
+    def commit(self, staged: str, target: str, aside: str) -> None:
+        assert staged == target, "an object store writes a checkpoint in place (layout.stage)"
+        # The manifest, written last (by the Writing), was the commit.
+
+
+class _Hashing:
+    """A write-only file that hashes what passes through it on its way to the store."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.file.write(data)
+        self.sha256.update(data)
+        size = memoryview(data).nbytes
+        self.size += size
+        return size
+
+    def flush(self) -> None:
+        pass  # the upload flushes by whole parts; a flush of a small one would fail on S3

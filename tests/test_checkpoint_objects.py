@@ -1,0 +1,247 @@
+"""Checkpoints in object storage, against a real S3 protocol server (moto's, on 127.0.0.1).
+
+An object store has no rename: the manifest, written last, is the commit. So a prefix without
+one is no checkpoint (never loaded, never even warned about) and is cleaned up by the next save;
+a checkpoint replaced or dropped loses its manifest before its parts; an upload that fails is
+aborted and retried, and a save that still fails leaves nothing that loads.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.objects import ObjectStorage
+from unbroken.checkpoint.scan import classify
+from unbroken.errors import RemoteUnavailable
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _state(seed: int) -> dict:
+    model = _model(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    return {"model": model, "optimizer": optimizer, "epoch": seed}
+
+
+@pytest.fixture
+def url(s3):
+    return s3.make_bucket(f"ckpt-{secrets.token_hex(4)}") + "/runs/exp1/checkpoints"
+
+
+def _objects(s3, url: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.storage_options)
+    return sorted(p.split("/checkpoints/", 1)[1] for p in fs.find(url))
+
+
+def _fresh(url, s3, **kwargs) -> Checkpointer:
+    return Checkpointer(url, storage_options=s3.storage_options, **kwargs)
+
+
+def test_save_and_load_latest_through_s3_leave_nothing_on_the_local_disk(
+    s3, url, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    saved = _state(1)
+    path = _fresh(url, s3).save(7, saved)
+    assert path == f"{url}/step-000000007"
+    assert _objects(s3, url) == [
+        "step-000000007/000-model.pt",
+        "step-000000007/001-optimizer.pt",
+        "step-000000007/002-epoch.pt",
+        "step-000000007/manifest.json",
+    ]
+    loaded = _state(2)
+    restored = _fresh(url, s3).load_latest(loaded)
+    assert (restored.step, restored.path, restored.values) == (7, path, {"epoch": 1})
+    for key, value in saved["model"].state_dict().items():
+        assert torch.equal(loaded["model"].state_dict()[key], value), key
+    assert loaded["optimizer"].state_dict()["state"][0]["step"] == 1
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_prefix_without_its_manifest_is_no_checkpoint_and_the_next_save_removes_it(s3, url):
+    checkpointer = _fresh(url, s3)
+    checkpointer.save(1, {"value": 1})
+    checkpointer.save(2, {"value": 2})
+    storage = ObjectStorage(url, s3.storage_options)
+    storage.fs.rm_file(f"{url}/step-000000002/manifest.json")  # a writer killed before its seal
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not corrupt: not there
+        restored = _fresh(url, s3).load_latest({"value": None})
+    assert (restored.step, restored.values) == (1, {"value": 1})
+    checkpointer.save(3, {"value": 3})
+    assert [name.split("/")[0] for name in _objects(s3, url)] == ["step-000000001"] * 2 + [
+        "step-000000003"
+    ] * 2
+
+
+def test_retention_and_the_same_step_again_on_s3(s3, url):
+    checkpointer = _fresh(url, s3, keep=2)
+    for step in (1, 2, 3):
+        checkpointer.save(step, {"value": step})
+    checkpointer.save(3, {"value": 30})
+    assert sorted({name.split("/")[0] for name in _objects(s3, url)}) == [
+        "step-000000002",
+        "step-000000003",
+    ]
+    assert _fresh(url, s3).load_latest({"value": None}).values == {"value": 30}
+
+
+def test_a_damaged_object_in_the_newest_checkpoint_is_skipped_with_the_reason(s3, url):
+    checkpointer = _fresh(url, s3)
+    checkpointer.save(1, {"model": _model(1)})
+    checkpointer.save(2, {"model": _model(2)})
+    storage = ObjectStorage(url, s3.storage_options)
+    target = f"{url}/step-000000002/000-model.pt"
+    data = bytearray(storage.fs.cat_file(target))
+    data[len(data) // 2] ^= 1
+    storage.fs.pipe_file(target, bytes(data))
+    model = _model(9)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002: .*sha256"):
+        assert _fresh(url, s3).load_latest({"model": model}).step == 1
+    assert torch.equal(model[0].weight, _model(1)[0].weight)
+    verdict = classify(ObjectStorage(url, s3.storage_options), f"{url}/step-000000002", 2)
+    assert verdict.status == "corrupt" and "sha256" in verdict.problems[0]
+
+
+class _Failing(ObjectStorage):
+    """Uploads that fail after ``after`` good ones, each attempt ``times`` times."""
+
+    def __init__(self, *args, after: int, times: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.after, self.times, self.attempts = after, times, 0
+
+    def _upload(self, path, fill):
+        self.attempts += 1
+        if self.after <= 0 and self.times > 0:
+            self.times -= 1
+
+            def half(out):
+                fill(out)
+                raise ConnectionError("the connection dropped mid-upload")
+
+            return super()._upload(path, half)
+        self.after -= 1
+        return super()._upload(path, fill)
+
+
+def test_a_dropped_upload_is_retried_and_the_checkpoint_loads(s3, url):
+    storage = _Failing(url, s3.storage_options, after=1, times=2, backoff=0.01)
+    Checkpointer(url, storage=storage).save(4, _state(4))
+    assert storage.attempts == 3 + 2 + 1  # three files and the manifest, two of them again
+    loaded = _state(0)
+    assert _fresh(url, s3).load_latest(loaded).step == 4
+
+
+def test_a_save_whose_uploads_keep_failing_raises_and_leaves_nothing_that_loads(s3, url):
+    _fresh(url, s3).save(1, {"value": 1})
+    storage = _Failing(url, s3.storage_options, after=1, times=99, retries=1, backoff=0.01)
+    with pytest.raises(RemoteUnavailable, match="could not upload .*step-000000002"):
+        Checkpointer(url, storage=storage).save(2, {"value": 2, "model": _model(2)})
+    assert {name.split("/")[0] for name in _objects(s3, url)} == {"step-000000001"}
+    assert _fresh(url, s3).load_latest({"value": None}).step == 1
+    _fresh(url, s3).save(2, {"value": 2})  # the next save goes through
+    assert _fresh(url, s3).load_latest({"value": None}).step == 2
+
+
+def test_an_interrupted_multipart_upload_is_aborted(s3, url):
+    import boto3
+
+    storage = ObjectStorage(url, s3.storage_options)
+    big = os.urandom(12 << 20)  # several parts of s3fs's multipart upload
+
+    def fill(out):
+        for start in range(0, len(big), 1 << 20):
+            out.write(big[start : start + (1 << 20)])
+        raise KeyboardInterrupt  # the process is being stopped mid-upload
+
+    with pytest.raises(KeyboardInterrupt):
+        storage.write(f"{url}/big.pt", fill)
+    bucket = url.split("/")[2]
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert not storage.exists(f"{url}/big.pt")
+
+
+def test_the_server_stopped_during_a_save_then_back(tmp_path):
+    from unbroken.testing import S3Server
+
+    with S3Server() as server:
+        url = server.make_bucket("outage") + "/ckpt"
+        options = server.storage_options
+        Checkpointer(url, storage_options=options).save(1, {"value": 1})
+        storage = ObjectStorage(url, options, retries=1, backoff=0.01)
+        checkpointer = Checkpointer(url, storage=storage)
+        real = storage._upload
+        port = server.port
+
+        def outage(path, fill):
+            if path.endswith("001-model.pt"):
+                server.stop()  # the server goes away between two files of the save
+            return real(path, fill)
+
+        storage._upload = outage
+        with pytest.raises(RemoteUnavailable):
+            checkpointer.save(2, {"value": 2, "model": _model(2)})
+        server.port = port
+        server.start()  # the same endpoint, every object gone: a new, empty store
+        server.make_bucket("outage")
+        storage._upload = real
+        checkpointer.save(3, {"value": 3})
+        assert Checkpointer(url, storage_options=options).load_latest({"value": 0}).step == 3
+
+
+def test_bad_urls_are_refused_before_anything_is_saved(s3, tmp_path):
+    with pytest.raises(FileNotFoundError, match="the bucket 'no-such-bucket' does not exist"):
+        Checkpointer("s3://no-such-bucket/run", storage_options=s3.storage_options)
+    with pytest.raises(ValueError, match="protocol 'nope'"):
+        Checkpointer("nope://bucket/run")
+    with pytest.raises(ValueError, match="storage_options are for a URL"):
+        Checkpointer(tmp_path, storage_options=s3.storage_options)
+    with pytest.raises(RemoteUnavailable, match="could not reach"):
+        Checkpointer(
+            "s3://bucket/run",
+            storage_options={**s3.storage_options, "endpoint_url": "http://127.0.0.1:9"},
+        )
+
+
+def test_a_file_url_is_a_local_directory(tmp_path):
+    checkpointer = Checkpointer(f"file://{tmp_path}/ckpt")
+    checkpointer.save(1, {"value": 1})
+    assert (tmp_path / "ckpt" / "step-000000001" / "manifest.json").is_file()
+    assert unbroken.Checkpointer(tmp_path / "ckpt").load_latest({"value": 0}).step == 1
+
+
+def test_object_storage_reads_one_download_per_file(s3, url, monkeypatch):
+    _fresh(url, s3).save(1, {"model": _model(1)})
+    storage = ObjectStorage(url, s3.storage_options)
+    downloads = []
+    real = storage.fs.cat_file
+    monkeypatch.setattr(
+        storage.fs, "cat_file", lambda path, **kw: downloads.append(path) or real(path, **kw)
+    )
+    Checkpointer(url, storage=storage).load_latest({"model": _model(2)})
+    assert sorted(p.rpartition("/")[2] for p in downloads) == ["000-model.pt", "manifest.json"]
+    assert isinstance(storage.open_read(downloads[-1]), io.BytesIO)
