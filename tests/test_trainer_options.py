@@ -37,6 +37,7 @@ REFUSED = {
     "deterministic": (2, "deterministic must be True, False or None, got 2"),
     "preemption_check_every": (0, "preemption_check_every must be a positive int, got 0"),
     "checkpoint_timeout": (0, "checkpoint_timeout must be a number of seconds > 0, got 0"),
+    "lease_seconds": (-1, "lease_seconds must be a number of seconds > 0, got -1"),
 }
 
 

@@ -171,6 +171,7 @@ def run(
     clip_grad_norm=0.5,
     loader_seed=None,
     log_every=1,  # every batch's values: the tests read each row
+    status=None,  # where Pace reports (default: the run directory)
     **trainer_options,
 ) -> nn.Module:
     from torchmetrics.classification import MulticlassAccuracy
@@ -221,7 +222,7 @@ def run(
         accumulate=accumulate,
         clip_grad_norm=clip_grad_norm,
         scheduler_interval=scheduler_interval,
-        callbacks=[Counter(), *callbacks, *([Pace(directory, pace)] if pace else [])],
+        callbacks=[Counter(), *callbacks, *([Pace(status or directory, pace)] if pace else [])],
         log_every=log_every,
         **{"progress_bar": False, **trainer_options},
     )
@@ -242,5 +243,9 @@ def run(
 
 if __name__ == "__main__":  # python trainer_job.py DIR '{"workers": 2, ...}'
     torch.set_num_threads(1)
-    model = run(Path(sys.argv[1]), **json.loads(sys.argv[2]))
+    config = json.loads(sys.argv[2])
+    if "url" in config:  # the run directory is in object storage; DIR is this "machine"'s disk
+        model = run(config.pop("url"), status=Path(sys.argv[1]), **config)
+    else:
+        model = run(Path(sys.argv[1]), **config)
     torch.save(model.state_dict(), Path(sys.argv[1]) / "final.pt")

@@ -55,7 +55,9 @@ def _transient(error: Exception) -> bool:
     out, not credentials, paths or a full local disk."""
     if isinstance(error, OSError) and error.errno in _LOCAL_ERRNOS:
         return False
-    if isinstance(error, (PermissionError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(
+        error, (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+    ):  # FileExistsError: a conditional create refused, an answer
         return False
     if isinstance(error, (OSError, TimeoutError)):
         return True

@@ -15,8 +15,9 @@ from ..checkpoint.manifest import MANIFEST, Manifest
 from ..checkpoint.scan import classify
 from ..checkpoint.storage import Storage
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
-from ..train.checkpointing import PROGRESS, RUN_CHECKPOINTS, TRAIN_LOADER, VAL_LOADER
+from ..train.checkpointing import PROGRESS, TRAIN_LOADER, VAL_LOADER
 from ..train.progress import COUNTERS, PHASES
+from ..train.rundir import CHECKPOINTS as RUN_CHECKPOINTS
 
 LOADER_FORMATS = (LOADER.name, COMBINED.name, RESUMABLE.name, SHUFFLE_BUFFER.name)
 # Entries read to find positions: the Trainer's always, others only if this small (a loader's

@@ -43,8 +43,6 @@ from .csvlog import CSVLog
 from .globalrng import GlobalRNG, seed_everything
 from .progress import Progress, say
 
-# Where a Trainer keeps its checkpoints inside its run directory (``unbroken inspect`` looks there).
-RUN_CHECKPOINTS = "checkpoints"
 # Entry names, always present ...
 PROGRESS, MODEL, GRADIENTS, OPTIMIZER = "progress", "model", "gradients", "optimizer"
 TRAIN_LOADER, RNG, LOG = "train_loader", "rng", "log"

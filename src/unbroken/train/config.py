@@ -197,6 +197,11 @@ class TrainerOptions:
     checkpoint_timeout: float = _option(
         600.0, "seconds a rank waits for the others in a checkpoint save or load", _seconds
     )
+    lease_seconds: float = _option(
+        30.0,
+        "a run directory in object storage: how long the lock of a job that died lasts",
+        _seconds,
+    )
 
     def __post_init__(self) -> None:
         # Given as lists or generators, kept as tuples: the value is frozen.

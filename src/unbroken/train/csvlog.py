@@ -19,18 +19,25 @@ Trainer calls it on the batches it logs (every ``log_every``) and at the end of 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptState
+from .rundir import METRICS, TENSORBOARD, RunDirectory
 
 HEADER = "step,epoch,phase,name,value\n"
 
 
 class CSVLog:
-    def __init__(self, path: str | os.PathLike) -> None:
+    """``publish(size)``, if given, is called with the size each state records (and ``None``
+    when the log closes): a run directory in object storage uploads the file then (``rundir``)."""
+
+    def __init__(
+        self, path: str | os.PathLike, publish: Callable[[int | None], None] | None = None
+    ) -> None:
         self.path = Path(path)
+        self.publish = publish
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         self._file = open(self.path, "a", encoding="utf-8", newline="")
@@ -49,6 +56,8 @@ class CSVLog:
         if not self._file.closed:
             self.flush()
             self._file.close()
+            if self.publish is not None:
+                self.publish(None)
 
     def restart(self) -> None:
         """Empty the log: a run with no checkpoint to resume from starts again from zero, so
@@ -57,7 +66,10 @@ class CSVLog:
 
     def state_dict(self) -> dict:
         self._file.flush()
-        return {"bytes": self._file.tell()}
+        size = self._file.tell()
+        if self.publish is not None:
+            self.publish(size)  # before the checkpoint that records it commits
+        return {"bytes": size}
 
     def load_state_dict(self, state: dict) -> None:
         size = state.get("bytes") if isinstance(state, dict) else None
@@ -121,13 +133,17 @@ class RunLog:
 
     def __init__(
         self,
-        directory: Path,
+        run: RunDirectory,
         tensorboard: bool | None,
         latest: dict[str, float],
         write: bool = True,
     ) -> None:
-        self.csv = CSVLog(directory / "metrics.csv") if write else None
-        self.directory, self.tensorboard = directory, tensorboard
+        self.csv = None
+        if write:
+            run.download(METRICS)  # a URL's: the log so far, cut back when the state loads
+            publish = (lambda size: run.upload(METRICS, size)) if run.remote else None
+            self.csv = CSVLog(run.local / METRICS, publish)
+        self.run, self.directory, self.tensorboard = run, run.local, tensorboard
         self.write = write
         self.board: Any = None
         self.latest = latest
@@ -135,7 +151,7 @@ class RunLog:
     def open_board(self, purge_from: int) -> None:
         if self.write:
             self.board = open_tensorboard(
-                self.tensorboard, self.directory / "tensorboard", purge_from
+                self.tensorboard, self.directory / TENSORBOARD, purge_from
             )
 
     def restart(self) -> None:
@@ -157,9 +173,11 @@ class RunLog:
     def flush_board(self) -> None:
         if self.board is not None:
             self.board.flush()  # what a checkpoint says was logged must be on disk
+            self.run.upload_tree(TENSORBOARD)  # and in the store, for a URL
 
     def close(self) -> None:
         if self.csv is not None:
             self.csv.close()
         if self.board is not None:
             self.board.close()
+            self.run.upload_tree(TENSORBOARD)

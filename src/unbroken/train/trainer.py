@@ -41,22 +41,15 @@ import torch
 
 from ..checkpoint.manager import Checkpointer
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
-from .checkpointing import (
-    RUN_CHECKPOINTS,
-    SaveSchedule,
-    checkpoint_entries,
-    compute_metrics,
-    reset_metrics,
-    resume,
-)
+from .checkpointing import SaveSchedule, checkpoint_entries, compute_metrics, reset_metrics, resume
 from .config import TrainerOptions
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
-from .lock import locked_by_every_rank, not_writable
 from .options import call_hooks, check_loaders, hooks
 from .progress import Progress, bar, say
 from .ranks import Job
+from .rundir import RunDirectory
 from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
 
 _DEFAULTS = {
@@ -70,12 +63,15 @@ class Trainer:
 
     Arguments: ``directory``, the run directory (``checkpoints/``, ``metrics.csv``,
     ``tensorboard/``), where one process at a time may train (an OS lock, released when the
-    process ends); then, keyword-only, the options, each described in
+    process ends): a local path, or a URL in object storage (``s3://bucket/runs/exp1``, with
+    ``storage_options`` for its filesystem: endpoint, credentials), from which a job restarted
+    on another machine resumes (``train.rundir``; its lock is a lease, ``lease_seconds``); then,
+    keyword-only, the options, each described in
     ``help(unbroken.train.TrainerOptions)``: ``max_epochs``, ``max_steps``, ``seed``,
     ``checkpoint_every_seconds``, ``checkpoint_every_steps``, ``keep``, ``async_save``,
     ``accumulate``, ``clip_grad_norm``, ``scheduler_interval``, ``callbacks``, ``log_every``,
     ``progress_bar``, ``tensorboard``, ``signals``, ``preemption_check_every``,
-    ``checkpoint_timeout``, ``deterministic``; or ``options``, all of them as one
+    ``checkpoint_timeout``, ``deterministic``, ``lease_seconds``; or ``options``, all of them as one
     ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
     read them).
     """
@@ -84,6 +80,7 @@ class Trainer:
         self,
         directory: str | Path,
         *,
+        storage_options: dict[str, Any] | None = None,
         max_epochs: int | None = None,
         max_steps: int | None = None,
         seed: int = 0,
@@ -102,10 +99,13 @@ class Trainer:
         deterministic: bool | None = None,
         preemption_check_every: int = 1,
         checkpoint_timeout: float = 600.0,
+        lease_seconds: float = 30.0,
         options: TrainerOptions | None = None,
     ) -> None:
         given = {name: value for name, value in locals().items() if name in _DEFAULTS}
-        self.directory = Path(directory)
+        self.run = RunDirectory(directory, storage_options)
+        # A local run directory as a Path, a URL as given.
+        self.directory: str | Path = self.run.location if self.run.remote else Path(directory)
         # The options, checked (train.config), before anything is installed or locked.
         if options is None:
             options = TrainerOptions(**given)
@@ -167,12 +167,12 @@ class Trainer:
             self.job = Job()
             with self.preemption, determinism(self.options.deterministic, model):
                 self._exit_if_preempted_before_training()
+                self.run.open()
                 try:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                except OSError as error:
-                    raise not_writable(self.directory, error) from error
-                with locked_by_every_rank(self.directory, self.job):
-                    self._fit(train_loader, val_loader)
+                    with self.run.locked(self.job, self.options.lease_seconds):
+                        self._fit(train_loader, val_loader)
+                finally:
+                    self.run.close()
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
         call_hooks(self.options.callbacks, "on_fit_end", self)
@@ -180,13 +180,14 @@ class Trainer:
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         self.run_log = RunLog(
-            self.directory,
+            self.run,
             self.options.tensorboard,
             self.logs,
             write=self.job.first,  # one rank writes the log; the others keep `logs` only
         )
         self.checkpointer = Checkpointer(
-            self.directory / RUN_CHECKPOINTS,
+            self.run.checkpoints,
+            storage=self.run.storage,
             keep=self.options.keep,
             timeout=self.options.checkpoint_timeout,
         )

@@ -1,0 +1,133 @@
+"""Where a run's files live: a local directory, or a URL in object storage.
+
+A local run directory holds ``checkpoints/``, ``metrics.csv``, ``tensorboard/`` and the lock
+file, written in place. A run directory at a URL (``s3://bucket/runs/exp1``) holds the same
+names, so that a job restarted on another machine, with an empty disk, finds everything:
+
+- **checkpoints** go through ``ObjectStorage`` (``checkpoint.objects``: the manifest, written
+  last, commits a checkpoint);
+- **the lock** is a lease object with a heartbeat (``lease``);
+- **metrics.csv** cannot be appended to in an object store. It is written to a local working
+  copy (in a temporary directory) and the copy is uploaded whole each time a checkpoint records
+  its size, and when the run ends; a resumed run downloads it, and the checkpoint's size cuts
+  it back (``CSVLog``), so it reads back byte for byte as an uninterrupted run's. One upload
+  of the log per checkpoint: a log of 1 MB costs about as much as a small checkpoint file.
+- **TensorBoard** events are written locally and this process's event files uploaded at each
+  checkpoint and at the end; the files of earlier processes stay where they are, and the
+  resumed writer purges their events after the checkpoint as it does on a local disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.objects import ObjectStorage, is_url
+from ..checkpoint.storage import join
+from ..errors import DirectoryInUse
+from .lease import Lease
+from .lock import locked_by_every_rank, not_writable
+from .ranks import Job
+
+CHECKPOINTS, METRICS, TENSORBOARD = "checkpoints", "metrics.csv", "tensorboard"
+
+
+class RunDirectory:
+    """A run directory, local or in object storage (see the module)."""
+
+    def __init__(
+        self, directory: str | os.PathLike, storage_options: dict[str, Any] | None = None
+    ) -> None:
+        text = os.fspath(directory)
+        self.remote = is_url(text)
+        if not self.remote and storage_options:
+            raise ValueError(
+                f"storage_options are for a run directory at a URL such as "
+                f"'s3://bucket/runs/exp1', and {text!r} is a local path: leave them out"
+            )
+        self.location = text.rstrip("/") if self.remote else text.removeprefix("file://")
+        self.storage_options = dict(storage_options or {})
+        self.storage: ObjectStorage | None = None
+        self.local = Path(self.location) if not self.remote else Path()  # set by open()
+
+    def __str__(self) -> str:
+        return self.location
+
+    @property
+    def checkpoints(self) -> str:
+        return join(self.location, CHECKPOINTS)
+
+    def open(self) -> None:
+        """Make the directory (or check the store: bucket, endpoint, credentials) and, for a
+        URL, the local working directory of the log."""
+        if self.remote:
+            self.storage = ObjectStorage(self.location, self.storage_options)
+            self.storage.check()
+            self.local = Path(tempfile.mkdtemp(prefix="unbroken-run-"))
+            return
+        try:
+            self.local.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise not_writable(self.local, error) from error
+
+    def close(self) -> None:
+        if self.remote and self.local != Path():
+            shutil.rmtree(self.local, ignore_errors=True)
+
+    @contextmanager
+    def locked(self, job: Job, lease_seconds: float) -> Iterator[None]:
+        """One job at a time: the OS lock of every rank (local), or rank 0's lease (a URL),
+        refused on every rank if refused on one."""
+        if not self.remote:
+            with locked_by_every_rank(self.local, job):
+                yield
+            return
+        assert self.storage is not None
+        lease, refused = Lease(self.storage, self.location, lease_seconds), None
+        if job.first:
+            try:
+                lease.acquire()
+            except DirectoryInUse as error:
+                refused = error
+        (anyone,) = job.any_of(refused is not None)
+        if anyone:
+            lease.release()
+            raise refused or DirectoryInUse(
+                f"{self.location} is in use by another training job (rank 0 found its lease "
+                "held). Stop that job first, or train in another directory."
+            )
+        try:
+            yield
+        finally:
+            lease.release()
+
+    # The log's remote copy (a URL only).
+    def download(self, name: str) -> None:
+        """The remote ``name`` into the local working directory, if it exists."""
+        if self.storage is not None:
+            remote, storage = join(self.location, name), self.storage
+            if storage.exists(remote):
+                storage._call(
+                    "download", remote, lambda: storage.fs.get_file(remote, str(self.local / name))
+                )
+
+    def upload(self, name: str, size: int | None = None) -> None:
+        """The local ``name`` (its first ``size`` bytes) to the remote run directory, whole."""
+        if self.storage is not None:
+            data = (self.local / name).read_bytes()
+            data = data if size is None else data[:size]
+            remote, storage = join(self.location, name), self.storage
+            storage._call("upload", remote, lambda: storage.fs.pipe_file(remote, data))
+
+    def upload_tree(self, name: str) -> None:
+        """Every file under the local ``name`` (this process's) to the remote one."""
+        if self.storage is None or not (self.local / name).is_dir():
+            return
+        for path in sorted((self.local / name).rglob("*")):
+            if path.is_file():
+                self.upload(str(path.relative_to(self.local)))
