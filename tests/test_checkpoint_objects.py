@@ -245,3 +245,35 @@ def test_object_storage_reads_one_download_per_file(s3, url, monkeypatch):
     Checkpointer(url, storage=storage).load_latest({"model": _model(2)})
     assert sorted(p.rpartition("/")[2] for p in downloads) == ["000-model.pt", "manifest.json"]
     assert isinstance(storage.open_read(downloads[-1]), io.BytesIO)
+
+
+def test_unbroken_inspect_and_verify_a_url(s3, url, capsys):
+    import json
+
+    from unbroken.cli import main
+
+    checkpointer = _fresh(url, s3)
+    for step in (1, 2):
+        checkpointer.save(step, {"model": _model(step)})
+    options = ["--storage-options", json.dumps(s3.storage_options)]
+    assert main(["verify", url, *options]) == 0
+    assert "OK: the newest checkpoint, step-000000002, verifies" in capsys.readouterr().out
+    assert main(["inspect", url, "--json", *options]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["kind"] == "checkpoints" and document["checkpoints_directory"] == url
+    newest = document["checkpoints"][-1]
+    assert (newest["path"], newest["verified"]) == (f"{url}/step-000000002", True)
+    assert newest["bytes"] > 0 and newest["written"].endswith("Z")
+    run = url.rpartition("/")[0]  # the run directory holding checkpoints/
+    assert main(["inspect", run, "--json", *options]) == 0
+    assert json.loads(capsys.readouterr().out)["kind"] == "run"
+    storage = ObjectStorage(url, s3.storage_options)
+    storage.fs.pipe_file(f"{url}/step-000000002/000-model.pt", b"not a checkpoint")
+    assert main(["verify", url, *options]) == 1
+    said = capsys.readouterr().out
+    assert (
+        "step-000000002: 000-model.pt has 16 bytes" in said
+        and "fall back to step-000000001" in said
+    )
+    assert main(["verify", "s3://no-such-bucket/x", *options]) == 2
+    assert "the bucket 'no-such-bucket' does not exist" in capsys.readouterr().err

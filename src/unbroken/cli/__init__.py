@@ -3,7 +3,9 @@ whether a resume would find them whole.
 
 ``DIR`` is a run directory (``unbroken.Trainer``'s: its checkpoints are in ``DIR/checkpoints``),
 a ``Checkpointer`` directory (one ``step-*`` subdirectory per checkpoint), or one checkpoint
-directory. Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
+directory; a local path, or a URL in object storage (``s3://bucket/runs/exp1``, with
+``--storage-options '{"endpoint_url": ...}'`` for its filesystem, or the ``AWS_*`` environment
+variables). Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
 a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
 
 A checkpoint *verifies* when ``unbroken.checkpoint.scan.classify`` finds it ``ok``: the one
@@ -86,9 +88,19 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument(
         "directory",
         metavar="DIR",
-        help="a run directory (a Trainer's), a Checkpointer directory, or one checkpoint",
+        help="a run directory (a Trainer's), a Checkpointer directory, or one checkpoint: a "
+        "local path or a URL in object storage",
     )
     common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        type=json.loads,
+        default=None,
+        help="for a URL (s3://bucket/runs/exp1): the fsspec options of its filesystem as JSON, "
+        'e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' (the AWS_* environment variables '
+        "work too)",
+    )
     main_parser = argparse.ArgumentParser(
         prog="unbroken",
         description="Inspect and verify unbroken checkpoints (nothing on disk is changed).",
@@ -122,8 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return stop.code if isinstance(stop.code, int) else EXIT_USAGE
     command, directory, as_json = args.command, args.directory, args.json
     try:
-        document = report(command, directory, read_states=command == "inspect")
-    except (UsageError, OSError) as error:  # OSError: a directory that cannot be listed
+        document = report(
+            command,
+            directory,
+            read_states=command == "inspect",
+            storage_options=args.storage_options,
+        )
+    except (UsageError, OSError, ValueError) as error:  # a directory that cannot be listed,
+        # a URL whose store cannot be reached (RemoteUnavailable), an unknown protocol
         print(f"unbroken {command}: error: {error}", file=sys.stderr)
         if as_json:
             print(json.dumps({"command": command, "directory": directory, "error": str(error)}))

@@ -4,26 +4,30 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 from .._units import human
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.objects import is_url, storage_for
 from .scan import CheckpointReport, LoaderReport, Position, Report, Resume, check, locate
 
 # -------------------------------------------------------------------------------- the report
 
 
-def report(command: str, given: str, read_states: bool) -> Report:
-    """Everything the command prints, as data. Raises ``UsageError`` if there is nothing to
+def report(
+    command: str, given: str, read_states: bool, storage_options: dict[str, Any] | None = None
+) -> Report:
+    """Everything the command prints, as data; ``given`` is a local path or a URL (with the
+    fsspec ``storage_options`` of its filesystem). Raises ``UsageError`` if there is nothing to
     report on."""
-    storage = LocalStorage()
-    kind, root, found = locate(Path(given), storage)
+    storage, directory = storage_for(given, storage_options)
+    directory = directory if is_url(given) else directory.rstrip("/") or "/"
+    kind, root, found = locate(directory, storage)
     checked = [check(storage, path, step, read_states) for step, path in found]
     return Report(
         command=command,
         directory=given,
         kind=kind,
-        checkpoints_directory=os.path.abspath(root),
+        checkpoints_directory=root if is_url(given) else os.path.abspath(root),
         checkpoints=checked,
         newest=checked[-1]["name"],
         ok=checked[-1]["verified"],

@@ -7,13 +7,13 @@ import json
 import os
 import re
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, TypedDict, cast
 
 from ..checkpoint import layout
 from ..checkpoint.manifest import MANIFEST, Manifest
+from ..checkpoint.objects import ObjectStorage
 from ..checkpoint.scan import classify
-from ..checkpoint.storage import Storage
+from ..checkpoint.storage import Storage, basename, join, parent
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
 from ..train.checkpointing import PROGRESS, TRAIN_LOADER, VAL_LOADER
 from ..train.progress import COUNTERS, PHASES
@@ -95,24 +95,25 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------ finding them
 
 
-def locate(directory: Path, storage: Storage) -> tuple[str, Path, list[tuple[int, str]]]:
-    """``(kind, the directory holding the checkpoints, [(step, path)] oldest first)``."""
-    if not directory.exists():
+def locate(directory: str, storage: Storage) -> tuple[str, str, list[tuple[int, str]]]:
+    """``(kind, the directory holding the checkpoints, [(step, path)] oldest first)``; a local
+    path or a URL, read through ``storage``."""
+    if not storage.exists(directory):
         raise UsageError(f"{directory}: no such directory")
-    if not directory.is_dir():
+    if not storage.is_directory(directory):
         raise UsageError(f"{directory} is not a directory")
-    named = _NAMED.fullmatch(directory.name)
-    if named or (directory / MANIFEST).exists():
-        step = int(named.group(1)) if named else _manifest_step(directory)
-        return "checkpoint", directory.parent, [(step, str(directory))]
-    found = layout.candidates(storage, str(directory))
+    named = _NAMED.fullmatch(basename(directory))
+    if named or storage.exists(join(directory, MANIFEST)):
+        step = int(named.group(1)) if named else _manifest_step(storage, directory)
+        return "checkpoint", parent(directory), [(step, directory)]
+    found = layout.candidates(storage, directory)
     if found:
         return "checkpoints", directory, found
-    inside = directory / RUN_CHECKPOINTS
-    found = layout.candidates(storage, str(inside))
+    inside = join(directory, RUN_CHECKPOINTS)
+    found = layout.candidates(storage, inside)
     if found:
         return "run", inside, found
-    if inside.is_dir():
+    if storage.is_directory(inside):
         raise UsageError(
             f"no checkpoints found in the run directory {directory}: {inside} holds no step-* "
             "checkpoint directory"
@@ -124,11 +125,12 @@ def locate(directory: Path, storage: Storage) -> tuple[str, Path, list[tuple[int
     )
 
 
-def _manifest_step(directory: Path) -> int:
+def _manifest_step(storage: Storage, directory: str) -> int:
     """The step a checkpoint directory not named ``step-*`` says it holds (0 if unreadable:
     its verification then says what is wrong)."""
     try:
-        step = json.loads((directory / MANIFEST).read_bytes()).get("step")
+        with storage.open_read(join(directory, MANIFEST)) as opened:
+            step = json.loads(opened.read()).get("step")
     except (OSError, ValueError, AttributeError, RecursionError):
         return 0
     return step if type(step) is int and step >= 0 else 0
@@ -151,11 +153,11 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
     verdict = classify(storage, path, step, keep if read_states else None)
     manifest = verdict.manifest
     return CheckpointReport(
-        name=Path(path).name,
-        path=os.path.abspath(path),
+        name=basename(path),
+        path=path if isinstance(storage, ObjectStorage) else os.path.abspath(path),
         step=step,
-        written=_written(Path(path) / MANIFEST),
-        bytes=_size(Path(path)),
+        written=_written(storage, join(path, MANIFEST)),
+        bytes=_size(storage, path),
         verified=verdict.ok,
         status=verdict.status,
         problems=list(verdict.problems),
@@ -166,20 +168,28 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
     )
 
 
-def _written(manifest: Path) -> str | None:
+def _written(storage: Storage, manifest: str) -> str | None:
     try:
-        mtime = manifest.stat().st_mtime
-    except OSError:
+        if isinstance(storage, ObjectStorage):  # the store's time of the upload
+            when = storage.fs.info(manifest, refresh=True)["LastModified"]
+        else:
+            when = datetime.fromtimestamp(os.stat(manifest).st_mtime, timezone.utc)
+    except (OSError, KeyError):
         return None
-    return datetime.fromtimestamp(mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return str(when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
-def _size(directory: Path) -> int:
+def _size(storage: Storage, directory: str) -> int:
+    if isinstance(storage, ObjectStorage):
+        try:
+            return int(storage.fs.du(directory))
+        except OSError:
+            return 0
     total = 0
-    for parent, _, files in os.walk(directory):
+    for folder, _, files in os.walk(directory):
         for file in files:
             try:
-                total += os.lstat(os.path.join(parent, file)).st_size
+                total += os.lstat(os.path.join(folder, file)).st_size
             except OSError:
                 pass
     return total
