@@ -251,7 +251,9 @@ def fit(args, out: Path, ckpt_path: str | None, extra: tuple = ()) -> L.Lightnin
     if args.loader == "unbroken":
         callbacks.insert(1, ExactResume())  # after the Recorder: a save counts the batch's record
     every = {"every_n_train_steps": args.every} if args.checkpoint == "steps" else {}
-    callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", save_top_k=0, save_last=True, **every))
+    # --ckpt-url: the checkpoints in object storage (its endpoint and keys in AWS_* variables).
+    dirpath = args.ckpt_url or out / "ckpt"
+    callbacks.append(ModelCheckpoint(dirpath=dirpath, save_top_k=0, save_last=True, **every))
     trainer = L.Trainer(
         max_epochs=args.epochs,
         accelerator="cpu",
@@ -344,6 +346,7 @@ def main() -> None:
     parser.add_argument("--signal-at", type=int, default=-1)
     parser.add_argument("--signal-rank", type=int, default=-1)
     parser.add_argument("--datamodule", action="store_true")
+    parser.add_argument("--ckpt-url")
     parser.add_argument("--sweep", choices=["saves", "signals"])
     args = parser.parse_args()
     out = Path(args.out)
@@ -351,7 +354,13 @@ def main() -> None:
         sweep(args, out)
     else:
         last = out / "ckpt" / "last.ckpt"
-        fit(args, out, "last" if last.exists() else None)
+        if args.ckpt_url:  # Lightning's "last" loses the URL's protocol (ls): name the file
+            from lightning.fabric.utilities.cloud_io import get_filesystem
+
+            url = f"{args.ckpt_url}/last.ckpt"
+            fit(args, out, url if get_filesystem(url).exists(url) else None)
+        else:
+            fit(args, out, "last" if last.exists() else None)
     if torch.distributed.is_initialized():
         # gloo's threads otherwise abort the exiting process now and then ("terminate called
         # without an active exception"), and torchrun reports the job failed; Lightning's DDP

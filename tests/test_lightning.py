@@ -23,6 +23,7 @@ import lightning as L
 import pytest
 import torch
 
+from unbroken.checkpoint import ObjectStorage
 from unbroken.errors import CorruptState
 from unbroken.lightning import EXIT_CODE, AtomicCheckpointIO, ExactResume
 
@@ -124,6 +125,24 @@ def test_sigkill_mid_epoch_resumes_bit_exactly(single):
     check_epochs_are_permutations(steps(whole), 12, 3)
     assert steps(cut) == steps(whole)  # the same samples at every step, nothing repeated
     assert weights_equal(whole, cut)
+
+
+def test_sigkill_with_the_checkpoints_in_s3_resumes_bit_exactly(single, s3, tmp_path, monkeypatch):
+    # A new "machine" each time: nothing local is read; last.ckpt is found and read in the store.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    url = s3.make_bucket("lightning-spot") + "/run/ckpt"
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    run(first, "--ckpt-url", url, "--kill-at", "21", expect=-signal.SIGKILL)
+    stored = ObjectStorage(url, s3.storage_options)
+    assert [e.name for e in stored.list_directory(url)] == ["last.ckpt"]
+    run(second, "--ckpt-url", url)
+    whole, _ = single["unbroken"]
+    resumed, reference = steps(second), steps(whole)
+    assert min(resumed) == 20 and resumed == {s: ids for s, ids in reference.items() if s >= 20}
+    assert weights_equal(whole, second)
 
 
 def test_plain_lightning_side_by_side(single, capsys):
@@ -259,6 +278,18 @@ def test_atomic_checkpoint_io_leaves_the_old_file_whole_when_a_write_fails(tmp_p
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]  # no temp left
     io.save_checkpoint({"step": 3}, target)
     assert torch.load(target)["step"] == 3
+
+
+def test_atomic_checkpoint_io_on_s3_leaves_the_old_object_whole_when_a_write_fails(s3):
+    io = AtomicCheckpointIO(storage_options=s3.storage_options)
+    target = s3.make_bucket("lightning-io") + "/ckpt/last.ckpt"
+    io.save_checkpoint({"step": 1, "weights": torch.ones(3)}, target)
+    with pytest.raises(RuntimeError, match="halfway"):
+        io.save_checkpoint({"step": 2, "weights": torch.zeros(1000), "bad": Unpicklable()}, target)
+    assert io.load_checkpoint(target, weights_only=True)["step"] == 1
+    io.remove_checkpoint(target)
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(target)
 
 
 def test_the_callback_installs_atomic_writes_unless_the_trainer_has_its_own(tmp_path):

@@ -5,6 +5,13 @@ leaves a truncated ``last.ckpt`` that the next ``ckpt_path="last"`` fails to loa
 writes a temporary file beside the target, syncs it and renames it over the old one (then syncs
 the directory, so the rename survives a power loss). Cost: one fsync of the file and one of the
 directory per checkpoint.
+
+A URL (``ModelCheckpoint(dirpath="s3://bucket/run/ckpt")``) is written through
+``unbroken.checkpoint.ObjectStorage``: an object store shows an object once its upload completed,
+never part of it; a failed upload is aborted (S3's multipart upload too) and retried with backoff,
+and Lightning's draws-nothing rule holds (botocore's jittered retries are off). Its
+``storage_options`` are the filesystem's (endpoint, credentials), else fsspec's defaults (the
+``AWS_*`` environment variables), which Lightning's ``ModelCheckpoint`` uses to list the directory.
 """
 
 from __future__ import annotations
@@ -16,21 +23,40 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from ..checkpoint.objects import ObjectStorage, is_url
 from ..checkpoint.storage import LocalStorage
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` whose local writes are atomic: the checkpoint is
-    written to a temporary file beside the target, synced, and renamed over it, so a file under
-    the checkpoint's name is always a whole one. Paths with a protocol (``s3://``...) are written
-    by Lightning, as before."""
+    """Lightning's ``TorchCheckpointIO`` whose writes are atomic: a local checkpoint is written
+    to a temporary file beside the target, synced, and renamed over it, so a file under the
+    checkpoint's name is always a whole one; a URL's is uploaded whole or not at all, with
+    retries (``storage_options``: its filesystem's, see the module)."""
+
+    def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self._stores: dict[str, ObjectStorage] = {}
+
+    def _store(self, url: str) -> ObjectStorage:
+        import fsspec
+
+        protocol = fsspec.core.split_protocol(url)[0] or ""
+        if protocol not in self._stores:
+            self._stores[protocol] = ObjectStorage(url, self.storage_options)
+        return self._stores[protocol]
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
         target = os.fspath(path)
-        if "://" in target:
-            super().save_checkpoint(checkpoint, path, storage_options)
+        if is_url(target):
+            if storage_options is not None:
+                raise TypeError(
+                    "AtomicCheckpointIO.save_checkpoint takes no storage_options: give them to "
+                    "AtomicCheckpointIO(storage_options=...)"
+                )
+            self._store(target).write(target, lambda out: torch.save(checkpoint, out))
             return
         if storage_options is not None:
             raise TypeError(
@@ -52,3 +78,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.unlink(temporary)
             raise
         storage.sync_directory(directory)  # the rename is durable once the directory is synced
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+        source = os.fspath(path)
+        if not is_url(source):
+            return super().load_checkpoint(path, map_location, weights_only)
+        store = self._store(source)
+        if not store.exists(source):
+            raise FileNotFoundError(f"Checkpoint file not found: {source}")
+        with store.open_read(source) as opened:
+            return torch.load(opened, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        target = os.fspath(path)
+        if not is_url(target):
+            super().remove_checkpoint(path)
+            return
+        self._store(target).remove_tree(target)
