@@ -277,3 +277,25 @@ def test_unbroken_inspect_and_verify_a_url(s3, url, capsys):
     )
     assert main(["verify", "s3://no-such-bucket/x", *options]) == 2
     assert "the bucket 'no-such-bucket' does not exist" in capsys.readouterr().err
+
+
+def test_a_killed_writers_multipart_upload_is_aborted_by_the_next_save(s3, url):
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    # What a writer SIGKILLed mid-upload leaves: an upload begun, never completed nor aborted.
+    client.create_multipart_upload(Bucket=bucket, Key=f"{key}/step-000000002/000-model.pt")
+    elsewhere = client.create_multipart_upload(Bucket=bucket, Key="other/data.bin")
+    _fresh(url, s3).save(3, {"value": 3})
+    left = [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+    assert left == ["other/data.bin"]  # only the checkpoints' own
+    client.abort_multipart_upload(
+        Bucket=bucket, Key="other/data.bin", UploadId=elsewhere["UploadId"]
+    )

@@ -63,11 +63,30 @@ def _step(model, batch):
     return model(batch[0]).sum()
 
 
-def test_sigkill_with_the_run_directory_in_s3_and_every_restart_on_an_empty_disk(s3, tmp_path):
+JOB_CONFIG = {"workers": 2, "epochs": 4, "checkpoint_every_steps": 2, "pace": 0.02}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, on a local disk."""
+    done = tmp_path_factory.mktemp("reference")
+    subprocess.run([sys.executable, str(JOB), str(done), json.dumps(JOB_CONFIG)], check=True)
+    return done
+
+
+def _same_as(reference: Path, disk: Path, storage: ObjectStorage, url: str) -> None:
+    got = torch.load(disk / "final.pt", weights_only=True)
+    want = torch.load(reference / "final.pt", weights_only=True)
+    assert_same(dict(got), dict(want), "final weights")
+    log = storage.fs.cat_file(f"{url}/metrics.csv")
+    assert log == (reference / "metrics.csv").read_bytes()
+
+
+def test_sigkill_with_the_run_directory_in_s3_and_every_restart_on_an_empty_disk(
+    s3, tmp_path, reference
+):
     url = s3.make_bucket(f"spot-{secrets.token_hex(4)}") + "/runs/exp1"
-    job = {"workers": 2, "epochs": 4, "checkpoint_every_steps": 2, "pace": 0.02}
-    reference = tmp_path / "reference"
-    subprocess.run([sys.executable, str(JOB), str(reference), json.dumps(job)], check=True)
+    job = JOB_CONFIG
     config = json.dumps(
         {**job, "url": url, "storage_options": s3.storage_options, "lease_seconds": LEASE}
     )
@@ -94,11 +113,7 @@ def test_sigkill_with_the_run_directory_in_s3_and_every_restart_on_an_empty_disk
         assert process.returncode == -signal.SIGKILL, (process.returncode, seed)
     assert process.returncode == 0, f"the run did not finish (UNBROKEN_KILL_SEED={seed})"
     assert kills == 10 and in_uploads >= 2, (kills, in_uploads, f"UNBROKEN_KILL_SEED={seed}")
-    got = torch.load(disk / "final.pt", weights_only=True)
-    want = torch.load(reference / "final.pt", weights_only=True)
-    assert_same(dict(got), dict(want), "final weights")
-    log = storage.fs.cat_file(f"{url}/metrics.csv")
-    assert log == (reference / "metrics.csv").read_bytes()
+    _same_as(reference, disk, storage, url)
     # The log's local working copy is gone with the run that finished.
     assert not [p.name for p in (disk / "tmp").iterdir() if p.name.startswith("unbroken-run-")]
 
@@ -140,3 +155,78 @@ def test_a_run_url_whose_bucket_does_not_exist_fails_before_training(s3, tmp_pat
         trainer.fit(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, training_step=_step)
     with pytest.raises(ValueError, match="storage_options are for a run directory at a URL"):
         unbroken.Trainer(tmp_path / "run", storage_options=s3.storage_options, max_epochs=1)
+
+
+class Outage:
+    """Stops the S3 server after one training batch and starts it again (empty, on the same
+    endpoint) after another: the saves between cannot reach it."""
+
+    def __init__(self, server, stop_at: int, back_at: int, bucket: str) -> None:
+        self.server, self.stop_at, self.back_at, self.bucket = server, stop_at, back_at, bucket
+
+    def on_train_batch_end(self, trainer, logs) -> None:
+        if trainer.progress.ticks == self.stop_at:
+            self.port = self.server.port
+            self.server.stop()
+        elif trainer.progress.ticks == self.back_at:
+            self.server.port = self.port
+            self.server.start()
+            self.server.make_bucket(self.bucket)
+
+
+def test_training_goes_on_through_an_outage_of_the_store_and_the_next_save_goes_through(
+    tmp_path, capfd
+):
+    from trainer_job import run
+
+    from unbroken.testing import S3Server
+
+    reference = run(tmp_path / "reference", epochs=2)
+    with S3Server() as server:
+        url = server.make_bucket("outage") + "/runs/exp1"
+        outage = Outage(server, stop_at=5, back_at=9, bucket="outage")
+        model = run(
+            url,
+            epochs=2,
+            callbacks=[outage],
+            storage_options=server.storage_options,
+            lease_seconds=LEASE,
+        )
+        said = capfd.readouterr().err
+        assert "checkpoint at epoch 0, train batch 8, optimizer step 4 failed (could not" in said
+        assert "training goes on" in said
+        assert_same(model.state_dict(), reference.state_dict(), "weights")
+        storage = ObjectStorage(url, server.storage_options)
+        restored = unbroken.Checkpointer(f"{url}/checkpoints", storage=storage).load_latest(
+            {"progress": None}
+        )
+        assert restored.values["progress"]["epoch"] == 2  # the final save reached the store
+        log = storage.fs.cat_file(f"{url}/metrics.csv")
+        assert log == (tmp_path / "reference" / "metrics.csv").read_bytes()
+
+
+def test_a_preemption_uploads_its_checkpoint_before_exit_75_and_a_new_machine_goes_on(
+    s3, tmp_path, reference
+):
+    url = s3.make_bucket(f"preempted-{secrets.token_hex(4)}") + "/runs/exp1"
+    config = json.dumps(
+        {**JOB_CONFIG, "url": url, "storage_options": s3.storage_options, "lease_seconds": LEASE}
+    )
+    disk, env = _machine(tmp_path, "preempted")
+    process = subprocess.Popen(
+        [sys.executable, str(JOB), str(disk), config], cwd=disk, env=env, start_new_session=True
+    )
+    while not (disk / "status").exists() or int((disk / "status").read_text() or 0) < 7:
+        assert process.poll() is None
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGTERM)  # as a scheduler does: the whole process group
+    assert process.wait(timeout=120) == 75
+    storage = ObjectStorage(url, s3.storage_options)
+    saved = unbroken.Checkpointer(f"{url}/checkpoints", storage=storage).load_latest(
+        {"progress": None}
+    )
+    ran = int((disk / "status").read_text())
+    assert saved.values["progress"]["ticks"] in (ran, ran + 1)  # at the batch the signal hit
+    disk, env = _machine(tmp_path, "next")
+    subprocess.run([sys.executable, str(JOB), str(disk), config], cwd=disk, env=env, check=True)
+    _same_as(reference, disk, storage, url)

@@ -207,6 +207,25 @@ class ObjectStorage:
         except (FileNotFoundError, OSError):
             pass  # as LocalStorage: what cannot be removed stays, and is cleaned up later
 
+    def abort_uploads(self, prefix: str) -> None:
+        """Abort the multipart uploads left under ``prefix`` by writers killed mid-upload
+        (invisible, but kept and billed by S3 until aborted). Only where the filesystem can
+        list them (s3fs); call it when no upload of this job is under way there."""
+        lister = getattr(self.fs, "list_multipart_uploads", None)
+        if lister is None:
+            return
+        bucket, _, key = self.fs._strip_protocol(prefix).partition("/")
+        try:
+            uploads = lister(bucket)
+        except Exception:
+            return  # a store or a policy without the listing: the uploads stay, as before
+        for upload in uploads:
+            if upload.get("Key", "").startswith(key.rstrip("/") + "/"):
+                try:
+                    self.fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
+                except Exception:
+                    pass
+
     def commit(self, staged: str, target: str, aside: str) -> None:
         assert staged == target, "an object store writes a checkpoint in place (layout.stage)"
         # The manifest, written last (by the Writing), was the commit.

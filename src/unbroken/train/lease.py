@@ -123,6 +123,11 @@ class Lease:
         fs, path = self.storage.fs, self.path
         while not self._stop.wait(self.seconds / 3):
             try:
+                if not fs.exists(path):  # lost with the store's data (or deleted): take it again
+                    try:
+                        fs.pipe_file(path, self._body(), mode="create")
+                    except FileExistsError:
+                        pass  # another job made it meanwhile: said below
                 if not self._mine():
                     warnings.warn(
                         f"unbroken.Trainer: the lease on {parent(path)} is no longer this job's "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.manager import Checkpointer
+from ..errors import RemoteUnavailable
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
 from .checkpointing import SaveSchedule, checkpoint_entries, compute_metrics, reset_metrics, resume
 from .config import TrainerOptions
@@ -336,7 +337,7 @@ class Trainer:
             call_hooks(self.options.callbacks, "on_preempted", self, seconds)
             exit_to_be_requeued()
         if time_due or self.schedule.by_steps(progress):
-            self._save(blocking=not self.options.async_save)
+            self._save(blocking=not self.options.async_save, periodic=True)
 
     def _exit_if_preempted_before_training(self) -> None:
         (preempted,) = self.job.any_of(self.preemption.received is not None)
@@ -352,14 +353,30 @@ class Trainer:
             )
             exit_to_be_requeued()
 
-    def _save(self, blocking: bool = True) -> None:
+    def _save(self, blocking: bool = True, periodic: bool = False) -> None:
+        # A periodic save that cannot reach object storage (RemoteUnavailable, after its
+        # retries) does not stop training: it is reported and the next one tries again. One
+        # process only: under torch.distributed the ranks raise together (the job restarts).
+        tolerate = periodic and not self.job.distributed
+        try:
+            self.checkpointer.wait()  # the background save before it: it may have failed
+        except RemoteUnavailable as error:
+            if not tolerate:
+                raise
+            say(f"the background checkpoint failed ({error}); training goes on")
         if self.progress.ticks == self.progress.saved_at:
             return  # nothing happened since the last checkpoint
-        self.progress.saved_at = self.progress.ticks
         self.schedule.saved()
-        self.run_log.flush_board()
         call_hooks(self.options.callbacks, "on_save_start", self)
-        self.checkpointer.save(self.progress.ticks, self.entries, blocking=blocking)
+        try:
+            self.run_log.flush_board()
+            self.checkpointer.save(self.progress.ticks, self.entries, blocking=blocking)
+        except RemoteUnavailable as error:
+            if not tolerate:
+                raise
+            say(f"checkpoint at {self.progress.where()} failed ({error}); training goes on")
+            return
+        self.progress.saved_at = self.progress.ticks
 
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
