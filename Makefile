@@ -9,7 +9,7 @@ STAMP := $(VENV)/.unbroken-installed
 # What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
 DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
-.PHONY: test demo demo-loader demo-ddp demo-stream bench bench-stream mutate clean
+.PHONY: test demo demo-loader demo-ddp demo-stream demo-spot bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ demo-ddp: $(DEMO_STAMP)
 # A local S3 server (moto): digits streamed from Parquet shards, SIGKILLed 4 times, cache emptied once.
 demo-stream: $(STAMP)
 	$(PY) demo/train_digits_stream.py
+
+# The run directory on a local S3 server (moto); every restart a new machine with an empty disk:
+# SIGKILLed 4 times (once mid-upload) and preempted once (SIGTERM, then SIGKILL after a grace).
+demo-spot: $(STAMP)
+	$(PY) demo/train_digits_spot.py
 
 # Every side-by-side benchmark, in RESULTS.md's order (~25 min on 2 idle cores; stream_peers.py
 # creates .venv-peers/ once), each writing bench_output/NAME.json; then benchmarks/report.py draws

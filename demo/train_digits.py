@@ -100,8 +100,17 @@ class Status:
         self._write(f"saving {trainer.progress.batches}")
 
 
-def train(directory: Path) -> None:
-    """One training process: resumes from the newest checkpoint in `directory` if any."""
+def train(
+    directory: Path | str,
+    local: Path | None = None,
+    storage_options: dict | None = None,
+    callbacks: tuple = (),
+    **options,
+) -> None:
+    """One training process: resumes from the newest checkpoint in `directory` if any. `local`
+    (default: `directory`) gets the status file and the final weights: the machine's own disk
+    when `directory` is a URL in object storage (`train_digits_spot.py`)."""
+    local = Path(directory) if local is None else local
     from torchmetrics.classification import MulticlassAccuracy
 
     torch.set_num_threads(1)
@@ -142,7 +151,9 @@ def train(directory: Path) -> None:
         log_every=1,  # every batch's loss in metrics.csv: the curves of loss_curves.png
         accumulate=2,
         clip_grad_norm=1.0,
-        callbacks=[Status(directory / "status")],
+        callbacks=[Status(local / "status"), *callbacks],
+        storage_options=storage_options,
+        **options,
     )
     trainer.fit(
         model,
@@ -155,7 +166,7 @@ def train(directory: Path) -> None:
         train_metrics={"accuracy": train_acc},
         val_metrics={"accuracy": val_acc},
     )
-    torch.save(model.state_dict(), directory / "final_weights.pt")
+    torch.save(model.state_dict(), local / "final_weights.pt")
 
 
 def main() -> int:

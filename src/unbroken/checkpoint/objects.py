@@ -86,13 +86,16 @@ class ObjectStorage:
         self._fs: Any = None
         self._pid = -1
         self._last: tuple[str, bytes] | None = None  # the last object read, whole
+        self.sent = self.received = 0  # bytes uploaded and downloaded by this process
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_fs", "_pid", "_last")}
+        skip = ("_fs", "_pid", "_last", "sent", "received")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._pid, self._last = None, -1, None
+        self.sent = self.received = 0
 
     @property
     def fs(self) -> Any:
@@ -156,6 +159,7 @@ class ObjectStorage:
         if self._last is None or self._last[0] != path:
             self._last = None  # one object in memory at a time
             data = self._call("download", path, lambda: self.fs.cat_file(path))
+            self.received += len(data)
             self._last = (path, data)
         return io.BytesIO(self._last[1])
 
@@ -193,6 +197,7 @@ class ObjectStorage:
             out.closed = True  # discarded: its close (at garbage collection) must not upload
             raise
         out.close()  # the upload's end: the object appears whole
+        self.sent += hashing.size
         return Digest(hashing.sha256.hexdigest(), hashing.size)
 
     def rename(self, source: str, target: str) -> None:

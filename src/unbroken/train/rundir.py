@@ -112,17 +112,15 @@ class RunDirectory:
         if self.storage is not None:
             remote, storage = join(self.location, name), self.storage
             if storage.exists(remote):
-                storage._call(
-                    "download", remote, lambda: storage.fs.get_file(remote, str(self.local / name))
-                )
+                with storage.open_read(remote) as opened:
+                    (self.local / name).write_bytes(opened.read())
 
     def upload(self, name: str, size: int | None = None) -> None:
         """The local ``name`` (its first ``size`` bytes) to the remote run directory, whole."""
         if self.storage is not None:
             data = (self.local / name).read_bytes()
             data = data if size is None else data[:size]
-            remote, storage = join(self.location, name), self.storage
-            storage._call("upload", remote, lambda: storage.fs.pipe_file(remote, data))
+            self.storage.write(join(self.location, name), lambda out: out.write(data))
 
     def upload_tree(self, name: str) -> None:
         """Every file under the local ``name`` (this process's) to the remote one."""
