@@ -93,7 +93,8 @@ def stage(storage: Storage, root: str, step: int, target: str) -> str:
     directory, renamed into place by ``Storage.commit``; on a store without rename, ``target``
     itself, once a checkpoint there (the same step saved again) is retired."""
     if not storage.renames:
-        retire(storage, root, target)
+        if storage.exists(target):  # the same step saved again
+            retire(storage, root, target)
         return target
     tmp = join(root, temporary_name(step))
     storage.make_directory(tmp)

@@ -68,7 +68,7 @@ from .objects import storage_for
 from .per_rank import SKIP, PerRank, unwrap
 from .restore import Restored, restore
 from .sharded import Sharded
-from .storage import Storage, basename, join, parents
+from .storage import Storage, join, parents
 from .writing import Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
@@ -175,18 +175,6 @@ class Checkpointer:
             )
         assert not isinstance(prepared, BaseException)  # settle raised it
         mine, shapes = prepared
-        if ranks.first_rank:
-            try:
-                newer = [basename(path) for number, path in self._committed() if number > step]
-            except OSError:  # the save itself will say what is wrong, on every rank
-                newer = []
-            if newer:
-                warnings.warn(
-                    f"unbroken.Checkpointer: {newer} in {self.directory} have a larger step than "
-                    f"{step} and will be removed once step {step} is saved, so that load_latest "
-                    "resumes from this save",
-                    stacklevel=2,
-                )
         final = join(self._root, layout.final_name(step))
         order = {name: index for index, name in enumerate(state)}
         if blocking:
@@ -202,7 +190,8 @@ class Checkpointer:
     ) -> tuple[dict[str, tuple[Kind, Any]], dict[str, ParamShapes]]:
         """This rank's copies of what it writes, with their kind (``entries``), and the
         parameter shapes of each optimizer."""
-        self._check_directory()
+        if self._storage.renames:  # in object storage no file can stand where a prefix goes
+            self._check_directory()
         mine: dict[str, tuple[Kind, Any]] = {}
         shapes: dict[str, ParamShapes] = {}
         for name, entry in state.items():
@@ -334,9 +323,6 @@ class Checkpointer:
                 "checkpoint could be found or saved there. Pass the path of the directory that "
                 "holds the step-* checkpoints (it is created if it does not exist)",
             )
-
-    def _committed(self) -> list[tuple[int, str]]:
-        return layout.committed(self._storage, self._root)
 
 
 def _check_names(state: Any, method: str) -> None:

@@ -14,8 +14,8 @@ local disk (``LocalStorage``), with the same guarantee, "whole and verified, or 
   billed or in view) and retried with backoff (``unbroken.retry``); a file is written from its
   start again, so ``fill`` must be callable more than once (the Checkpointer's are: they
   serialize a copy held in memory).
-- **Reads** download a whole object once, with retries, and keep the last one: ``load_latest``
-  hashes a file, then loads it, from one download.
+- **Reads** download a whole object once, with retries, and keep it for one more read:
+  ``load_latest`` hashes a file, then loads it, from one download.
 
 The filesystem is made lazily in each process (an fsspec filesystem made before a fork is not
 used after it) with botocore's own retries off, as for ``StreamingDataset`` (``retry``: they
@@ -156,12 +156,16 @@ class ObjectStorage:
         ]
 
     def open_read(self, path: str) -> BinaryIO:
-        if self._last is None or self._last[0] != path:
-            self._last = None  # one object in memory at a time
-            data = self._call("download", path, lambda: self.fs.cat_file(path))
-            self.received += len(data)
-            self._last = (path, data)
-        return io.BytesIO(self._last[1])
+        # A file is hashed, then loaded: the second read takes the first's download, and lets
+        # it go (nothing stays in memory once the checkpoint is loaded).
+        if self._last is not None and self._last[0] == path:
+            data, self._last = self._last[1], None
+            return io.BytesIO(data)
+        self._last = None  # one object in memory at a time
+        data = self._call("download", path, lambda: self.fs.cat_file(path))
+        self.received += len(data)
+        self._last = (path, data)
+        return io.BytesIO(data)
 
     def size(self, path: str) -> int:
         self.fs.invalidate_cache()

@@ -4,6 +4,7 @@ once all are durable, commits it through the storage and drops what is no longer
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from . import layout
@@ -105,6 +106,13 @@ class Writing:
         storage.commit(tmp, target, join(root, layout.aside_name(basename(final))))
         committed = layout.committed(self.storage, self.root)
         doomed = [path for number, path in committed if number > step]
+        if doomed:
+            warnings.warn(
+                f"unbroken.Checkpointer: {[basename(path) for path in doomed]} in {root} have a "
+                f"larger step than {step} and are removed now that step {step} is saved, so that "
+                "load_latest resumes from this save",
+                stacklevel=2,
+            )
         doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             layout.retire(storage, root, path)
