@@ -54,6 +54,10 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("ddp_loader", "Data-parallel training: loaders, preemption agreement, resume"),
     ("ddp_checkpoint", "Checkpoints of a 2-rank job: DDP vs FSDP2 through DCP"),
     ("stream_peers", "Streaming from object storage: unbroken vs MosaicML Streaming and LitData"),
+    (
+        "remote_checkpoint",
+        "Checkpoints in object storage vs torch.save+fsspec and DCP FsspecWriter",
+    ),
 ]
 
 # One colour per library everywhere, so a reader learns it once: unbroken in blues (its
@@ -714,6 +718,33 @@ def plot_stream_peers(payload: dict[str, Any], out: Path) -> list[tuple[str, str
     ]
 
 
+def plot_remote_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    """The figure ``remote_checkpoint.py`` draws itself on a full run (its ``draw``, with this
+    module's helpers), here from the JSON, so that the two are one drawing."""
+    from types import SimpleNamespace
+
+    # draw() imports "report": let that be this module, not a second copy of it when this
+    # script runs as __main__.
+    sys.modules.setdefault("report", sys.modules[__name__])
+    sys.path.insert(0, str(HERE))
+    from remote_checkpoint import draw  # imports torch: only when there are results to draw
+
+    results = SimpleNamespace(
+        data=payload["data"],
+        quick=payload.get("quick", False),
+        command=payload.get("command", "?"),
+        environment=payload.get("environment", {}),
+    )
+    draw(results, str(out / "remote_checkpoint.png"))
+    return [
+        (
+            "remote_checkpoint.png",
+            "Checkpoints in object storage: save, loop stall, load and fresh-process resume vs "
+            "torch.save+fsspec and DCP FsspecWriter",
+        )
+    ]
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "overhead": plot_overhead,
     "resume_latency": plot_resume_latency,
@@ -724,6 +755,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "ddp_loader": plot_ddp_loader,
     "ddp_checkpoint": plot_ddp_checkpoint,
     "stream_peers": plot_stream_peers,
+    "remote_checkpoint": plot_remote_checkpoint,
 }
 
 
