@@ -4,6 +4,7 @@ seconds). Each scenario writes what every rank saw to <out>/<scenario>.rank<r>.j
 test checks it; a scenario that raises where it should not fails the job."""
 
 import json
+import os
 import pickle
 import sys
 import warnings
@@ -177,6 +178,27 @@ report(
     equal=all(torch.equal(again[k], model_full[k]) for k in model_full),
     local=[type(p).__name__ for p in fresh.parameters()][:1],
     shards=json.loads((dcp_dir / "step-000000003" / "manifest.json").read_text())["entries"]["net"],
+)
+
+# 7b. The same, in object storage (the suite's S3 server): every rank uploads its own DCP
+# shard and its PerRank part, rank 0 commits with the manifest; a fresh pair of objects loads.
+remote = unbroken.Checkpointer(
+    os.environ["UNBROKEN_TEST_S3_URL"],
+    storage_options=json.loads(os.environ["UNBROKEN_TEST_S3_OPTIONS"]),
+)
+remote.save(3, {"net": unbroken.Sharded(net, adam), "counter": PerRank(Counter(RANK + 70))})
+fresh, fresh_adam = fsdp()
+counter = Counter(-1)
+restored = remote.load_latest(
+    {"net": unbroken.Sharded(fresh, fresh_adam), "counter": PerRank(counter)}
+)
+again = get_model_state_dict(fresh, options=full)
+report(
+    "fsdp_s3",
+    step=restored.step,
+    equal=all(torch.equal(again[k], model_full[k]) for k in model_full),
+    counter=counter.value,
+    sent=remote._storage.sent,
 )
 
 # 8. A rank that does not come: a RankFailure after the timeout, not a hang.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import tempfile
 import warnings
 
 import pytest
@@ -299,3 +300,28 @@ def test_a_killed_writers_multipart_upload_is_aborted_by_the_next_save(s3, url):
     client.abort_multipart_upload(
         Bucket=bucket, Key="other/data.bin", UploadId=elsewhere["UploadId"]
     )
+
+
+def test_a_sharded_entry_goes_through_dcp_to_s3_and_back(s3, url):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    saved = _state(3)
+    net, adam = saved["model"], saved["optimizer"]
+    _fresh(url, s3).save(1, {"net": unbroken.Sharded(net, adam), "note": "dcp"})
+    assert [name for name in _objects(s3, url) if ".dcp/" in name] == [
+        "step-000000001/000-net.dcp/.metadata",
+        "step-000000001/000-net.dcp/__0_0.distcp",
+    ]
+    fresh = _state(4)
+    restored = _fresh(url, s3).load_latest(
+        {"net": unbroken.Sharded(fresh["model"], fresh["optimizer"]), "note": None}
+    )
+    assert restored.values == {"note": "dcp"}
+    for key, value in net.state_dict().items():
+        assert torch.equal(fresh["model"].state_dict()[key], value), key
+    want = get_optimizer_state_dict(net, adam)["state"]
+    got = get_optimizer_state_dict(fresh["model"], fresh["optimizer"])["state"]
+    for key, state in want.items():
+        for name, value in state.items():
+            assert torch.equal(got[key][name], value), (key, name)
+    assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("unbroken-dcp-")]

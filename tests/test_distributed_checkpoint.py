@@ -26,8 +26,9 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, s3):
     out = tmp_path_factory.mktemp("dist_checkpoint")
+    url = s3.make_bucket("dist-checkpoint") + "/ckpt"
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node=2", str(HERE / "dist_checkpoint_job.py")]
@@ -35,7 +36,12 @@ def job(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        env=dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            UNBROKEN_TEST_S3_URL=url,
+            UNBROKEN_TEST_S3_OPTIONS=json.dumps(s3.storage_options),
+        ),
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return out
@@ -261,6 +267,25 @@ def test_an_fsdp2_model_saved_on_2_ranks_reloads_there_with_dcp(job):
                 "000-net.dcp/__1_0.distcp",
             ],
         }
+
+
+def test_an_fsdp2_model_saved_on_2_ranks_to_s3_reloads_there(job, s3):
+    ranks = _seen(job, "fsdp_s3")
+    assert [(r["step"], r["equal"], r["counter"]) for r in ranks] == [(3, True, 70), (3, True, 71)]
+    assert all(r["sent"] > 0 for r in ranks)  # each rank uploaded its own parts
+    from unbroken.checkpoint import ObjectStorage
+
+    url = "s3://dist-checkpoint/ckpt/step-000000003"
+    storage = ObjectStorage(url, s3.storage_options)
+    names = sorted(p.rpartition("/")[2] for p in storage.fs.find(url))
+    assert names == [
+        ".metadata",
+        "001-counter.rank-00000.pt",
+        "001-counter.rank-00001.pt",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "manifest.json",
+    ]
 
 
 def test_an_fsdp2_checkpoint_of_2_ranks_loads_whole_in_one_process(job):

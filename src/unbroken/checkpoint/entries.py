@@ -16,6 +16,9 @@ entry), so a new kind is one class here.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -137,6 +140,10 @@ class ThroughDCP(Kind):
         self, storage: Storage, tmp: str, index: int, name: str, value: Any, rank: int, group: Any
     ) -> Part:
         folder = dcp_folder(index, name)
+        if not storage.renames:  # object storage: DCP writes on this machine, then uploaded
+            return Part(
+                self.tag, _uploaded(storage, join(tmp, folder), folder, value, rank, group), folder
+            )
         save_state(value.state, join(tmp, folder), group)
         names = [entry.name for entry in storage.list_directory(join(tmp, folder))]
         files = [
@@ -153,6 +160,8 @@ class ThroughDCP(Kind):
     def read(self, at: Reading, index: int, name: str, spec: EntrySpec, wanted: Any) -> Any:
         if wanted is ABSENT:
             return ABSENT
+        if not at.storage.renames:  # object storage: the files downloaded, each verified
+            return _downloaded(at, spec)
         for i, file in enumerate(spec["shards"]):  # each rank checks its share; DCP reads them
             if i % at.world_size == at.rank:
                 verify_file(at.storage, at.where, at.manifest, file)
@@ -211,6 +220,49 @@ def _cloned(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_cloned(item) for item in value)
     return value
+
+
+def _uploaded(
+    storage: Storage, remote: str, folder: str, value: Any, rank: int, group: Any
+) -> list[tuple[str, Digest]]:
+    """This rank's DCP files (``Sharded``), written by DCP into a local temporary directory
+    (only public DCP: its file system writer; each rank's own directory, as DCP's writes of one
+    rank never need another's), then uploaded under ``remote``."""
+    with tempfile.TemporaryDirectory(prefix="unbroken-dcp-") as local:
+        save_state(value.state, local, group)
+        files = []
+        for file in written_by(os.listdir(local), rank):
+            path = os.path.join(local, file)
+            digest = storage.write(join(remote, file), partial(_copy, path))  # retried whole
+            files.append((f"{folder}/{file}", digest))
+        return files
+
+
+def _downloaded(at: Reading, spec: EntrySpec) -> str:
+    """A ``Sharded`` entry's files, every rank's (DCP reshards: a rank may read any of them),
+    downloaded and verified into a local temporary directory, which DCP then reads;
+    ``LocalCopy`` so that the load removes it once done."""
+    local = tempfile.mkdtemp(prefix="unbroken-dcp-")
+    for file in spec["shards"]:
+        verify_file(at.storage, at.where, at.manifest, file)  # downloads it; kept for one read
+        with (
+            at.storage.open_read(join(at.where, file)) as opened,
+            open(os.path.join(local, file.rpartition("/")[2]), "wb") as out,
+        ):
+            shutil.copyfileobj(opened, out, 1 << 22)
+    return LocalCopy(local)
+
+
+def _copy(path: str, out: Any) -> None:
+    with open(path, "rb") as source:
+        shutil.copyfileobj(source, out, 1 << 22)
+
+
+class LocalCopy(str):
+    """The path of a local copy of a checkpoint's DCP directory, removed after the load."""
+
+    def remove(self) -> None:
+        shutil.rmtree(self, ignore_errors=True)
 
 
 def _digest(storage: Storage, path: str) -> Digest:

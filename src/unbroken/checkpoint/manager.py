@@ -61,7 +61,7 @@ from .._state import has_state
 from ..errors import CorruptCheckpoint
 from . import layout
 from .background import BackgroundSave
-from .entries import ABSENT, Kind, Part, Reading, check_loadable, kind_in, kind_of
+from .entries import ABSENT, Kind, LocalCopy, Part, Reading, check_loadable, kind_in, kind_of
 from .group import Ranks, attempt
 from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
 from .objects import storage_for
@@ -270,6 +270,8 @@ class Checkpointer:
             ranks.settle(restored, f"restoring checkpoint {path}")
             for name, obj in sharded.items():
                 loaded = attempt(obj.load, saved[name], ranks.group)
+                if isinstance(saved[name], LocalCopy):  # downloaded from object storage
+                    saved[name].remove()
                 ranks.settle(loaded, f"loading state[{name!r}] of checkpoint {path} with DCP")
             return Restored(
                 step=step,
