@@ -109,8 +109,11 @@ class Chaos:
 
 if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
     from unbroken.checkpoint import storage
+    from unbroken.checkpoint.objects import ObjectStorage
 
-    write = storage.LocalStorage.write
+    # The run directory's storage: object storage for a "url" option.
+    Writer = ObjectStorage if OPTIONS.get("url") else storage.LocalStorage
+    write = Writer.write
 
     def dying_write(self, path, fill):
         count = RUN / ".writes"
@@ -120,7 +123,7 @@ if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
             os.kill(os.getpid(), signal.SIGKILL)
         return write(self, path, fill)
 
-    storage.LocalStorage.write = dying_write
+    Writer.write = dying_write
 
 
 torch.manual_seed(0)  # the same initial weights on every rank
@@ -146,7 +149,9 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 loader = unbroken.DataLoader(Samples(), batch_size=4, shuffle=True, seed=7)
 accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=CLASSES)
 trainer = unbroken.Trainer(
-    RUN,
+    OPTIONS.get("url", RUN),  # "url": the run directory in object storage; RUN keeps the markers
+    storage_options=OPTIONS.get("storage_options"),
+    lease_seconds=OPTIONS.get("lease_seconds", 30.0),
     max_epochs=OPTIONS.get("epochs", 2),
     checkpoint_every_steps=OPTIONS.get("every_steps", 5),
     checkpoint_every_seconds=None,

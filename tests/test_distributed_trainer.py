@@ -119,6 +119,31 @@ def test_ranks_killed_and_restarted_by_torchrun_end_bit_exact(reference, tmp_pat
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_ranks_killed_and_restarted_with_the_run_directory_in_s3_end_bit_exact(
+    reference, tmp_path, s3
+):
+    # As above, with the run directory in the S3 server: the checkpoints (each rank uploads its
+    # parts), metrics.csv and the lease live there; every restarted process starts without any
+    # local file of the run (its log's working copy is a new temporary directory).
+    from unbroken.checkpoint import ObjectStorage
+
+    url = s3.make_bucket("ddp-spot") + "/runs/chaos"
+    run = tmp_path / "chaos"
+    options = {
+        "kill": {"rank": 1, "at": [13, 37]},
+        "kill_in_save": {"rank": 1, "write": 10},
+        "url": url,
+        "storage_options": s3.storage_options,
+        "lease_seconds": 2.0,
+    }
+    output = torchrun(run, options, restarts=3)
+    assert output.count("exitcode: -9") == 3, output[-3000:]
+    assert "resumed from checkpoint" in output and "step-000000010" in output
+    storage = ObjectStorage(url, s3.storage_options)
+    (run / "metrics.csv").write_bytes(storage.fs.cat_file(f"{url}/metrics.csv"))
+    assert_same_run(run, reference)
+
+
 def test_an_fsdp2_job_killed_and_restarted_ends_bit_exact(tmp_path):
     # The model is sharded with fully_shard: model and optimizer are saved through DCP, every
     # rank its shards; rank 1 dies mid-epoch, in a checkpoint write and in the next epoch.

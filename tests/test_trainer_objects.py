@@ -5,6 +5,7 @@ metrics.csv of a run that was never interrupted. One job per URL: a second is re
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -203,6 +204,8 @@ def test_training_goes_on_through_an_outage_of_the_store_and_the_next_save_goes_
         assert restored.values["progress"]["epoch"] == 2  # the final save reached the store
         log = storage.fs.cat_file(f"{url}/metrics.csv")
         assert log == (tmp_path / "reference" / "metrics.csv").read_bytes()
+        if importlib.util.find_spec("tensorboard") is not None:  # its events are uploaded too
+            assert [p for p in storage.fs.find(f"{url}/tensorboard") if "tfevents" in p]
 
 
 def test_a_preemption_uploads_its_checkpoint_before_exit_75_and_a_new_machine_goes_on(
