@@ -9,6 +9,7 @@ aborted and retried, and a save that still fails leaves nothing that loads.
 from __future__ import annotations
 
 import io
+import json
 import os
 import secrets
 import tempfile
@@ -19,7 +20,8 @@ import torch
 from torch import nn
 
 import unbroken
-from unbroken.checkpoint import Checkpointer
+import unbroken.cli
+from unbroken.checkpoint import Checkpointer, layout
 from unbroken.checkpoint.objects import ObjectStorage
 from unbroken.checkpoint.scan import classify
 from unbroken.errors import RemoteUnavailable
@@ -325,3 +327,57 @@ def test_a_sharded_entry_goes_through_dcp_to_s3_and_back(s3, url):
         for name, value in state.items():
             assert torch.equal(got[key][name], value), (key, name)
     assert not [p for p in os.listdir(tempfile.gettempdir()) if p.startswith("unbroken-dcp-")]
+
+
+class _DyingInRetention(ObjectStorage):
+    """Killed while deleting an old checkpoint's parts: one part gone, then the process dies."""
+
+    armed = False
+
+    def remove_tree(self, path):
+        if self.armed and path.rstrip("/").endswith("step-000000001"):
+            self.armed = False
+            self.fs.rm_file(sorted(self.fs.find(path))[0])  # the first object of it goes
+            raise KeyboardInterrupt("killed mid-delete")
+        super().remove_tree(path)
+
+
+def test_a_writer_killed_while_dropping_an_old_checkpoint_leaves_none_half_in_view(s3, url):
+    storage = _DyingInRetention(url, s3.storage_options)
+    checkpointer = Checkpointer(url, keep=2, storage=storage)
+    for step in (1, 2):
+        checkpointer.save(step, {"model": _model(step)})
+    storage.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(3, {"model": _model(3)})  # commits 3, then drops 1: killed there
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # step 1 lost its manifest first: not corrupt, gone
+        assert _fresh(url, s3).load_latest({"model": _model(0)}).step == 3
+    seen = layout.candidates(ObjectStorage(url, s3.storage_options), url)
+    assert [step for step, _ in seen] == [2, 3]  # no step 1 with a part missing
+    assert (
+        unbroken.cli.main(["verify", url, "--storage-options", json.dumps(s3.storage_options)]) == 0
+    )
+
+
+class _FailingAfterCommit(ObjectStorage):
+    """The store goes away right after a checkpoint's manifest is written (its commit)."""
+
+    def write(self, path, fill):
+        digest = super().write(path, fill)
+        if path.endswith("step-000000003/manifest.json"):
+            self.list_directory = self._unreachable
+        return digest
+
+    def _unreachable(self, path):
+        raise RemoteUnavailable(f"could not list {path}: the store went away")
+
+
+def test_a_save_failing_after_its_commit_keeps_the_committed_checkpoint(s3, url):
+    storage = _FailingAfterCommit(url, s3.storage_options)
+    checkpointer = Checkpointer(url, storage=storage)
+    for step in (1, 2):
+        checkpointer.save(step, {"value": step})
+    with pytest.raises(RemoteUnavailable):
+        checkpointer.save(3, {"value": 3})  # committed; its retention could not list
+    assert _fresh(url, s3).load_latest({"value": None}).values == {"value": 3}
