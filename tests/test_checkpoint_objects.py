@@ -52,6 +52,19 @@ def _objects(s3, url: str) -> list[str]:
     return sorted(p.split("/checkpoints/", 1)[1] for p in fs.find(url))
 
 
+def _client(s3):
+    """A plain boto3 client of the server, to see what fsspec does not show (uploads in flight)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+
+
 def _fresh(url, s3, **kwargs) -> Checkpointer:
     return Checkpointer(url, storage_options=s3.storage_options, **kwargs)
 
@@ -164,8 +177,6 @@ def test_a_save_whose_uploads_keep_failing_raises_and_leaves_nothing_that_loads(
 
 
 def test_an_interrupted_multipart_upload_is_aborted(s3, url):
-    import boto3
-
     storage = ObjectStorage(url, s3.storage_options)
     big = os.urandom(12 << 20)  # several parts of s3fs's multipart upload
 
@@ -177,13 +188,7 @@ def test_an_interrupted_multipart_upload_is_aborted(s3, url):
     with pytest.raises(KeyboardInterrupt):
         storage.write(f"{url}/big.pt", fill)
     bucket = url.split("/")[2]
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3.endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    client = _client(s3)
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert not storage.exists(f"{url}/big.pt")
 
@@ -283,15 +288,7 @@ def test_unbroken_inspect_and_verify_a_url(s3, url, capsys):
 
 
 def test_a_killed_writers_multipart_upload_is_aborted_by_the_next_save(s3, url):
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3.endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
+    client = _client(s3)
     bucket, _, key = url.removeprefix("s3://").partition("/")
     # What a writer SIGKILLed mid-upload leaves: an upload begun, never completed nor aborted.
     client.create_multipart_upload(Bucket=bucket, Key=f"{key}/step-000000002/000-model.pt")

@@ -6,21 +6,9 @@ before a fork is not used after it (s3fs runs an event loop on a thread, which a
 does not have). Every call goes through ``unbroken.retry.retrying``: a bounded number of
 attempts with exponential backoff, then ``RemoteUnavailable`` naming the URL and the last
 error; a missing object is not retried. The retry policy and what it does to keep the global
-random generators the user's (below) live in ``unbroken.retry``, shared with the checkpoints.
-
-**The global random generators are the user's.** The loader seeds them for each batch, and the
-batch's samples draw from them in turn, so a library that draws from them while a sample is
-fetched shifts that batch's augmentation: botocore does, for the jitter of its retries (its
-``random.random()``), so a transient S3 fault used to change the weights. So:
-
-- For S3, botocore makes one attempt per request (``config_kwargs={"retries":
-  {"total_max_attempts": 1}}``, unless ``storage_options`` sets botocore's retries) and
-  transient errors are retried by s3fs and by ``retrying`` here, with backoffs that draw nothing.
-  That covers the prefetcher's download threads, which run beside the training loop.
-- A call made by the thread that reads samples (a worker's, or the training process's main
-  thread) puts Python's ``random`` state back as it was before the call (~10 us a call), so a
-  client of another protocol drawing for its own retries does not shift the sample's draws
-  either. (A client drawing from it on a prefetch thread can, for protocols other than S3.)
+random generators the user's live in ``unbroken.retry``, shared with the checkpoints:
+botocore's jittered retries are off for S3, and the reading thread's ``random`` state is put
+back after each call.
 """
 
 from __future__ import annotations
