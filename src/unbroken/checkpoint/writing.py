@@ -32,7 +32,8 @@ class Writing:
         order: dict[str, int],
     ) -> None:
         """Every rank: rank 0 opens the temporary directory, each writes its files into it,
-        rank 0 seals and renames it once all are durable, then drops the oldest."""
+        rank 0 seals and commits it once all are durable, then, once all know, drops the
+        oldest."""
         ranks, storage, first = self.ranks, self.storage, self.ranks.first_rank
         phase = f"writing checkpoint step {step}"
         tmp = None
@@ -42,6 +43,8 @@ class Writing:
             written = ranks.settle(attempt(self._write_files, tmp, mine, order), phase)
             sealed = attempt(self._seal, step, tmp, final, written, shapes) if first else None
             ranks.settle(sealed, phase)
+            # Only once every rank knows the new checkpoint is committed: the old ones go.
+            ranks.settle(attempt(self._drop_old, step) if first else None, phase)
         except BaseException as error:
             if first and tmp is not None and not _committed(storage, tmp):
                 storage.remove_tree(tmp)
@@ -86,8 +89,7 @@ class Writing:
         written: list[Written],
         shapes: dict[str, ParamShapes],
     ) -> None:
-        """Rank 0, once every rank's files are durable: the manifest, the rename that commits
-        the checkpoint, and the removal of what no longer is kept."""
+        """Rank 0, once every rank's files are durable: the manifest and the commit."""
         storage, root, target = self.storage, self.root, final
         entries: dict[str, EntrySpec] = {}
         files: dict[str, Digest] = {}
@@ -104,6 +106,11 @@ class Writing:
         storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
         storage.sync_directory(tmp)
         storage.commit(tmp, target, join(root, layout.aside_name(basename(final))))
+
+    def _drop_old(self, step: int) -> None:
+        """Rank 0, once every rank heard that checkpoint ``step`` is committed: the checkpoints
+        of a larger step (a run that went back) and those beyond the newest ``keep``."""
+        storage, root = self.storage, self.root
         committed = layout.committed(self.storage, self.root)
         doomed = [path for number, path in committed if number > step]
         if doomed:
