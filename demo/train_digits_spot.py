@@ -83,7 +83,12 @@ def main(seed: int | None) -> int:
             machine = Path(tempfile.mkdtemp(prefix=f"machine-{attempt}-", dir=OUTPUT))
             machines.append(machine)
             (machine / "tmp").mkdir()
-            env = {**os.environ, "TMPDIR": str(machine / "tmp")}
+            # Its own disk: temporary files, and the cache of checkpoint copies (none yet).
+            env = {
+                **os.environ,
+                "TMPDIR": str(machine / "tmp"),
+                "XDG_CACHE_HOME": str(machine / "cache"),
+            }
             command = [sys.executable, __file__, "--train", str(machine), options]
             process = subprocess.Popen(command, cwd=machine, env=env, start_new_session=True)
             target = TARGETS[attempt] if attempt < len(TARGETS) else None

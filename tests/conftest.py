@@ -35,6 +35,13 @@ settings.register_profile(
 settings.load_profile("default")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _local_copies(tmp_path_factory):
+    """ObjectStorage keeps local copies of checkpoint files under $XDG_CACHE_HOME: the suite's
+    (and its subprocesses') go to a temporary directory, never the user's cache."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
 @pytest.fixture(scope="session")
 def s3():
     """One real S3 protocol server (moto's, on 127.0.0.1) for the whole session."""

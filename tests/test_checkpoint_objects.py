@@ -129,10 +129,13 @@ def test_a_damaged_object_in_the_newest_checkpoint_is_skipped_with_the_reason(s3
     data[len(data) // 2] ^= 1
     storage.fs.pipe_file(target, bytes(data))
     model = _model(9)
+    # On a new machine (no local copies: this one's copy of the file is whole, and would do).
+    elsewhere = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002: .*sha256"):
-        assert _fresh(url, s3).load_latest({"model": model}).step == 1
+        assert elsewhere.load_latest({"model": model}).step == 1
     assert torch.equal(model[0].weight, _model(1)[0].weight)
-    verdict = classify(ObjectStorage(url, s3.storage_options), f"{url}/step-000000002", 2)
+    storage = ObjectStorage(url, s3.storage_options, cache=False)
+    verdict = classify(storage, f"{url}/step-000000002", 2)
     assert verdict.status == "corrupt" and "sha256" in verdict.problems[0]
 
 
@@ -244,7 +247,7 @@ def test_a_file_url_is_a_local_directory(tmp_path):
 
 def test_object_storage_reads_one_download_per_file(s3, url, monkeypatch):
     _fresh(url, s3).save(1, {"model": _model(1)})
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = ObjectStorage(url, s3.storage_options, cache=False)  # a new machine
     downloads = []
     real = storage.fs.cat_file
     monkeypatch.setattr(
@@ -378,3 +381,42 @@ def test_a_save_failing_after_its_commit_keeps_the_committed_checkpoint(s3, url)
     with pytest.raises(RemoteUnavailable):
         checkpointer.save(3, {"value": 3})  # committed; its retention could not list
     assert _fresh(url, s3).load_latest({"value": None}).values == {"value": 3}
+
+
+def _downloads(storage, monkeypatch) -> list[str]:
+    downloads: list[str] = []
+    real = storage.fs.cat_file
+    monkeypatch.setattr(
+        storage.fs,
+        "cat_file",
+        lambda path, **kw: downloads.append(path.rpartition("/")[2]) or real(path, **kw),
+    )
+    return downloads
+
+
+def test_a_restart_on_the_same_machine_reads_its_verified_local_copies(
+    s3, url, tmp_path, monkeypatch
+):
+    cache = str(tmp_path / "cache")
+    writer = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=cache))
+    for step in (1, 2, 3):
+        writer.save(step, {"model": _model(step)})
+    copies = sorted(os.listdir(next((tmp_path / "cache").iterdir())))
+    assert len(copies) == 4  # the model and manifest of steps 2 and 3: step 1's were pruned
+    storage = ObjectStorage(url, s3.storage_options, cache=cache)
+    downloads = _downloads(storage, monkeypatch)
+    model = _model(0)
+    assert Checkpointer(url, storage=storage).load_latest({"model": model}).step == 3
+    assert downloads == ["manifest.json"]  # the model from the disk
+    assert storage.received < 1000
+    assert torch.equal(model[0].weight, _model(3)[0].weight)
+    # A copy that changed on the disk is not trusted: the file is downloaded, nothing skipped.
+    for name in copies:
+        path = next((tmp_path / "cache").iterdir()) / name
+        path.write_bytes(b"x" * path.stat().st_size)
+    storage = ObjectStorage(url, s3.storage_options, cache=cache)
+    downloads = _downloads(storage, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Checkpointer(url, storage=storage).load_latest({"model": _model(0)}).step == 3
+    assert downloads == ["manifest.json", "000-model.pt"]

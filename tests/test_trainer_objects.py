@@ -37,7 +37,8 @@ def _machine(tmp_path: Path, name: str) -> tuple[Path, dict]:
     disk = tmp_path / name
     disk.mkdir()
     (disk / "tmp").symlink_to(tempfile.mkdtemp(prefix="ub-"))
-    return disk, {**os.environ, "TMPDIR": os.readlink(disk / "tmp")}
+    tmp = os.readlink(disk / "tmp")
+    return disk, {**os.environ, "TMPDIR": tmp, "XDG_CACHE_HOME": os.path.join(tmp, "cache")}
 
 
 @pytest.fixture(autouse=True)

@@ -156,8 +156,18 @@ def _refuse_links(storage: Storage, path: str, file: str) -> None:
             )
 
 
+def _expect(storage: Storage, path: str, manifest: Manifest, file: str) -> None:
+    """Tell a storage that keeps local copies (``ObjectStorage.expect``, not part of the
+    protocol) what ``file`` holds, so that it reads a copy that hashes to it from the disk."""
+    expect = getattr(storage, "expect", None)
+    if expect is not None:
+        spec = manifest["files"][file]
+        expect(join(path, file), spec["sha256"], spec["size"])
+
+
 def verify_file(storage: Storage, path: str, manifest: Manifest, file: str) -> None:
     """``CorruptCheckpoint`` unless ``file`` of checkpoint ``path`` matches its sha256."""
+    _expect(storage, path, manifest, file)
     try:
         if sha256(storage, join(path, file)) != manifest["files"][file]["sha256"]:
             raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
@@ -172,6 +182,8 @@ def load_file(
     it: ``verify=False``), then loaded."""
     if verify:
         verify_file(storage, path, manifest, file)
+    else:
+        _expect(storage, path, manifest, file)
     try:
         with storage.open_read(join(path, file)) as opened:
             return torch.load(opened, map_location="cpu", weights_only=True)

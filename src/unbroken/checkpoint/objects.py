@@ -16,6 +16,13 @@ local disk (``LocalStorage``), with the same guarantee, "whole and verified, or 
   serialize a copy held in memory).
 - **Reads** download a whole object once, with retries, and keep it for one more read:
   ``load_latest`` hashes a file, then loads it, from one download.
+- **A local copy** of every file this machine uploaded or downloaded is kept in a cache
+  directory (``cache``; by default ``$XDG_CACHE_HOME/unbroken/checkpoints``, else
+  ``~/.cache/...``, one folder per URL), named by its sha256. When a checkpoint is read, a file
+  whose copy is there and hashes to what the manifest says is read from the disk instead of
+  downloaded (``expect``); a copy that does not match is deleted and the file downloaded. A
+  job restarted on the same machine downloads only the manifests; a new machine has no copies.
+  Each save prunes the copies no committed checkpoint lists. ``cache=False``: none.
 
 The filesystem is made lazily in each process (an fsspec filesystem made before a fork is not
 used after it) with botocore's own retries off, as for ``StreamingDataset`` (``retry``: they
@@ -27,12 +34,15 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar, cast
 
 from ..retry import drawing_nothing, retrying
-from .storage import Digest, Entry, LocalStorage, Storage
+from .manifest import MANIFEST
+from .storage import Digest, Entry, LocalStorage, Storage, join
 
 T = TypeVar("T")
 
@@ -46,12 +56,12 @@ def is_url(directory: str) -> bool:
 
 
 def storage_for(
-    directory: str, storage_options: dict[str, Any] | None = None
+    directory: str, storage_options: dict[str, Any] | None = None, cache: bool = True
 ) -> tuple[Storage, str]:
     """The ``Storage`` of ``directory`` and the path it takes: ``LocalStorage`` for a path (or
     a ``file://`` URL, as a path), else an ``ObjectStorage`` for the URL, checked at once (an
     unknown protocol, an unreachable endpoint or a missing bucket raise here, before anything
-    is trained)."""
+    is trained); ``cache=False``: no local copies (``unbroken verify`` checks the store itself)."""
     if not is_url(directory):
         if storage_options:
             raise ValueError(
@@ -59,7 +69,7 @@ def storage_for(
                 "a local path: leave them out"
             )
         return LocalStorage(), directory.removeprefix("file://")
-    storage = ObjectStorage(directory, storage_options)
+    storage = ObjectStorage(directory, storage_options, cache=cache)
     storage.check()
     return storage, directory.rstrip("/")
 
@@ -76,10 +86,13 @@ class ObjectStorage:
         storage_options: dict[str, Any] | None = None,
         retries: int = 4,
         backoff: float = 0.5,
+        cache: str | bool = True,
     ) -> None:
         import fsspec
 
         self.url = url.rstrip("/")
+        self.cache = _cache_directory(self.url, cache)
+        self._known: dict[str, str] = {}  # path -> its verified local copy (expect)
         self.protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         self.storage_options = dict(storage_options or {})
         self.retries, self.backoff = retries, backoff
@@ -89,13 +102,14 @@ class ObjectStorage:
         self.sent = self.received = 0  # bytes uploaded and downloaded by this process
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("_fs", "_pid", "_last", "sent", "received")
+        skip = ("_fs", "_pid", "_last", "sent", "received", "_known")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._pid, self._last = None, -1, None
         self.sent = self.received = 0
+        self._known = {}
 
     @property
     def fs(self) -> Any:
@@ -155,7 +169,23 @@ class ObjectStorage:
             for info in found
         ]
 
+    def expect(self, path: str, sha256: str, size: int) -> None:
+        """Say what ``path`` holds (from a manifest): if the cache has a copy of that content,
+        checked by its hash, later reads of ``path`` take it from the disk."""
+        if self.cache is None:
+            return
+        local = os.path.join(self.cache, sha256)
+        try:
+            if os.path.getsize(local) == size and _file_sha256(local) == sha256:
+                self._known[path] = local
+                return
+            os.unlink(local)  # not what its name says: downloaded again
+        except OSError:
+            pass
+
     def open_read(self, path: str) -> BinaryIO:
+        if path in self._known:
+            return open(self._known[path], "rb")
         # A file is hashed, then loaded: the second read takes the first's download, and lets
         # it go (nothing stays in memory once the checkpoint is loaded).
         if self._last is not None and self._last[0] == path:
@@ -165,6 +195,7 @@ class ObjectStorage:
         data = self._call("download", path, lambda: self.fs.cat_file(path))
         self.received += len(data)
         self._last = (path, data)
+        self._keep_copy(data)
         return io.BytesIO(data)
 
     def size(self, path: str) -> int:
@@ -189,20 +220,52 @@ class ObjectStorage:
 
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
         self._last = None
+        self._known.pop(path, None)
         return self._call("upload", path, lambda: self._upload(path, fill))
 
     def _upload(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
         out = self.fs.open(path, "wb")
-        hashing = _Hashing(out)
+        copy = _LocalCopy(self.cache)
+        hashing = _Hashing(out, copy)
         try:
             fill(cast(BinaryIO, hashing))
         except BaseException:
             out.discard()  # aborts a multipart upload: no part of it stays
             out.closed = True  # discarded: its close (at garbage collection) must not upload
+            copy.drop()
             raise
         out.close()  # the upload's end: the object appears whole
         self.sent += hashing.size
-        return Digest(hashing.sha256.hexdigest(), hashing.size)
+        digest = Digest(hashing.sha256.hexdigest(), hashing.size)
+        copy.keep(digest.sha256)
+        return digest
+
+    def _keep_copy(self, data: bytes) -> None:
+        if self.cache is not None and data:
+            copy = _LocalCopy(self.cache)
+            copy.write(data)
+            copy.keep(hashlib.sha256(data).hexdigest())
+
+    def prune_cache(self, root: str) -> None:
+        """Delete the local copies that no committed checkpoint under ``root`` lists (their
+        manifests' sha256s); the rest stay for a restart on this machine."""
+        if self.cache is None or not os.path.isdir(self.cache):
+            return
+        listed: set[str] = set()
+        try:
+            for entry in self.list_directory(root):
+                manifest = join(join(root, entry.name), MANIFEST)
+                if entry.is_directory and entry.name.startswith("step-") and self.exists(manifest):
+                    files = json.loads(self.fs.cat_file(manifest)).get("files", {})
+                    listed.update(spec.get("sha256") for spec in files.values())
+        except (OSError, ValueError, AttributeError):
+            return  # not known: nothing is deleted
+        for name in os.listdir(self.cache):
+            if name not in listed:
+                try:
+                    os.unlink(os.path.join(self.cache, name))
+                except OSError:
+                    pass
 
     def rename(self, source: str, target: str) -> None:
         # Not atomic here (a copy, then a delete): the Checkpointer does not rename on a store
@@ -240,14 +303,76 @@ class ObjectStorage:
         # The manifest, written last (by the Writing), was the commit.
 
 
-class _Hashing:
-    """A write-only file that hashes what passes through it on its way to the store."""
+def _cache_directory(url: str, cache: str | bool) -> str | None:
+    if cache is False:
+        return None
+    if cache is True:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        cache = os.path.join(base, "unbroken", "checkpoints")
+    return os.path.join(cache, hashlib.sha256(url.encode()).hexdigest()[:16])
 
-    def __init__(self, file: Any) -> None:
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _LocalCopy:
+    """A file being copied into the cache: written under a temporary name, then named by its
+    sha256 once whole (a copy is never half there under that name). Best effort: a full or
+    read-only disk only means no copy."""
+
+    def __init__(self, cache: str | None) -> None:
+        self.file: Any = None
+        self.path = ""
+        if cache is not None:
+            try:
+                os.makedirs(cache, exist_ok=True)
+                handle, self.path = tempfile.mkstemp(prefix=".part-", dir=cache)
+                self.file = os.fdopen(handle, "wb")
+            except OSError:
+                self.file = None
+
+    def write(self, data: Any) -> None:
+        if self.file is not None:
+            try:
+                self.file.write(data)
+            except OSError:
+                self.drop()
+
+    def keep(self, sha256: str) -> None:
+        if self.file is not None:
+            try:
+                self.file.close()
+                os.replace(self.path, os.path.join(os.path.dirname(self.path), sha256))
+            except OSError:
+                self.drop()
+            self.file = None
+
+    def drop(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+
+
+class _Hashing:
+    """A write-only file that hashes what passes through it on its way to the store (and into
+    the local copy)."""
+
+    def __init__(self, file: Any, copy: _LocalCopy) -> None:
+        self.file, self.copy, self.sha256, self.size = file, copy, hashlib.sha256(), 0
 
     def write(self, data: bytes) -> int:
         self.file.write(data)
+        self.copy.write(data)
         self.sha256.update(data)
         size = memoryview(data).nbytes
         self.size += size

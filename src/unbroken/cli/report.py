@@ -19,7 +19,7 @@ def report(
     """Everything the command prints, as data; ``given`` is a local path or a URL (with the
     fsspec ``storage_options`` of its filesystem). Raises ``UsageError`` if there is nothing to
     report on."""
-    storage, directory = storage_for(given, storage_options)
+    storage, directory = storage_for(given, storage_options, cache=False)  # the store itself
     directory = directory if is_url(given) else directory.rstrip("/") or "/"
     kind, root, found = locate(directory, storage)
     checked = [check(storage, path, step, read_states) for step, path in found]

@@ -43,7 +43,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
         protocol = fsspec.core.split_protocol(url)[0] or ""
         if protocol not in self._stores:
-            self._stores[protocol] = ObjectStorage(url, self.storage_options)
+            # No local copies: Lightning's files are not the Checkpointer's, which prunes them.
+            self._stores[protocol] = ObjectStorage(url, self.storage_options, cache=False)
         return self._stores[protocol]
 
     def save_checkpoint(
