@@ -420,3 +420,13 @@ def test_a_restart_on_the_same_machine_reads_its_verified_local_copies(
         warnings.simplefilter("error")
         assert Checkpointer(url, storage=storage).load_latest({"model": _model(0)}).step == 3
     assert downloads == ["manifest.json", "000-model.pt"]
+
+
+def test_a_deleted_object_in_the_newest_checkpoint_is_skipped_with_the_reason(s3, url):
+    checkpointer = _fresh(url, s3)
+    for step in (1, 2):
+        checkpointer.save(step, {"model": _model(step), "step": step})
+    ObjectStorage(url, s3.storage_options).fs.rm_file(f"{url}/step-000000002/000-model.pt")
+    elsewhere = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002: 000-model\.pt"):
+        assert elsewhere.load_latest({"model": _model(0), "step": 0}).step == 1
