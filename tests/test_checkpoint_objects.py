@@ -430,3 +430,17 @@ def test_a_deleted_object_in_the_newest_checkpoint_is_skipped_with_the_reason(s3
     elsewhere = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002: 000-model\.pt"):
         assert elsewhere.load_latest({"model": _model(0), "step": 0}).step == 1
+
+
+def test_a_local_copy_gone_since_it_was_found_is_downloaded(s3, url, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    storage = ObjectStorage(url, s3.storage_options, cache=cache)
+    Checkpointer(url, storage=storage).save(1, {"model": _model(1)})
+    assert Checkpointer(url, storage=storage).load_latest({"model": _model(0)}).step == 1
+    for copy in next((tmp_path / "cache").iterdir()).iterdir():
+        copy.unlink()  # pruned, or cleaned by the user, since this process found it
+    downloads = _downloads(storage, monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Checkpointer(url, storage=storage).load_latest({"model": _model(0)}).step == 1
+    assert downloads == ["manifest.json", "000-model.pt"]

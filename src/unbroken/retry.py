@@ -94,6 +94,19 @@ def retrying(
     raise AssertionError("unreachable")
 
 
+def filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """``(fsspec filesystem, path)`` of ``url``: a filesystem of this process's own
+    (``skip_instance_cache``: fsspec caches them per process, and one inherited through a fork
+    would use its parent's event loop), with botocore's jittered retries off
+    (``drawing_nothing``). Raises ``ValueError`` or ``ImportError`` for a protocol fsspec does
+    not know here."""
+    import fsspec
+
+    options = drawing_nothing(url, storage_options)
+    fs, path = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    return fs, path
+
+
 def drawing_nothing(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     """``storage_options`` with botocore's retries (whose jitter draws from ``random``) down to
     one attempt for an S3 URL, unless the options set them (see the module)."""

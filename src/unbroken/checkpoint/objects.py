@@ -14,7 +14,7 @@ local disk (``LocalStorage``), with the same guarantee, "whole and verified, or 
   billed or in view) and retried with backoff (``unbroken.retry``); a file is written from its
   start again, so ``fill`` must be callable more than once (the Checkpointer's are: they
   serialize a copy held in memory).
-- **Reads** download a whole object once, with retries, and keep it for one more read:
+- **Reads** download a whole object once, with retries, and keep it for the next read only:
   ``load_latest`` hashes a file, then loads it, from one download.
 - **A local copy** of every file this machine uploaded or downloaded is kept in a cache
   directory (``cache``; by default ``$XDG_CACHE_HOME/unbroken/checkpoints``, else
@@ -40,7 +40,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar, cast
 
-from ..retry import drawing_nothing, retrying
+from ..retry import filesystem, retrying
 from .manifest import MANIFEST
 from .storage import Digest, Entry, LocalStorage, Storage, join
 
@@ -114,18 +114,14 @@ class ObjectStorage:
     @property
     def fs(self) -> Any:
         if self._fs is None or self._pid != os.getpid():
-            import fsspec
-
             try:
-                cls = fsspec.get_filesystem_class(self.protocol)
+                self._fs = filesystem(self.url, self.storage_options)[0]
             except (ValueError, ImportError) as error:
                 raise ValueError(
                     f"cannot store checkpoints at {self.url}: fsspec does not know the protocol "
                     f"{self.protocol!r} here ({error}). Use a local path, or a URL whose "
                     "filesystem is installed (s3:// needs s3fs, gs:// gcsfs, az:// adlfs)"
                 ) from None
-            options = drawing_nothing(self.url, self.storage_options)
-            self._fs = cls(skip_instance_cache=True, **options)
             self._pid = os.getpid()
         return self._fs
 
@@ -172,6 +168,7 @@ class ObjectStorage:
     def expect(self, path: str, sha256: str, size: int) -> None:
         """Say what ``path`` holds (from a manifest): if the cache has a copy of that content,
         checked by its hash, later reads of ``path`` take it from the disk."""
+        self._known.pop(path, None)  # a copy found before may be gone (pruned) or changed
         if self.cache is None:
             return
         local = os.path.join(self.cache, sha256)
@@ -184,14 +181,13 @@ class ObjectStorage:
             pass
 
     def open_read(self, path: str) -> BinaryIO:
+        # A file is hashed, then loaded: the read right after a download, of the same object,
+        # takes that download; any other read lets it go (nothing stays in memory, or stale).
+        last, self._last = self._last, None
         if path in self._known:
             return open(self._known[path], "rb")
-        # A file is hashed, then loaded: the second read takes the first's download, and lets
-        # it go (nothing stays in memory once the checkpoint is loaded).
-        if self._last is not None and self._last[0] == path:
-            data, self._last = self._last[1], None
-            return io.BytesIO(data)
-        self._last = None  # one object in memory at a time
+        if last is not None and last[0] == path:
+            return io.BytesIO(last[1])
         data = self._call("download", path, lambda: self.fs.cat_file(path))
         self.received += len(data)
         self._last = (path, data)

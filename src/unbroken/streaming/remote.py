@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._checks import is_int
-from ..retry import drawing_nothing, retrying
+from ..retry import filesystem, retrying
 
 T = TypeVar("T")
 
@@ -56,15 +56,7 @@ class Remote:
     @property
     def fs(self) -> Any:
         if self._fs is None or self._pid != os.getpid():
-            import fsspec
-
-            # skip_instance_cache: fsspec caches filesystems per process, and one inherited
-            # through a fork would use its parent's event loop.
-            self._fs, self._root = fsspec.core.url_to_fs(
-                self.url,
-                skip_instance_cache=True,
-                **drawing_nothing(self.url, self.storage_options),
-            )
+            self._fs, self._root = filesystem(self.url, self.storage_options)
             self._pid = os.getpid()
         return self._fs
 
