@@ -50,15 +50,11 @@ def doomed_name(name: str) -> str:
 def clean(storage: Storage, root: str) -> None:
     """Remove what killed writers left: temporary and half-deleted directories (on a store
     without rename: prefixes without a manifest); put back a checkpoint moved aside whose
-    replacement never arrived; abort what a killed writer left of a multipart upload, and drop
-    the local copies of files no checkpoint lists, where the storage has them
-    (``ObjectStorage.abort_uploads``, ``prune_cache``)."""
+    replacement never arrived; abort what a killed writer left of a multipart upload, where
+    the storage can (``ObjectStorage.abort_uploads``)."""
     abort_uploads = getattr(storage, "abort_uploads", None)  # not part of the protocol
     if abort_uploads is not None:
         abort_uploads(root)
-    prune_cache = getattr(storage, "prune_cache", None)  # ObjectStorage's local copies
-    if prune_cache is not None:
-        prune_cache(root)
     for entry in storage.list_directory(root):
         old = _OLD.fullmatch(entry.name)
         final = join(root, f"step-{old.group(1)}") if old else ""

@@ -22,7 +22,7 @@ local disk (``LocalStorage``), with the same guarantee, "whole and verified, or 
   whose copy is there and hashes to what the manifest says is read from the disk instead of
   downloaded (``expect``); a copy that does not match is deleted and the file downloaded. A
   job restarted on the same machine downloads only the manifests; a new machine has no copies.
-  Each save prunes the copies no committed checkpoint lists. ``cache=False``: none.
+  Each save prunes the copies no kept checkpoint lists. ``cache=False``: none.
 
 The filesystem is made lazily in each process (an fsspec filesystem made before a fork is not
 used after it) with botocore's own retries off, as for ``StreamingDataset`` (``retry``: they
@@ -38,6 +38,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from typing import Any, BinaryIO, TypeVar, cast
 
 from ..retry import filesystem, retrying
@@ -242,19 +243,19 @@ class ObjectStorage:
             copy.write(data)
             copy.keep(hashlib.sha256(data).hexdigest())
 
-    def prune_cache(self, root: str) -> None:
-        """Delete the local copies that no committed checkpoint under ``root`` lists (their
-        manifests' sha256s); the rest stay for a restart on this machine."""
+    def prune_cache(self, kept: list[str]) -> None:
+        """Delete the local copies of files that none of the checkpoints ``kept`` lists (by
+        their manifests' sha256s); the rest stay for a restart on this machine. Called by the
+        writer once old checkpoints are dropped."""
         if self.cache is None or not os.path.isdir(self.cache):
             return
         listed: set[str] = set()
         try:
-            for entry in self.list_directory(root):
-                manifest = join(join(root, entry.name), MANIFEST)
-                if entry.is_directory and entry.name.startswith("step-") and self.exists(manifest):
-                    files = json.loads(self.fs.cat_file(manifest)).get("files", {})
-                    listed.update(spec.get("sha256") for spec in files.values())
-        except (OSError, ValueError, AttributeError):
+            for path in kept:
+                manifest = join(path, MANIFEST)
+                data = self._call("download", manifest, partial(self.fs.cat_file, manifest))
+                listed.update(spec.get("sha256") for spec in json.loads(data)["files"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
             return  # not known: nothing is deleted
         for name in os.listdir(self.cache):
             if name not in listed:

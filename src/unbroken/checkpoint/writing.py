@@ -123,6 +123,9 @@ class Writing:
         doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             layout.retire(storage, root, path)
+        prune_cache = getattr(storage, "prune_cache", None)  # ObjectStorage's local copies
+        if prune_cache is not None:
+            prune_cache([path for _, path in committed if path not in doomed])
 
 
 def _committed(storage: Storage, staged: str) -> bool:

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import DirectoryInUse
 from .ranks import Job
@@ -92,18 +92,26 @@ def not_writable(directory: Any, error: OSError) -> OSError:
     )
 
 
+class Lock(Protocol):
+    def acquire(self) -> None: ...  # raises DirectoryInUse if another job holds it
+    def release(self) -> None: ...
+
+
 @contextmanager
-def locked_by_every_rank(directory: Path, job: Job) -> Iterator[None]:
-    """The run directory's lock, taken by every rank or by none: a rank refused alone would
-    leave the others waiting for it in their first collective."""
-    lock, refused = DirectoryLock(directory, job.rank), None
+def held_by_every_rank(lock: Lock | None, job: Job, directory: Any) -> Iterator[None]:
+    """The run directory's lock (this rank's ``lock``; ``None``: this rank takes none) held
+    while the block runs, taken by every rank or by none: a rank refused alone would leave the
+    others waiting for it in their first collective."""
+    refused = None
     try:
-        lock.acquire()
+        if lock is not None:
+            lock.acquire()
     except DirectoryInUse as error:
         refused = error
     (anyone,) = job.any_of(refused is not None)
     if anyone:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise refused or DirectoryInUse(
             f"{directory} is in use by another training job: another rank of this job found "
             "its lock held. Stop that job first, or train in another directory."
@@ -111,4 +119,5 @@ def locked_by_every_rank(directory: Path, job: Job) -> Iterator[None]:
     try:
         yield
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()

@@ -29,9 +29,8 @@ from typing import Any
 
 from ..checkpoint.objects import ObjectStorage, is_url
 from ..checkpoint.storage import join
-from ..errors import DirectoryInUse
 from .lease import Lease
-from .lock import locked_by_every_rank, not_writable
+from .lock import DirectoryLock, Lock, held_by_every_rank, not_writable
 from .ranks import Job
 
 CHECKPOINTS, METRICS, TENSORBOARD = "checkpoints", "metrics.csv", "tensorboard"
@@ -84,27 +83,12 @@ class RunDirectory:
         """One job at a time: the OS lock of every rank (local), or rank 0's lease (a URL),
         refused on every rank if refused on one."""
         if not self.remote:
-            with locked_by_every_rank(self.local, job):
-                yield
-            return
-        assert self.storage is not None
-        lease, refused = Lease(self.storage, self.location, lease_seconds), None
-        if job.first:
-            try:
-                lease.acquire()
-            except DirectoryInUse as error:
-                refused = error
-        (anyone,) = job.any_of(refused is not None)
-        if anyone:
-            lease.release()
-            raise refused or DirectoryInUse(
-                f"{self.location} is in use by another training job (rank 0 found its lease "
-                "held). Stop that job first, or train in another directory."
-            )
-        try:
+            lock: Lock | None = DirectoryLock(self.local, job.rank)
+        else:
+            assert self.storage is not None
+            lock = Lease(self.storage, self.location, lease_seconds) if job.first else None
+        with held_by_every_rank(lock, job, self.location):
             yield
-        finally:
-            lease.release()
 
     # The log's remote copy (a URL only).
     def download(self, name: str) -> None:
