@@ -5,8 +5,10 @@ One run starts one S3 protocol server on 127.0.0.1 (moto, ``unbroken.testing.S3S
 measures every system against it, in the same process, on the same state:
 
 - ``unbroken blocking``: ``Checkpointer(url + "/unbroken", storage_options=...).save(step,
-  {"model": model, "optimizer": optimizer})``; loaded by a *new* Checkpointer's
-  ``load_latest`` (its construction, which checks the bucket, is timed with the load).
+  {"model": model, "optimizer": optimizer})`` (keeping its local copies of the files, the
+  default, in a temporary directory); loaded by a *new* Checkpointer's ``load_latest`` without
+  local copies (``ObjectStorage(..., cache=False)``: a new machine downloads, as every peer
+  does; its construction, which checks the bucket, is timed with the load).
 - ``unbroken background``: the same with ``save(..., blocking=False)`` (into
   ``url + "/unbroken-bg"``): the loop's stall is the time until ``save`` returns, the save time
   the time until ``wait()`` returns.
@@ -60,11 +62,14 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -198,15 +203,28 @@ class System:
         raise NotImplementedError
 
 
+def unbroken_checkpointer(directory: str, options: dict[str, Any], cache: str | bool) -> Any:
+    """``Checkpointer(directory, storage_options=options)`` whose local copies of checkpoint
+    files go to ``cache`` (False: none, as on a new machine, where every peer downloads too),
+    checked as the plain constructor checks the bucket."""
+    from unbroken.checkpoint import Checkpointer, ObjectStorage
+
+    storage = ObjectStorage(directory, options, cache=cache)
+    storage.check()
+    return Checkpointer(directory, storage=storage)
+
+
 class Unbroken(System):
     def __init__(self, url: str, options: dict[str, Any], background: bool) -> None:
-        from unbroken.checkpoint import Checkpointer
-
         super().__init__(url, options)
         self.name = "unbroken-bg" if background else "unbroken"
         self.background = background
         self.directory = f"{url}/{PREFIX[self.name]}"
-        self.checkpointer = Checkpointer(self.directory, storage_options=options)
+        # The saver keeps its local copies (the default, whose disk writes count), in a
+        # temporary directory rather than the user's cache.
+        self.copies = tempfile.mkdtemp(prefix="unbroken-bench-copies-")
+        weakref.finalize(self, shutil.rmtree, self.copies, True)
+        self.checkpointer = unbroken_checkpointer(self.directory, options, self.copies)
         self.construct_s: list[float] = []
 
     def save(self, step, model, optimizer):
@@ -219,10 +237,8 @@ class Unbroken(System):
         return returned - start, done - start
 
     def load(self, model, optimizer):
-        from unbroken.checkpoint import Checkpointer
-
         start = time.perf_counter()
-        reader = Checkpointer(self.directory, storage_options=self.options)
+        reader = unbroken_checkpointer(self.directory, self.options, cache=False)
         built = time.perf_counter()
         restored = reader.load_latest({"model": model, "optimizer": optimizer})
         done = time.perf_counter()
@@ -348,10 +364,8 @@ def child(args: argparse.Namespace) -> None:
     import s3fs  # noqa: F401
 
     if args.child in ("unbroken", "unbroken-bg"):
-        from unbroken.checkpoint import Checkpointer
-
         imported, age = time.perf_counter(), process_age()
-        restored = Checkpointer(path, storage_options=options).load_latest(
+        restored = unbroken_checkpointer(path, options, cache=False).load_latest(
             {"model": model, "optimizer": optimizer}
         )
         assert restored is not None, f"{path}: no checkpoint found"
