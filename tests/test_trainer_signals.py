@@ -187,19 +187,31 @@ def test_two_fits_in_one_process_on_one_directory_are_refused(tmp_path):
     run(tmp_path, epochs=1)  # released when fit() ended
 
 
-def test_by_default_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monkeypatch):
-    """A user who sets nothing about checkpoints is protected: time-based saves, 10 minutes."""
-    assert unbroken.Trainer(tmp_path, max_epochs=1).checkpoint_every_seconds == 600
+@pytest.mark.parametrize("interval", [600.0, "auto"])
+def test_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monkeypatch, interval):
+    """Time-based saves: every 10 minutes, or by default (auto) at the interval chosen from the
+    save's cost and the prior of 4 hours between failures: sqrt(2 x <0.2 s x 4 h) < 70 s."""
+    assert unbroken.Trainer(tmp_path, max_epochs=1).checkpoint_every_seconds == "auto"
     reference = tmp_path / "reference"
     torch.save(run(reference, checkpoint_every_steps=None).state_dict(), reference / "final.pt")
     clock = _FakeClock(seconds_per_call=70)  # a batch takes 70 s: a save every ~9 batches
-    monkeypatch.setattr(unbroken.train.checkpointing, "_clock", clock)
+    monkeypatch.setattr(unbroken.train.schedule, "_clock", clock)
     crashed = tmp_path / "crashed"
     with pytest.raises(Crash):
-        run(crashed, checkpoint_every_steps=None, callbacks=[CrashAt(20)])
-    # Training batch 20 is tick 25 (epoch 0 had 5 validation batches): ~9 batches are 600 s.
+        run(
+            crashed,
+            checkpoint_every_steps=None,
+            checkpoint_every_seconds=interval,
+            callbacks=[CrashAt(20)],
+            keep=100,
+        )
+    # Training batch 20 is tick 25 (epoch 0 had 5 validation batches): ~9 batches are 600 s;
+    # auto saves after every 70-s batch (its first save: after a minute).
     ticks = sorted(int(p.name.split("-")[1]) for p in (crashed / "checkpoints").glob("step-*"))
-    assert ticks and 25 - 10 <= ticks[-1] < 25, ticks
+    if interval == "auto":
+        assert ticks == list(range(1, 25)), ticks
+    else:
+        assert ticks and 25 - 10 <= ticks[-1] < 25 and len(ticks) <= 3, ticks
     torch.save(run(crashed, checkpoint_every_steps=None).state_dict(), crashed / "final.pt")
     _same(crashed, reference)
 

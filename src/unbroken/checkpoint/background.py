@@ -63,6 +63,9 @@ class BackgroundSave:
         finally:
             del write
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self) -> None:
         self._thread.join()
         _unseen.discard(self)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 import warnings
 from typing import Any, TypeVar
 
@@ -204,6 +205,11 @@ class Checkpointer:
                 ]
         return mine, shapes
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a background save is being written now."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> None:
         """Block until the background save, if any, is written; re-raise what it raised."""
         pending, self._pending = self._pending, None
@@ -240,8 +246,10 @@ class Checkpointer:
         _check_names(state, "load_latest")
         self.wait()
         ranks = self._ranks
+        started = time.perf_counter()
         listed = attempt(self._candidates if ranks.first_rank else self._check_directory)
         found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
+        scanned = time.perf_counter()
         for step, where in reversed(found):
             path = where
             read = attempt(self._read, where, step, state)
@@ -259,6 +267,7 @@ class Checkpointer:
                 continue
             assert not isinstance(read, BaseException)
             manifest, saved, skipped = read
+            was_read = time.perf_counter()
             # DCP's entries last, and only once all the others are in: it loads collectively.
             sharded = {n: o for n, o in state.items() if isinstance(o, Sharded) and n in saved}
             objects = {
@@ -279,6 +288,11 @@ class Checkpointer:
                 values={name: saved[name] for name, obj in objects.items() if not has_state(obj)},
                 unrequested={name: value for name, value in saved.items() if name not in state},
                 world_size=manifest["world_size"],
+                seconds={
+                    "scan": scanned - started,
+                    "read": was_read - scanned,
+                    "restore": time.perf_counter() - was_read,
+                },
             )
         return None
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,10 @@ class Restored:
     this rank's part, when the checkpoint was saved by as many ranks as there are now)."""
     world_size: int = 1
     """The number of ranks that saved it."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where the load's time went on this rank: ``"scan"`` (listing the checkpoints), ``"read"``
+    (reading and verifying the files, the skipped checkpoints' included) and ``"restore"``
+    (``load_state_dict`` of every object, DCP's load)."""
 
     def __bool__(self) -> bool:
         return True

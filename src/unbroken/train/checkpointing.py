@@ -19,15 +19,14 @@ metric states merged onto rank 0, and the counters and loaders are rank 0's (a l
 state belongs to one rank refuses it).
 
 ``resume`` restores them from the newest checkpoint, refuses a position this ``fit`` cannot
-continue from and says where the run starts; ``SaveSchedule`` says when a periodic checkpoint
-is due.
+continue from and says where the run starts (``schedule`` says when a periodic checkpoint is
+due).
 """
 
 from __future__ import annotations
 
 import copy
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict, TypeGuard
 
@@ -50,8 +49,6 @@ TRAIN_LOADER, RNG, LOG = "train_loader", "rng", "log"
 VAL_LOADER, SCHEDULER, SCALER = "val_loader", "scheduler", "scaler"
 # ... and per metric ("metric.train.acc") and per stateful callback ("callback.0.EarlyStop").
 METRIC, CALLBACK = "metric", "callback"
-
-_clock = time.monotonic  # wall-clock checkpoints; a name of its own so tests can move time
 
 
 def checkpoint_entries(
@@ -228,32 +225,6 @@ def reset_metrics(metrics: dict[str, Any]) -> None:
 
 def compute_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return {name: float(metric.compute()) for name, metric in metrics.items()}
-
-
-class SaveSchedule:
-    """When a periodic checkpoint is due: after the batch that completes every ``every_steps``-th
-    optimizer step (``by_steps``: the same on every rank), and once ``every_seconds`` of
-    wall-clock time passed since the last save (``by_time``: by this process's clock, so a
-    data-parallel job agrees on it first)."""
-
-    def __init__(self, every_steps: int | None, every_seconds: float | None) -> None:
-        self.every_steps, self.every_seconds = every_steps, every_seconds
-        self.last_save = _clock()
-
-    def saved(self) -> None:
-        self.last_save = _clock()
-
-    def by_steps(self, progress: Progress) -> bool:
-        every_steps = self.every_steps
-        return bool(
-            every_steps
-            and progress.phase == "train"
-            and progress.micro == 0
-            and progress.steps % every_steps == 0
-        )
-
-    def by_time(self) -> bool:
-        return bool(self.every_seconds and _clock() - self.last_save >= self.every_seconds)
 
 
 def through_dcp(

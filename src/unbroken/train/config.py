@@ -49,9 +49,9 @@ def _seconds(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
-def _seconds_or_none(name: str, value: Any) -> None:
-    if value is not None and (not is_number(value) or not value > 0):
-        raise ValueError(f"{name} must be a number > 0 or None, got {value!r}")
+def _interval_seconds(name: str, value: Any) -> None:
+    if value != "auto" and value is not None and (not is_number(value) or not value > 0):
+        raise ValueError(f"{name} must be 'auto', a number > 0 or None, got {value!r}")
 
 
 def _norm_or_none(name: str, value: Any) -> None:
@@ -110,9 +110,13 @@ class TrainerOptions:
     - ``seed``: seeds the process RNGs of a fresh run (model init happens before ``fit``, so
       seed that yourself). Recorded in checkpoints; must match on resume.
     - ``checkpoint_every_seconds``: save when this much wall-clock time passed since the last
-      save, at the next batch boundary (default 600: a crash loses at most ~10 minutes);
-      ``None`` turns it off. ``checkpoint_every_steps``: also save every this many optimizer
-      steps (default ``None``). A preemption signal and the end of training always save.
+      save, at the next batch boundary; ``None`` turns it off. ``"auto"`` (default): the
+      interval that wastes the least time, from the measured cost of this run's saves and the
+      failures its run directory has seen (Young/Daly; ``train.schedule``): a fresh run saves
+      after a minute to measure, then about every ``sqrt(2 x cost x 4 hours)`` until a failure is
+      seen, bounded to [2 s, 30 min]; each choice is printed. ``checkpoint_every_steps``: also
+      save every this many optimizer steps (default ``None``). A preemption signal and the end
+      of training always save.
     - ``keep``: committed checkpoints kept (>= 2). ``async_save``: write periodic checkpoints
       in a background thread (preemption and final saves block).
     - ``accumulate``: training batches per optimizer step. ``clip_grad_norm``: max gradient
@@ -157,11 +161,11 @@ class TrainerOptions:
         _seed,
         on_resume=True,
     )
-    checkpoint_every_seconds: float | None = _option(
-        600.0,
+    checkpoint_every_seconds: float | str | None = _option(
+        "auto",
         "save when this much wall-clock time passed since the last save, at the next batch "
-        "boundary; None: never by time",
-        _seconds_or_none,
+        "boundary; 'auto': from the measured save cost and failure rate; None: never by time",
+        _interval_seconds,
     )
     checkpoint_every_steps: int | None = _option(
         None, "also save every this many optimizer steps", _positive_or_none

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.world import World
+from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
+from .progress import say
 
 
 class Job:
@@ -55,3 +57,18 @@ class Job:
         total = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return float(total.item()) / self.world_size
+
+
+def exit_if_preempted(job: Job, preemption: Preemption) -> None:
+    """Exit with ``EXIT_CODE`` if any rank got a preemption signal before training started:
+    nothing new was trained, so nothing is saved."""
+    (preempted,) = job.any_of(preemption.received is not None)
+    if preempted:
+        received = preemption.received
+        name = received.name if received is not None else "a preemption signal (on another rank)"
+        preemption.ignore_until_exit()
+        say(
+            f"{name} received before training started: nothing new to save; "
+            f"exiting with {EXIT_CODE} to be requeued"
+        )
+        exit_to_be_requeued()

@@ -7,9 +7,10 @@ run's weights and logged values are bit for bit those of a run that was never in
 The loop, top to bottom: lock the run directory, restore or seed; for each epoch a training
 phase (forward, backward, every ``accumulate`` batches clip and step), then a validation phase;
 after every batch, check for a preemption signal (save, exit with ``EXIT_CODE``) or a periodic
-checkpoint (every ``checkpoint_every_seconds`` of wall-clock time, by default 10 minutes, and
-every ``checkpoint_every_steps`` optimizer steps). A checkpoint can be taken inside either phase
-and resumes there.
+checkpoint (every ``checkpoint_every_seconds`` of wall-clock time, by default an interval chosen
+from the measured cost of a save and the failures seen, and every ``checkpoint_every_steps``
+optimizer steps). A checkpoint can be taken inside either phase and resumes there. The way
+to the first step is timed by phase and printed (``startup``).
 
 No host sync per batch: a batch's loss is added to the phase's running sum where it lives
 (``LossSum``: on the host for a CPU loss, on the device otherwise), and its values are read on
@@ -33,6 +34,7 @@ at every place a checkpoint can be taken.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,15 +44,17 @@ import torch
 from ..checkpoint.manager import Checkpointer
 from ..errors import RemoteUnavailable
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
-from .checkpointing import SaveSchedule, checkpoint_entries, compute_metrics, reset_metrics, resume
+from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
 from .config import TrainerOptions
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import seed_everything
 from .options import call_hooks, check_loaders, hooks
 from .progress import Progress, bar, say
-from .ranks import Job
+from .ranks import Job, exit_if_preempted
 from .rundir import RunDirectory
+from .schedule import SaveSchedule
+from .startup import Startup
 from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
 
 _DEFAULTS = {
@@ -85,7 +89,7 @@ class Trainer:
         max_epochs: int | None = None,
         max_steps: int | None = None,
         seed: int = 0,
-        checkpoint_every_seconds: float | None = 600.0,
+        checkpoint_every_seconds: float | str | None = "auto",
         checkpoint_every_steps: int | None = None,
         keep: int = 2,
         accumulate: int = 1,
@@ -103,6 +107,7 @@ class Trainer:
         lease_seconds: float = 30.0,
         options: TrainerOptions | None = None,
     ) -> None:
+        self.startup = Startup()  # first: the time to the first step, by phase
         given = {name: value for name, value in locals().items() if name in _DEFAULTS}
         self.run = RunDirectory(directory, storage_options)
         # A local run directory as a Path, a URL as given.
@@ -155,6 +160,7 @@ class Trainer:
         torchmetrics metrics your steps update: the Trainer resets them when a phase starts,
         saves their accumulated state in checkpoints and logs ``compute()`` when it ends.
         """
+        self.startup.mark("your code from Trainer() to fit()")
         try:
             self.model, self.optimizer = model, optimizer
             self.scheduler, self.scaler = scheduler, scaler
@@ -167,7 +173,7 @@ class Trainer:
             check_loaders(train_loader, val_loader)
             self.job = Job()
             with self.preemption, determinism(self.options.deterministic, model):
-                self._exit_if_preempted_before_training()
+                exit_if_preempted(self.job, self.preemption)
                 self.run.open()
                 try:
                     with self.run.locked(self.job, self.options.lease_seconds):
@@ -180,6 +186,7 @@ class Trainer:
         return self.logs
 
     def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
+        self.startup.mark("run directory and its lock")
         self.run_log = RunLog(
             self.run,
             self.options.tensorboard,
@@ -207,7 +214,9 @@ class Trainer:
         progress = self.progress
         try:
             restored = resume(self.checkpointer, self.entries, val_loader, self.options.seed)
-            self._exit_if_preempted_before_training()
+            self.resumed = restored is not None
+            self.startup.resumed(restored.seconds if restored else {})
+            exit_if_preempted(self.job, self.preemption)
             if restored is None:
                 self.run_log.restart()
                 seed_everything(self.options.seed)
@@ -215,9 +224,7 @@ class Trainer:
                 ready_scaler(self.scaler, self.optimizer)  # a resumed run's pending window
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
-            self.schedule = SaveSchedule(
-                self.options.checkpoint_every_steps, self.options.checkpoint_every_seconds
-            )
+            self.schedule = SaveSchedule.of_run(self.options, self.run, self.checkpointer, self.job)
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             while progress.epoch < self.options.max_epochs and not self._max_steps_reached():
@@ -230,6 +237,7 @@ class Trainer:
                 call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
                 progress.next_epoch()
             self._save()
+            self.schedule.history.end("finished")
         finally:
             self.checkpointer.close()
             self.run_log.close()
@@ -247,6 +255,7 @@ class Trainer:
             self.options.progress_bar and self.job.first, loader, progress, "train"
         ) as batches:
             for batch in batches:
+                self.startup.first_batch()
                 output = self.training_step(model, batch)
                 loss = step_loss(output)
                 # Dividing by 1 would add a no-op node to the graph: skip it.
@@ -300,6 +309,7 @@ class Trainer:
         )
         with bar(self.options.progress_bar and self.job.first, loader, progress, "val") as batches:
             for batch in batches:
+                self.startup.first_batch()
                 output = step(model, batch)
                 progress.val_batch_done(step_loss(output))
                 if progress.val_batches % log_every == 0:  # as in training: the one host read
@@ -315,6 +325,7 @@ class Trainer:
 
     def _after_batch(self) -> None:
         """A step boundary: save if a preemption signal came (then exit) or if it is time."""
+        self.startup.first_step(self.resumed)
         progress, received = self.progress, self.preemption.received
         preempted, time_due = received is not None, self.schedule.by_time()
         if self.job.distributed:  # act only on what every rank knows, at the same batch
@@ -333,31 +344,19 @@ class Trainer:
                 f"{progress.where()} committed"
             )
             self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
+            self.schedule.history.end("preempted")
             say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
             call_hooks(self.options.callbacks, "on_preempted", self, seconds)
             exit_to_be_requeued()
         if time_due or self.schedule.by_steps(progress):
             self._save(blocking=not self.options.async_save, periodic=True)
 
-    def _exit_if_preempted_before_training(self) -> None:
-        (preempted,) = self.job.any_of(self.preemption.received is not None)
-        if preempted:
-            received = self.preemption.received
-            name = (
-                received.name if received is not None else "a preemption signal (on another rank)"
-            )
-            self.preemption.ignore_until_exit()
-            say(
-                f"{name} received before training started: nothing new to save; "
-                f"exiting with {EXIT_CODE} to be requeued"
-            )
-            exit_to_be_requeued()
-
     def _save(self, blocking: bool = True, periodic: bool = False) -> None:
         # A periodic save that cannot reach object storage (RemoteUnavailable, after its
         # retries) does not stop training: it is reported and the next one tries again. One
         # process only: under torch.distributed the ranks raise together (the job restarts).
         tolerate = periodic and not self.job.distributed
+        started = time.perf_counter()  # what the save holds training for: the wait included
         try:
             self.checkpointer.wait()  # the background save before it: it may have failed
         except RemoteUnavailable as error:
@@ -377,6 +376,7 @@ class Trainer:
             say(f"checkpoint at {self.progress.where()} failed ({error}); training goes on")
             return
         self.progress.saved_at = self.progress.ticks
+        self.schedule.measured(time.perf_counter() - started)
 
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
