@@ -58,6 +58,11 @@ BENCHMARKS: list[tuple[str, str]] = [
         "remote_checkpoint",
         "Checkpoints in object storage vs torch.save+fsspec and DCP FsspecWriter",
     ),
+    (
+        "goodput",
+        "Goodput under random kills and preemptions: plain PyTorch, Lightning, Lightning + "
+        "unbroken, unbroken's Trainer",
+    ),
 ]
 
 # One colour per library everywhere, so a reader learns it once: unbroken in blues (its
@@ -745,6 +750,31 @@ def plot_remote_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str
     ]
 
 
+def plot_goodput(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    """The figure ``goodput.py`` draws itself on a full run (its ``draw``), from the JSON, as
+    for remote_checkpoint."""
+    from types import SimpleNamespace
+
+    sys.modules.setdefault("report", sys.modules[__name__])
+    sys.path.insert(0, str(HERE))
+    from goodput import draw  # imports torch and unbroken: only when there are results
+
+    results = SimpleNamespace(
+        data=payload["data"],
+        quick=payload.get("quick", False),
+        command=payload.get("command", "?"),
+        environment=payload.get("environment", {}),
+    )
+    draw(results, str(out / "goodput.png"))
+    return [
+        (
+            "goodput.png",
+            "Goodput against the mean time between failures: plain PyTorch, Lightning, "
+            "Lightning + unbroken and unbroken's Trainer",
+        )
+    ]
+
+
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "overhead": plot_overhead,
     "resume_latency": plot_resume_latency,
@@ -756,6 +786,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "ddp_checkpoint": plot_ddp_checkpoint,
     "stream_peers": plot_stream_peers,
     "remote_checkpoint": plot_remote_checkpoint,
+    "goodput": plot_goodput,
 }
 
 

@@ -22,7 +22,10 @@ REFUSED = {
     "max_epochs": (0, "max_epochs must be a positive int, got 0"),
     "max_steps": (-1, "max_steps must be a positive int, got -1"),
     "seed": (-3, r"seed must be an int in \[0, 2\*\*64\), got -3"),
-    "checkpoint_every_seconds": (0, "checkpoint_every_seconds must be a number > 0 or None, got 0"),
+    "checkpoint_every_seconds": (
+        0,
+        "checkpoint_every_seconds must be 'auto', a number > 0 or None, got 0",
+    ),
     "checkpoint_every_steps": (True, "checkpoint_every_steps must be a positive int, got True"),
     "keep": (1, "keep must be an int >= 2, got 1"),
     "accumulate": (2.0, "accumulate must be a positive int, got 2.0"),
