@@ -211,6 +211,24 @@ def add_json_option(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def write_plot(given: str | None, quick: bool, name: str, draw: Any, results: Results) -> None:
+    """``draw(results, path)`` at ``--plot``'s path (``given``; ``''``: none; by default
+    ``benchmarks/plots/NAME.png`` on a full run, none with ``--quick``). A plot that fails is
+    reported, not raised: the numbers are already printed and saved."""
+    path = (
+        given
+        if given is not None
+        else ("" if quick else str(REPO / "benchmarks" / "plots" / f"{name}.png"))
+    )
+    if not path:
+        return
+    try:
+        draw(results, path)
+        print(f"[plot written to {path}]", file=sys.stderr, flush=True)
+    except Exception as error:  # the numbers are printed and saved: a plot is extra
+        print(f"[no plot: {type(error).__name__}: {error}]", file=sys.stderr, flush=True)
+
+
 def jsonable(value: Any) -> Any:
     """``value`` with what JSON cannot hold made plain: tuples and sets become lists, paths
     strings, and non-finite floats strings (``--quick`` sets ``max_foreign`` to inf, which

@@ -563,7 +563,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from _common import ForeignLoad, Results, environment, load_line, table
+    from _common import ForeignLoad, Results, environment, load_line, table, write_plot
 
     from unbroken.testing import S3Server
 
@@ -833,17 +833,7 @@ def run(args: argparse.Namespace) -> None:
         "errors": errors,
     }
     results.write()
-    plot = (
-        args.plot
-        if args.plot is not None
-        else ("" if args.quick else str(HERE / "plots" / "remote_checkpoint.png"))
-    )
-    if plot:
-        try:
-            draw(results, plot)
-            print(f"[plot written to {plot}]", file=sys.stderr, flush=True)
-        except Exception as error:  # the numbers are printed and saved: a plot is extra
-            print(f"[no plot: {type(error).__name__}: {error}]", file=sys.stderr, flush=True)
+    write_plot(args.plot, args.quick, "remote_checkpoint", draw, results)
 
 
 def draw(results: Any, path: str) -> None:
