@@ -49,12 +49,13 @@ demo-stream: $(STAMP)
 demo-spot: $(STAMP)
 	$(PY) demo/train_digits_spot.py
 
-# Every side-by-side benchmark, in RESULTS.md's order (~25 min on 2 idle cores; stream_peers.py
+# Every side-by-side benchmark, in RESULTS.md's order (~75 min on 2 idle cores, goodput.py ~47 of
+# them: 4 failure traces x 9 configurations of a 45-s job, run one at a time; stream_peers.py
 # creates .venv-peers/ once), each writing bench_output/NAME.json; then benchmarks/report.py draws
 # benchmarks/plots/*.png and rewrites the generated section of benchmarks/RESULTS.md. A failing
 # benchmark does not stop the others, but make fails at the end. `make bench-quick`: the same with
-# every script's --quick (~5 min, 3 of them stream_peers.py's; checks the pipeline, its numbers are
-# noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
+# every script's --quick (~9 min, 3 of them stream_peers.py's, 3.5 goodput.py's; checks the
+# pipeline, its numbers are noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
 BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume checkpoint_blocking \
 	stream_overhead ddp_loader ddp_checkpoint stream_peers remote_checkpoint goodput
 BENCH_FLAGS ?=

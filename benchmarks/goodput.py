@@ -529,6 +529,9 @@ def analyze(
             result["twice"], result["never"] = sample_damage(kept, args.steps // PER_EPOCH)
         result["kept_steps"] = args.steps
         result["goodput"] = reference_s / wall
+        result["goodput_after_first_failure"] = after_first_failure(
+            log, by_pid, args.steps, reference_s
+        )
         result["final_equal"] = (
             weights_equal(run_dir / "final.pt", reference_final)
             if reference_final is not None
@@ -542,6 +545,21 @@ def analyze(
         result["twice"] = result["never"] = result["final_equal"] = None
     result["steps_redone"] = result["steps_trained"] - result["kept_steps"]
     return result
+
+
+def after_first_failure(
+    log: RunLog, by_pid: dict[int, JobSession], steps: int, reference_s: float
+) -> float | None:
+    """Goodput from the first restart that resumed on: the reference time of the steps left
+    after its resume point over the wall time from its spawn to the end. Every configuration
+    meets the same failures from there on (the trace's times are the run's), and the first
+    failure, which no interval chooser can see coming, is left out: this is how well a way of
+    checkpointing does once it has seen one."""
+    for session in log.sessions[1:]:
+        job = by_pid.get(session.pid)
+        if job is not None and job.resume is not None:
+            return (steps - job.resume) / steps * reference_s / (log.end - session.spawn)
+    return None
 
 
 # --------------------------------------------------------------------------- printing
@@ -566,7 +584,7 @@ def trace_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in runs:
         if r.get("unavailable"):
-            rows.append([r["label"], r["checkpoint"], *["unavailable"] + ["-"] * 10])
+            rows.append([r["label"], r["checkpoint"], *["unavailable"] + ["-"] * 11])
             continue
         wall = f"{r['wall_s']:.1f}" + ("" if r["finished"] else f" ({r['stopped']})")
         rows.append(
@@ -575,6 +593,7 @@ def trace_rows(runs: list[dict[str, Any]]) -> list[list[str]]:
                 r["checkpoint"],
                 wall,
                 goodput_text(r),
+                fmt(r.get("goodput_after_first_failure")),
                 str(r["kills"]),
                 str(r["preemptions"]),
                 f"{r['exit0_unfinished']} / {r['crashed']}",
@@ -594,6 +613,7 @@ TRACE_HEADER = [
     "checkpoint every",
     "wall s",
     "goodput",
+    "goodput from the 1st restart on",
     "kills",
     "preemptions",
     "exit 0 unfinished / crashed",
