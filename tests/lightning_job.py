@@ -256,6 +256,7 @@ def fit(args, out: Path, ckpt_path: str | None, extra: tuple = ()) -> L.Lightnin
     callbacks.append(ModelCheckpoint(dirpath=dirpath, save_top_k=0, save_last=True, **every))
     trainer = L.Trainer(
         max_epochs=args.epochs,
+        max_steps=args.max_steps,
         accelerator="cpu",
         devices=args.devices,
         strategy="ddp" if args.devices > 1 else "auto",
@@ -334,6 +335,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--checkpoint", choices=["steps", "epoch"], default="steps")
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--accumulate", type=int, default=1)

@@ -26,6 +26,7 @@ import torch
 from unbroken.checkpoint import ObjectStorage
 from unbroken.errors import CorruptState
 from unbroken.lightning import EXIT_CODE, AtomicCheckpointIO, ExactResume
+from unbroken.lightning.loops import Place
 
 JOB = Path(__file__).with_name("lightning_job.py")
 N, BATCH = 96, 8  # the job's dataset and batch size: 12 steps an epoch on one process
@@ -461,3 +462,23 @@ def test_torch_loaders_in_the_fit_are_warned_about(tmp_path):
 def test_check_every_must_be_a_positive_int(check_every):
     with pytest.raises(ValueError, match="check_every"):
         ExactResume(check_every=check_every)
+
+
+def test_a_sigterm_in_an_epochs_last_step_of_a_run_bounded_by_max_steps(tmp_path):
+    # Found by benchmarks/goodput.py: bounded by max_steps, Lightning resumed a checkpoint of an
+    # epoch's end by training one more batch in that epoch and skipping to the epoch after the
+    # next: ExactResume saved there on a SIGTERM, and the resumed run trained 8 samples twice
+    # and 8 never. Its preemption save now waits for the next epoch's first step.
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    whole.mkdir(), cut.mkdir()
+    options = ("--no-val", "--max-steps", "30", "--epochs", "-1")
+    run(whole, *options)
+    run(cut, *options, "--signal-at", "12", expect=EXIT_CODE)  # 12 batches an epoch
+    saved = torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 13  # at the end of the next epoch's first step
+    assert "cannot go on exactly" not in run(cut, *options)
+    assert steps(cut) == steps(whole)
+    assert weights_equal(whole, cut)
+    # A checkpoint of that epoch end (Lightning's ModelCheckpoint may save one) says so on load.
+    place = Place("train_epoch_end", by_max_steps=True)
+    assert not place.exact and "max_steps" in place.problems()[0]

@@ -116,6 +116,10 @@ def test_sigkill_with_the_run_directory_in_s3_and_every_restart_on_an_empty_disk
     assert process.returncode == 0, f"the run did not finish (UNBROKEN_KILL_SEED={seed})"
     assert kills == 10 and in_uploads >= 2, (kills, in_uploads, f"UNBROKEN_KILL_SEED={seed}")
     _same_as(reference, disk, storage, url)
+    # The run's history came back from the store on every new machine: 10 processes killed,
+    # then the one that finished (checkpoint_every_seconds="auto" counts these failures).
+    history = json.loads(storage.fs.cat_file(f"{url}/history.json"))["sessions"]
+    assert [s["end"] for s in history] == [None] * 10 + ["finished"], history
     # The log's local working copy is gone with the run that finished.
     assert not [p.name for p in (disk / "tmp").iterdir() if p.name.startswith("unbroken-run-")]
 
@@ -234,3 +238,5 @@ def test_a_preemption_uploads_its_checkpoint_before_exit_75_and_a_new_machine_go
     disk, env = _machine(tmp_path, "next")
     subprocess.run([sys.executable, str(JOB), str(disk), config], cwd=disk, env=env, check=True)
     _same_as(reference, disk, storage, url)
+    history = json.loads(storage.fs.cat_file(f"{url}/history.json"))["sessions"]
+    assert [s["end"] for s in history] == ["preempted", "finished"], history

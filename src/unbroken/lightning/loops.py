@@ -57,11 +57,12 @@ class Place:
     validates_next: bool = False  # at a training batch's end, after which Lightning validates
     last_batch: bool = False  # at the end of an epoch's last training batch
     epoch_end_steps: bool = False  # before the epoch-end plateau steps and metrics (see below)
+    by_max_steps: bool = False  # at an epoch's end of a run bounded by max_steps (see below)
 
     @property
     def exact(self) -> bool:
         return not (self.accumulating or self.validates_next or self.last_batch) and not (
-            self.epoch_end_steps
+            self.epoch_end_steps or self.by_max_steps
         )
 
     def problems(self) -> list[str]:
@@ -85,6 +86,14 @@ class Place:
                 "Lightning does not run the rest of this epoch's end: its epoch-interval "
                 "ReduceLROnPlateau steps and the logging of epoch-level training metrics"
             )
+        if self.by_max_steps:
+            # Lightning 2.x, training by max_steps, takes a checkpoint of an epoch's end for
+            # one taken at the end's start: it trains one more batch in the ended epoch and
+            # starts the epoch after the next (found by benchmarks/goodput.py).
+            lost.append(
+                "Lightning, bounded by max_steps, resumes an epoch's end by training one more "
+                "batch in that epoch and then skipping to the epoch after the next"
+            )
         return lost
 
     def to_state(self) -> dict[str, Any]:
@@ -94,6 +103,7 @@ class Place:
             "validates_next": self.validates_next,
             "last_batch": self.last_batch,
             "epoch_end_steps": self.epoch_end_steps,
+            "by_max_steps": self.by_max_steps,
         }
 
 
@@ -119,9 +129,11 @@ def batch_end_place(trainer: Trainer, stepped: bool) -> Place:
 def epoch_end_place(trainer: Trainer) -> Place:
     """The place at ``on_train_epoch_end``: after it, Lightning steps the epoch-interval
     ``ReduceLROnPlateau`` schedulers and logs the epoch-level training metrics; resumed from a
-    checkpoint taken here, it does neither (it takes the epoch as done)."""
+    checkpoint taken here, it does neither (it takes the epoch as done). Bounded by
+    ``max_steps`` (its "iteration-based training"), Lightning does not resume here exactly at
+    all (``Place.problems``)."""
     steps = bool(_epoch_plateau_monitors(trainer) or training_epoch_metrics(trainer))
-    return Place("train_epoch_end", epoch_end_steps=steps)
+    return Place("train_epoch_end", epoch_end_steps=steps, by_max_steps=trainer.max_steps != -1)
 
 
 def stateful_training_loaders(trainer: Trainer) -> list[Any]:

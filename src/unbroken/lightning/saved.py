@@ -20,6 +20,7 @@ from . import loops
 VERSION = 2
 _RANK_FIELDS = {"rng", "metrics", "epoch_metrics"}
 _PLACE_FIELDS = set(loops.Place("").to_state())
+_OLDER_PLACE_FIELDS = _PLACE_FIELDS - {"by_max_steps"}  # saved before it was known (issue 26)
 _WHAT = "unbroken.lightning.ExactResume"
 
 
@@ -54,7 +55,7 @@ def read_state(state: Any) -> tuple[list[dict], dict | None]:
         or not ranks
         or not all(isinstance(r, dict) and set(r) == _RANK_FIELDS for r in ranks)
         or not isinstance(place, dict)
-        or set(place) != _PLACE_FIELDS
+        or not _OLDER_PLACE_FIELDS <= set(place) <= _PLACE_FIELDS
     ):
         raise CorruptState(
             f"{_WHAT} state: expected {{'version': {VERSION}, 'ranks': [{{'rng': ..., "
