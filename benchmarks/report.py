@@ -723,16 +723,19 @@ def plot_stream_peers(payload: dict[str, Any], out: Path) -> list[tuple[str, str
     ]
 
 
-def plot_remote_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    """The figure ``remote_checkpoint.py`` draws itself on a full run (its ``draw``, with this
+def _drawn_by_script(
+    payload: dict[str, Any], out: Path, name: str, caption: str
+) -> list[tuple[str, str]]:
+    """The figure benchmark ``name`` draws itself on a full run (its ``draw``, with this
     module's helpers), here from the JSON, so that the two are one drawing."""
+    import importlib
     from types import SimpleNamespace
 
     # draw() imports "report": let that be this module, not a second copy of it when this
     # script runs as __main__.
     sys.modules.setdefault("report", sys.modules[__name__])
     sys.path.insert(0, str(HERE))
-    from remote_checkpoint import draw  # imports torch: only when there are results to draw
+    draw = importlib.import_module(name).draw  # imports torch: only when there are results
 
     results = SimpleNamespace(
         data=payload["data"],
@@ -740,39 +743,28 @@ def plot_remote_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str
         command=payload.get("command", "?"),
         environment=payload.get("environment", {}),
     )
-    draw(results, str(out / "remote_checkpoint.png"))
-    return [
-        (
-            "remote_checkpoint.png",
-            "Checkpoints in object storage: save, loop stall, load and fresh-process resume vs "
-            "torch.save+fsspec and DCP FsspecWriter",
-        )
-    ]
+    draw(results, str(out / f"{name}.png"))
+    return [(f"{name}.png", caption)]
+
+
+def plot_remote_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    return _drawn_by_script(
+        payload,
+        out,
+        "remote_checkpoint",
+        "Checkpoints in object storage: save, loop stall, load and fresh-process resume vs "
+        "torch.save+fsspec and DCP FsspecWriter",
+    )
 
 
 def plot_goodput(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    """The figure ``goodput.py`` draws itself on a full run (its ``draw``), from the JSON, as
-    for remote_checkpoint."""
-    from types import SimpleNamespace
-
-    sys.modules.setdefault("report", sys.modules[__name__])
-    sys.path.insert(0, str(HERE))
-    from goodput import draw  # imports torch and unbroken: only when there are results
-
-    results = SimpleNamespace(
-        data=payload["data"],
-        quick=payload.get("quick", False),
-        command=payload.get("command", "?"),
-        environment=payload.get("environment", {}),
+    return _drawn_by_script(
+        payload,
+        out,
+        "goodput",
+        "Goodput against the mean time between failures: plain PyTorch, Lightning, "
+        "Lightning + unbroken and unbroken's Trainer",
     )
-    draw(results, str(out / "goodput.png"))
-    return [
-        (
-            "goodput.png",
-            "Goodput against the mean time between failures: plain PyTorch, Lightning, "
-            "Lightning + unbroken and unbroken's Trainer",
-        )
-    ]
 
 
 PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
