@@ -35,6 +35,7 @@ import os
 import statistics
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -168,7 +169,7 @@ class SaveSchedule:
         every_steps: int | None,
         every_seconds: float | str | None,
         history: History,
-        in_flight: Callable[[], bool] = lambda: False,
+        in_flight: Callable[[], bool] | None = None,
         first: bool = True,
     ) -> None:
         self.every_steps, self.history = every_steps, history
@@ -189,7 +190,8 @@ class SaveSchedule:
             options.checkpoint_every_steps,
             options.checkpoint_every_seconds,
             History(run, write=job.first),
-            in_flight=lambda: checkpointer.in_flight,
+            # Blocking saves take nothing from the batches: no batch is timed for them.
+            in_flight=(lambda: checkpointer.in_flight) if options.async_save else None,
             first=job.first,
         )
 
@@ -223,13 +225,15 @@ class SaveSchedule:
 class AutoInterval:
     """``checkpoint_every_seconds="auto"`` (see the module): the interval from the measured cost
     of this run's saves and the failures in its history. ``in_flight`` says whether a background
-    save is being written. ``decide``: this rank chooses (the first); the others never call a
-    save due by time and follow the first rank's."""
+    save is being written (``None``: saves block, and no batch is timed). ``decide``: this rank
+    chooses (the first); the others never call a save due by time and follow the first rank's."""
 
-    def __init__(self, history: History, in_flight: Callable[[], bool], decide: bool) -> None:
+    def __init__(
+        self, history: History, in_flight: Callable[[], bool] | None, decide: bool
+    ) -> None:
         self.history, self.in_flight, self.decide = history, in_flight, decide
         self.costs: list[float] = []
-        self.batch: list[float] = []  # recent batch times without a save in flight
+        self.batch: deque[float] = deque(maxlen=50)  # recent batch times, no save in flight
         self.stolen = 0.0  # time a background save took from the batches beside it
         self._last_batch: float | None = None
         self._said: float | None = None
@@ -242,6 +246,8 @@ class AutoInterval:
 
     def batch_done(self, now: float) -> None:
         """Called after every batch: the batch's time, and whether a save was written beside it."""
+        if self.in_flight is None:
+            return
         last, self._last_batch = self._last_batch, now
         if last is None:
             return
@@ -250,7 +256,7 @@ class AutoInterval:
             if self.batch:
                 self.stolen += max(0.0, took - statistics.median(self.batch))
         else:
-            self.batch = [*self.batch[-49:], took]
+            self.batch.append(took)
 
     def measured(self, blocked: float) -> None:
         """A save held training ``blocked`` seconds (for a background save: what its writing
