@@ -59,6 +59,7 @@ import torch
 
 from .._checks import is_int, is_number
 from .._state import has_state
+from ..distributed.reduction import is_exact, warn_inexact
 from ..errors import CorruptCheckpoint
 from . import layout
 from .background import BackgroundSave
@@ -282,6 +283,9 @@ class Checkpointer:
                 if isinstance(saved[name], LocalCopy):  # downloaded from object storage
                     saved[name].remove()
                 ranks.settle(loaded, f"loading state[{name!r}] of checkpoint {path} with DCP")
+            for obj in objects.values():  # a DDP model on 3+ ranks: exact only with a fix
+                if not is_exact(obj):
+                    warn_inexact("unbroken.Checkpointer", obj)
             return Restored(
                 step=step,
                 path=path,

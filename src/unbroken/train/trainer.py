@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.manager import Checkpointer
+from ..distributed.reduction import ensure_exact
 from ..errors import RemoteUnavailable
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
@@ -172,6 +173,8 @@ class Trainer:
             self.val_metrics = dict(val_metrics or {})
             check_loaders(train_loader, val_loader)
             self.job = Job()
+            # DDP on 3+ ranks: gradients summed in an order its bucket rebuild cannot change.
+            ensure_exact(model, "unbroken.Trainer")
             with self.preemption, determinism(self.options.deterministic, model):
                 exit_if_preempted(self.job, self.preemption)
                 self.run.open()

@@ -1,0 +1,132 @@
+"""Run by torchrun (gloo, 3 ranks) from test_exact_reduction.py: DDP's gradient sums with and
+without ``unbroken.distributed.exact_reduce``, and a user's own DDP loop resumed from a
+``Checkpointer`` by a fresh DDP model, as a restarted process would be. Rank 0 writes what it
+saw to ``<out>/seen.json``; a check that fails on any rank fails the job."""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import unbroken
+import unbroken.distributed
+from unbroken.distributed import InexactReduction, exact_reduce
+
+OUT = Path(sys.argv[1])
+torch.set_num_threads(1)
+unbroken.distributed.init_process_group("gloo")
+RANK, WORLD = dist.get_rank(), dist.get_world_size()
+seen = {}
+
+
+def net():
+    torch.manual_seed(0)  # the same weights on every rank
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, 48),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(48, 48),
+        torch.nn.ReLU(),
+        torch.nn.Linear(48, 4),
+    )
+
+
+def batch(step):
+    generator = torch.Generator().manual_seed(1000 * step + RANK)  # each rank its own data
+    return torch.randn(16, 12, generator=generator), torch.randint(0, 4, (16,), generator=generator)
+
+
+def gradients(model, step, iterations):
+    """The reduced gradients of one batch, computed ``iterations`` times (DDP rebuilds its
+    buckets after the first), each from the same weights and the same dropout draws."""
+    out = []
+    for _ in range(iterations):
+        torch.manual_seed(step * 7 + RANK)
+        x, y = batch(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# 1. One batch's gradients: the same in the first and in the rebuilt layout, whatever the bucket
+# size, with exact_reduce; and what the documented reduction gives, computed here without DDP:
+# the parameters in chunks of module order, each flattened, divided by the world size and
+# all-reduced as one tensor (all the parameters fit one 25 MB chunk).
+exact = {cap: gradients(exact_reduce(DDP(net(), bucket_cap_mb=cap)), 0, 2) for cap in (25, 0.002)}
+runs = [run for cap in exact for run in exact[cap]]
+assert all(same(runs[0], run) for run in runs[1:]), "exact_reduce depends on the layout"
+alone = net()
+torch.manual_seed(7 * 0 + RANK)
+x, y = batch(0)
+torch.nn.functional.cross_entropy(alone(x), y).backward()
+local = [p.grad for p in alone.parameters()]
+flat = torch.cat([g.reshape(-1) for g in local]) / WORLD
+dist.all_reduce(flat)
+reference = list(torch.split(flat, [g.numel() for g in local]))
+assert same(runs[0], [r.view_as(g) for r, g in zip(reference, local)]), "not the chunked sum"
+# The mean of the ranks' gradients, gathered and averaged in rank order: close, not equal.
+gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
+dist.all_gather(gathered, torch.cat([g.reshape(-1) for g in local]))
+mean = torch.stack(gathered).sum(0) / WORLD
+assert torch.allclose(torch.cat([g.reshape(-1) for g in runs[0]]), mean, atol=1e-6)
+# Without it, DDP's own layouts give other sums: the hazard the hook removes.
+stock = gradients(DDP(net(), bucket_cap_mb=0.002), 0, 2)
+seen["stock layouts differ"] = not same(stock[0], stock[1])
+
+
+# 2. A user's own loop, saving every 4 steps; "restarted" after step 6 by a fresh DDP model (a
+# new process's layout) that loads the newest checkpoint (step 4) and trains on.
+def train(wrap, directory, steps, resume=False):
+    model = wrap(DDP(net()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    checkpointer = unbroken.Checkpointer(directory, keep=2)
+    state = {"model": model, "optimizer": optimizer}
+    start = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if resume:
+            start = checkpointer.load_latest(state).step
+    inexact = [w for w in caught if issubclass(w.category, InexactReduction)]
+    for step in range(start, steps):
+        torch.manual_seed(step * 7 + RANK)
+        x, y = batch(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % 4 == 0:
+            checkpointer.save(step + 1, state)
+    checkpointer.close()
+    return [p.detach().clone() for p in model.parameters()], len(inexact)
+
+
+for name, wrap in (("exact", exact_reduce), ("stock", lambda model: model)):
+    whole, _ = train(wrap, OUT / f"{name}-whole", 10)
+    train(wrap, OUT / f"{name}-cut", 6)  # the "killed" run: its newest checkpoint is step 4
+    resumed, warned = train(wrap, OUT / f"{name}-cut", 10, resume=True)
+    seen[f"{name} resumed equal"] = same(whole, resumed)
+    seen[f"{name} warned"] = warned
+    seen[f"{name} max diff"] = max((a - b).abs().max().item() for a, b in zip(whole, resumed))
+
+# 3. A model with a hook of its own cannot take exact_reduce: refused with the reason.
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
+
+hooked = DDP(net())
+hooked.register_comm_hook(None, allreduce_hook)
+try:
+    exact_reduce(hooked)
+    seen["second hook"] = "accepted"
+except RuntimeError as error:
+    seen["second hook"] = str(error)
+
+if RANK == 0:
+    (OUT / "seen.json").write_text(json.dumps(seen))
+dist.destroy_process_group()
