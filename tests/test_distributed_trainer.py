@@ -107,8 +107,7 @@ def test_an_uninterrupted_job_trains_on_each_sample_once_per_epoch(reference):
     # The logged epoch loss is the mean over the ranks of each rank's mean, on every rank.
     for epoch in range(EPOCHS):
         means = [
-            statistics.fmean(line[3] for line in lines[r] if line[0] == epoch)
-            for r in range(RANKS)
+            statistics.fmean(line[3] for line in lines[r] if line[0] == epoch) for r in range(RANKS)
         ]
         logged = [
             dict(map(json.loads, (reference / f"epochs.rank{r}.jsonl").read_text().splitlines()))
