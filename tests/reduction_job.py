@@ -84,9 +84,10 @@ seen["stock layouts differ"] = not same(stock[0], stock[1])
 
 
 # 2. A user's own loop, saving every 4 steps; "restarted" after step 6 by a fresh DDP model (a
-# new process's layout) that loads the newest checkpoint (step 4) and trains on.
-def train(wrap, directory, steps, resume=False):
-    model = wrap(DDP(net()))
+# new process's layout) that loads the newest checkpoint (step 4) and trains on. DDP made with
+# find_unused_parameters=True never rebuilds its buckets: exact without the hook, and not warned.
+def train(wrap, directory, steps, resume=False, **ddp):
+    model = wrap(DDP(net(), **ddp))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     checkpointer = unbroken.Checkpointer(directory, keep=2)
     state = {"model": model, "optimizer": optimizer}
@@ -108,10 +109,18 @@ def train(wrap, directory, steps, resume=False):
     return [p.detach().clone() for p in model.parameters()], len(inexact)
 
 
-for name, wrap in (("exact", exact_reduce), ("stock", lambda model: model)):
-    whole, _ = train(wrap, OUT / f"{name}-whole", 10)
-    train(wrap, OUT / f"{name}-cut", 6)  # the "killed" run: its newest checkpoint is step 4
-    resumed, warned = train(wrap, OUT / f"{name}-cut", 10, resume=True)
+def as_made(model):
+    return model
+
+
+for name, wrap, ddp in (
+    ("exact", exact_reduce, {}),
+    ("stock", as_made, {}),
+    ("unused", as_made, {"find_unused_parameters": True}),
+):
+    whole, _ = train(wrap, OUT / f"{name}-whole", 10, **ddp)
+    train(wrap, OUT / f"{name}-cut", 6, **ddp)  # the "killed" run: its newest checkpoint is step 4
+    resumed, warned = train(wrap, OUT / f"{name}-cut", 10, resume=True, **ddp)
     seen[f"{name} resumed equal"] = same(whole, resumed)
     seen[f"{name} warned"] = warned
     seen[f"{name} max diff"] = max((a - b).abs().max().item() for a, b in zip(whole, resumed))

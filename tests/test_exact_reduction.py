@@ -51,6 +51,10 @@ def test_without_it_the_resumed_run_differs_and_the_resume_warns(seen):
     assert seen["stock warned"] == 1
 
 
+def test_ddp_that_never_rebuilds_its_buckets_is_exact_without_the_hook_and_not_warned(seen):
+    assert seen["unused resumed equal"] and seen["unused warned"] == 0
+
+
 def test_a_model_with_its_own_hook_is_refused_with_the_reason(seen):
     assert "already has a communication hook" in seen["second hook"]
     assert "can only be called once" in seen["second hook"]
