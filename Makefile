@@ -57,7 +57,7 @@ demo-spot: $(STAMP)
 # every script's --quick (~9 min, 3 of them stream_peers.py's, 3.5 goodput.py's; checks the
 # pipeline, its numbers are noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
 BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume checkpoint_blocking \
-	stream_overhead ddp_loader ddp_checkpoint stream_peers remote_checkpoint goodput
+	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput
 BENCH_FLAGS ?=
 define run-benchmarks
 @failed=""; for b in $(BENCHMARKS); do \

@@ -53,6 +53,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("stream_overhead", "Iterable dataset: state shipping overhead"),
     ("ddp_loader", "Data-parallel training: loaders, preemption agreement, resume"),
     ("ddp_checkpoint", "Checkpoints of a 2-rank job: DDP vs FSDP2 through DCP"),
+    ("ddp_reduction", "What exact_reduce costs a DDP step on 3 ranks"),
     ("stream_peers", "Streaming from object storage: unbroken vs MosaicML Streaming and LitData"),
     (
         "remote_checkpoint",
@@ -776,6 +777,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "stream_overhead": plot_stream_overhead,
     "ddp_loader": plot_ddp_loader,
     "ddp_checkpoint": plot_ddp_checkpoint,
+    "ddp_reduction": lambda payload, out: [],  # a table only
     "stream_peers": plot_stream_peers,
     "remote_checkpoint": plot_remote_checkpoint,
     "goodput": plot_goodput,

@@ -69,9 +69,10 @@ def test_chunks_follow_the_module_order_and_split_by_size_and_dtype():
         torch.zeros(10, dtype=torch.float64),
     ]
     state = ExactReduction(params, chunk_mb=0.3)
+    # Filled from the end (the gradients ready first): the first layers' chunk is the remainder.
     sizes = [[tuple(p.shape) for p in chunk] for chunk in state.chunks]
-    assert sizes == [[(256, 256), (256,)], [(256, 256)], [(10,), (10,)]]
-    assert [state.where[id(p)] for p in params] == [0, 0, 1, 2, 2]
+    assert sizes == [[(256, 256)], [(256,), (256, 256)], [(10,), (10,)]]
+    assert [state.where[id(p)] for p in params] == [0, 1, 1, 2, 2]
     assert len(ExactReduction(params).chunks) == 2  # 25 MB: one chunk per dtype
 
 

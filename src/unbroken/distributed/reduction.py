@@ -63,9 +63,11 @@ class ExactReduction:
             raise ValueError(f"chunk_mb must be > 0, got {chunk_mb!r}")
         self.group = group
         self.chunks: list[list[torch.Tensor]] = []
-        self.where: dict[int, int] = {}  # id(parameter) -> its chunk
+        # Chunks are filled from the module's end: gradients become ready roughly from the
+        # last layer to the first, so the chunk completed last (the first layers') is the
+        # remainder, the smallest, and the least all-reduce waits after the backward.
         cap, size, key = chunk_mb * 2**20, 0.0, None
-        for parameter in parameters:
+        for parameter in reversed(parameters):
             if parameter.layout != torch.strided:
                 raise ValueError("exact_reduce takes dense parameters only")
             nbytes = parameter.numel() * parameter.element_size()
@@ -74,15 +76,23 @@ class ExactReduction:
                 self.chunks.append([])
                 key, size = this, 0.0
             self.chunks[-1].append(parameter)
-            self.where[id(parameter)] = len(self.chunks) - 1
             size += nbytes
-        # Per iteration: each chunk's gradients seen so far, None once it is reduced.
+        self.chunks = [chunk[::-1] for chunk in reversed(self.chunks)]  # the module's order
+        self.where: dict[int, int] = {
+            id(p): index for index, chunk in enumerate(self.chunks) for p in chunk
+        }
+        # Per iteration: each chunk's gradients seen so far (None once it is sent), and a
+        # future set once it is reduced and copied back into its buckets.
         self._views: list[dict[int, torch.Tensor] | None] = [{} for _ in self.chunks]
+        self._done: list[torch.futures.Future[None]] = []
 
-    def reduce(self, bucket: dist.GradBucket) -> None:
-        """Take this bucket's gradients; all-reduce each chunk they complete."""
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Take this bucket's gradients and all-reduce each chunk they complete; the future
+        is the bucket's buffer once every chunk with a gradient in it is reduced."""
         if bucket.index() == 0:  # a new iteration: DDP hands the buckets over in order
             self._views = [{} for _ in self.chunks]
+            self._done = [torch.futures.Future() for _ in self.chunks]
+        touched: list[int] = []
         for parameter, gradient in zip(bucket.parameters(), bucket.gradients()):
             chunk = self.where.get(id(parameter))
             if chunk is None:
@@ -97,6 +107,8 @@ class ExactReduction:
                     "exact_reduce: a parameter's gradient came twice in one iteration"
                 )
             views[id(parameter)] = gradient
+            if chunk not in touched:
+                touched.append(chunk)
             if len(views) == len(self.chunks[chunk]):
                 self._all_reduce(chunk)
         if bucket.is_last():
@@ -107,33 +119,52 @@ class ExactReduction:
                     "reduce every parameter exact_reduce expected (parameters_to_ignore changed "
                     "after the model was wrapped?)"
                 )
+        buffer = bucket.buffer()
+
+        def reduced(chunks: torch.futures.Future[list[torch.futures.Future[None]]]) -> torch.Tensor:
+            for done in chunks.value():
+                done.wait()  # raises what the chunk's all-reduce raised
+            return buffer
+
+        return torch.futures.collect_all([self._done[c] for c in touched]).then(reduced)
 
     def _all_reduce(self, chunk: int) -> None:
-        views = self._views[chunk]
+        views, done = self._views[chunk], self._done[chunk]
         assert views is not None
+        self._views[chunk] = None
         ordered = [views[id(p)] for p in self.chunks[chunk]]
         flat = torch.cat([view.reshape(-1) for view in ordered])
         flat.div_(dist.get_world_size(self.group))
-        dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for view in ordered:
-            view.copy_(flat[offset : offset + view.numel()].view_as(view))
-            offset += view.numel()
-        self._views[chunk] = None
+        if flat.is_cuda:  # NCCL orders it on the stream, the copies after it: the host goes on
+            dist.all_reduce(flat, group=self.group)
+            _unflatten(flat, ordered)
+            done.set_result(None)
+            return
+
+        # gloo: in the background, the copies back as it completes; the backward goes on.
+        def finish(work: torch.futures.Future[Any]) -> None:
+            try:
+                work.wait()
+                _unflatten(flat, ordered)
+                done.set_result(None)
+            except Exception as error:
+                done.set_exception(error)  # type: ignore[arg-type]  # torch's stub: T, not an error
+
+        dist.all_reduce(flat, group=self.group, async_op=True).get_future().then(finish)
+
+
+def _unflatten(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+    offset = 0
+    for view in views:
+        view.copy_(flat[offset : offset + view.numel()].view_as(view))
+        offset += view.numel()
 
 
 def exact_allreduce_hook(
     state: ExactReduction, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """The DDP communication hook of ``ExactReduction`` (``state``); see the module.
-
-    The bucket's future is complete at once: DDP reads a bucket's values only after the last
-    bucket's hook has run, and by then every chunk has been reduced into the buckets.
-    """
-    state.reduce(bucket)
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done.set_result(bucket.buffer())
-    return done
+    """The DDP communication hook of ``ExactReduction`` (``state``); see the module."""
+    return state.reduce(bucket)
 
 
 def exact_reduce(model: DistributedDataParallel, chunk_mb: float = 25.0) -> DistributedDataParallel:

@@ -1,0 +1,158 @@
+"""What ``exact_reduce`` costs a DDP step on 3 ranks (torchrun, gloo, CPU), against DDP's own
+bucketed all-reduce of the same model in the same processes.
+
+``exact_reduce`` copies each chunk of gradients into one flat tensor in the module's order,
+all-reduces it and copies it back, so that a resumed step sums as the uninterrupted one did
+(see ``unbroken.distributed.reduction``). DDP's own reduction is not exact across a resume on 3
+or more ranks: this measures the price of exactness, not a race between equals.
+
+Two models (``--width`` x ``--width`` linear layers): "small" (2 layers) and "large"
+(``--layers``, default 8 layers of 1024: 8.4 M parameters, 34 MB of gradients: 2 chunks of 25 MB).
+Each variant is its own DDP model built from the same weights; a round times ``--steps``
+training steps (forward, backward, SGD step) of each variant, in an order that alternates
+between rounds; the figure is the median step over all rounds, and the ratio exact / stock.
+
+    .venv/bin/python benchmarks/ddp_reduction.py            # ~1 minute on 2 cores
+    .venv/bin/python benchmarks/ddp_reduction.py --quick    # smoke run: few steps (noise)
+
+The numbers also go to ``bench_output/ddp_reduction.json`` (``--json PATH``; ``--json ''`` for
+none), from which ``benchmarks/report.py`` renders RESULTS.md's generated section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, Results, add_json_option, environment, load_line, table
+
+import unbroken.distributed
+from unbroken.distributed import exact_reduce
+
+RANKS = 3
+VARIANTS = ("DDP (stock)", "DDP + exact_reduce")
+
+
+def build(
+    layers: int, width: int, exact: bool, chunk_mb: float
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    blocks: list[torch.nn.Module] = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*blocks))
+    if exact:
+        exact_reduce(model, chunk_mb=chunk_mb)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    unbroken.distributed.init_process_group("gloo")
+    rank = dist.get_rank()
+    sizes = {"small": 2, "large": args.layers}
+    times: dict[str, list[float]] = {}
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    for size, layers in sizes.items():
+        built = {
+            name: build(layers, args.width, exact, args.chunk_mb)
+            for name, exact in zip(VARIANTS, (False, True))
+        }
+        for model, optimizer in built.values():  # warm-up: DDP rebuilds its buckets here
+            for _ in range(2):
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        for round_ in range(args.rounds):
+            for name in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
+                model, optimizer = built[name]
+                dist.barrier()
+                for _ in range(args.steps):
+                    start = time.perf_counter()
+                    model(x).square().mean().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    times.setdefault(f"{size}|{name}", []).append(time.perf_counter() - start)
+        built.clear()
+    if rank == 0:
+        Path(args.out, "results.json").write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 3 steps")
+    add_json_option(parser, "ddp_reduction")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.steps, args.rounds = 3, 2
+    results = Results("ddp_reduction", args.json, args)
+    out = tempfile.mkdtemp(prefix="ddp-reduction-", dir=REPO)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--standalone", f"--nproc-per-node={RANKS}", __file__, "--worker"]
+    for flag in ("layers", "width", "batch", "steps", "rounds", "chunk_mb"):
+        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    try:
+        subprocess.run(
+            command + ["--out", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
+        measured = json.loads(Path(out, "results.json").read_text())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    print("\n".join(environment()))
+    print(load_line())
+    rows, medians = [], {}
+    for size, layers in (("small", 2), ("large", args.layers)):
+        parameters = layers * (args.width * args.width + args.width)
+        step = {name: statistics.median(measured[f"{size}|{name}"]) * 1e3 for name in VARIANTS}
+        medians[size] = step
+        rows.append(
+            [
+                f"{layers} x Linear({args.width}, {args.width}) ({parameters * 4 / 1e6:.0f} MB)",
+                f"{step[VARIANTS[0]]:.1f}",
+                f"{step[VARIANTS[1]]:.1f}",
+                f"{step[VARIANTS[1]] / step[VARIANTS[0]]:.2f}x",
+            ]
+        )
+    print()
+    print(
+        results.table(
+            f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)",
+            table(["model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock"], rows),
+        )
+    )
+    note = (
+        f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
+        f"per rank, 1 thread per rank; command: .venv/bin/python benchmarks/ddp_reduction.py"
+    )
+    print(f"\n{note}")
+    results.notes.append(note)
+    results.data = {"median_ms": medians, "times_s": measured, "ranks": RANKS}
+    results.write()
+
+
+if __name__ == "__main__":
+    main()
