@@ -129,6 +129,42 @@ def test_auto_measures_first_then_assumes_hours_then_learns_from_failures(
     assert hurried.interval == pytest.approx(MIN_SECONDS)  # 32 s / 4 failures / 4 = 2 s
 
 
+def _said(capfd):
+    return [x for x in capfd.readouterr().err.splitlines() if "checkpoint interval" in x]
+
+
+def test_the_interval_is_printed_when_chosen_and_when_it_changes_not_at_every_save(
+    tmp_path, monkeypatch, capfd
+):
+    """The costs `make demo`'s first process measured (a run's first saves are slower) moved
+    the interval 10-15% at each of its first saves, and each move was printed; now a line says
+    the first choice, the first measured one, and then only a move by half or more, or new
+    reasons (the prior given up, a bound reached)."""
+    monkeypatch.setattr(schedule, "_now", lambda: 100.0)
+    auto = AutoInterval(_history(tmp_path, []), lambda: False, decide=True)
+    for cost in [0.015, 0.011, 0.008, 0.009, 0.010, 0.008, 0.009] * 3:
+        auto.measured(cost)
+    first, measured = _said(capfd)
+    assert "60.0 s (auto: the first save measures its cost)" in first
+    assert f"interval {daly_interval(0.015, PRIOR_MTBF):.1f} s (auto: " in measured
+    assert auto.interval < daly_interval(0.015, PRIOR_MTBF) / 1.25  # moved, quietly
+    for _ in range(3):  # a slower disk: saves cost five times as much
+        auto.measured(0.05)
+    (slower,) = _said(capfd)
+    assert f"interval {daly_interval(0.05, PRIOR_MTBF):.1f} s" in slower, slower
+    # Alive longer than the prior assumes: M is the time lived, a new reason (x 1.4 alone is quiet).
+    monkeypatch.setattr(schedule, "_now", lambda: 100.0 + 2 * PRIOR_MTBF)
+    auto.measured(0.05)
+    (longer,) = _said(capfd)
+    assert "none seen in 28800 s of this run)" in longer, longer
+    # A run that fails every few seconds saves as often as it may, and says why.
+    killed = [_session(i * 4.0, i * 4.0 + 3, cost=0.008, interval=2.0) for i in range(5)]
+    monkeypatch.setattr(schedule, "_now", lambda: 20.0)
+    AutoInterval(_history(tmp_path, killed), lambda: False, decide=True)
+    (bounded,) = _said(capfd)
+    assert "checkpoint interval 2.0 s (the lower bound; auto: " in bounded, bounded
+
+
 def test_a_background_save_costs_the_time_it_takes_from_the_batches_beside_it(tmp_path):
     writing = False
     auto = AutoInterval(_history(tmp_path, []), lambda: writing, decide=True)
