@@ -7,16 +7,23 @@ position, against the order computed without the loader.
   a map-style dataset configured per worker (fork and spawn);
 - ``pickle.dumps(loader)``; ``unbroken.DataLoader[T]``;
 - a dataset whose length changes between epochs;
-- torch's warning when an ``IterableDataset`` yields more than its ``len()`` said.
+- torch's warning when an ``IterableDataset`` yields more than its ``len()`` said;
+- torch's warning of more workers than CPUs, at ``iter()``, once;
+- torch's error for a worker killed by a signal.
 """
 
 from __future__ import annotations
 
+import ctypes
+import faulthandler
+import gc
 import json
 import math
 import os
 import pickle
 import re
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -520,3 +527,148 @@ def test_persistent_workers_taken_over_by_a_newer_iteration_say_so():
     with pytest.raises(RuntimeError, match="persistent_workers=True"):
         next(first)
     assert [b.tolist() for b in second] == [[2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+# ------------------------------------------------- torch's warning and error about its workers
+
+TOO_MANY_WORKERS = "This DataLoader will create 2 worker processes in total"
+
+
+@pytest.fixture
+def one_cpu():
+    """This process (and the workers it forks) on one CPU: two workers are more than torch
+    suggests, whatever the machine (pyproject's filterwarnings ignores the warning elsewhere)."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs os.sched_setaffinity (Linux)")
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    yield
+    os.sched_setaffinity(0, cpus)
+
+
+def _too_many(caught) -> list[str]:
+    return [str(w.message) for w in caught if TOO_MANY_WORKERS in str(w.message)]
+
+
+@pytest.mark.parametrize("between", ["nothing", "set_epoch", "load_state_dict"])
+def test_too_many_workers_are_warned_of_at_iter_once_as_by_torch(one_cpu, between):
+    """torch warns as it builds a loader and as iter() creates an iterator; never at next(),
+    even when a set_epoch or load_state_dict between them makes ours start its workers again."""
+    said = {}
+    saved = unbroken.DataLoader(list(range(8)), batch_size=2, seed=3)
+    next(iter(saved))
+    for make in (_torch, _ours):
+        with pytest.warns(UserWarning) as built:
+            loader = make(list(range(8)), batch_size=2, num_workers=2)
+        with pytest.warns(UserWarning) as at_iter:
+            batches = iter(loader)
+        with warnings.catch_warnings(record=True) as at_next:
+            warnings.simplefilter("always")
+            if make is _ours and between == "set_epoch":
+                loader.set_epoch(1)
+            elif make is _ours and between == "load_state_dict":
+                loader.load_state_dict(saved.state_dict())
+            next(batches)
+        assert len(_too_many(built)) == len(_too_many(at_iter)) == 1, make
+        assert _too_many(at_next) == [], (make, between)
+        # Issued by torch's own code, at its own line: one filter serves both loaders.
+        (warning,) = [w for w in at_iter if TOO_MANY_WORKERS in str(w.message)]
+        said[make] = (str(warning.message), warning.filename, warning.lineno)
+        del batches
+    assert said[_ours] == said[_torch]
+    assert said[_ours][1].endswith(os.path.join("torch", "utils", "data", "dataloader.py"))
+
+
+class SegfaultsAt(torch.utils.data.Dataset):
+    """Its worker dies of SIGSEGV reading sample ``at`` (torch's worker says so, then dies)."""
+
+    def __init__(self, at: int, tensors: bool) -> None:
+        self.at, self.tensors = at, tensors
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+            if self.tensors:  # hold the GIL a moment: the training process is taking the
+                ctypes.PyDLL(None).usleep(100_000)  # last batch over from a waiting thread
+            os.kill(os.getpid(), signal.SIGSEGV)
+        # Strings are sent to the training process whole; a tensor's memory is taken over
+        # through a socket of the worker's, which it closes as it dies.
+        return torch.full((4,), float(index)) if self.tensors else str(index)
+
+
+# torch's report of the death, from its SIGCHLD handler or from its check of the workers.
+DEATH = re.compile(
+    r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault\.\s*"
+    r"|DataLoader worker \(pid\(s\) \d+\) exited unexpectedly"
+)
+
+
+def _death(make, tensors: bool) -> tuple[type, str]:
+    with pytest.raises(Exception) as raised:
+        for _ in make(SegfaultsAt(2, tensors), batch_size=1, num_workers=1):
+            pass
+    error = raised.value
+    return type(error), DEATH.sub("DataLoader worker (pid N) ...", str(error))
+
+
+# torch's SIGCHLD handler may raise its report inside a connection's __del__, which Python
+# prints and drops: torch's doing, on either loader (ours then says it in torch's words).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_worker_killed_by_a_signal_is_reported_as_torch_reports_it():
+    """Side by side with torch's loader: a RuntimeError with its message. Where a queued batch
+    of tensors finds the dying worker's socket closed first, torch's own loader raises a
+    ConnectionResetError, ConnectionRefusedError or EOFError instead (here in a third to
+    most of such deaths), and its message comes later, into whatever code runs then; ours
+    waits for it, every time."""
+    theirs = _death(_torch, tensors=False)
+    assert theirs == (RuntimeError, "DataLoader worker (pid N) ..."), theirs
+    assert _death(_ours, tensors=False) == theirs
+    for _ in range(8):  # a race: each is another chance for the connection to break first
+        assert _death(_ours, tensors=True) == theirs
+    time.sleep(0.3)  # and no report of the death comes later, into whatever code runs then
+    gc.collect()  # torch's iterator, which the traceback kept, waits for its worker
+
+
+def _dead_child(name: bytes) -> int:
+    """A child process named ``name`` that died of SIGSEGV, not yet waited for."""
+    gc.collect()  # iterators that earlier tests' tracebacks kept: their dead workers are waited for
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        faulthandler.disable()  # pytest's: it would print this process's stack
+        ctypes.CDLL(None).prctl(15, name)  # PR_SET_NAME, as torch names its workers
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        os.kill(os.getpid(), signal.SIGSEGV)
+    deadline = time.monotonic() + 30
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return pid
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, prctl")
+def test_a_dead_worker_whose_report_torch_lost_is_reported_in_torchs_words(monkeypatch):
+    """torch reports a death once, from its SIGCHLD handler, wherever the main thread is: in a
+    __del__, the report is printed and dropped, and torch will not repeat it. A loader worker
+    found dead then is reported in torch's words; another child (the user's) is not taken for
+    one, and the broken connection is raised as it was."""
+    from unbroken.data import workers
+
+    monkeypatch.setattr(workers, "DEATH_WAIT", 0.2)
+    broken = ConnectionResetError(104, "Connection reset by peer")
+    pid = _dead_child(b"pt_data_worker")
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            workers.await_death_report(broken)
+    finally:
+        os.waitpid(pid, 0)
+    assert str(raised.value) == f"DataLoader worker (pid {pid}) is killed by signal: " + (
+        "Segmentation fault. "
+    )
+    pid = _dead_child(b"python")
+    try:
+        workers.await_death_report(broken)  # returns: the caller raises the error itself
+    finally:
+        os.waitpid(pid, 0)

@@ -18,6 +18,8 @@ iterations; the position taken at the first ``next()``), and adds what torch's i
 - **Any other failure** (torch's: a worker that died, a ``timeout``; an iterable dataset's own
   iterator raising, which cannot go on after it) ends this iteration with the position where
   it was: the next ``iter()`` continues from the last batch received, as a resumed run would.
+  A dead worker is reported with torch's message ("DataLoader worker (pid N) is killed by
+  signal: ..."), also when a batch it had queued found it gone first (``workers``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .epochs import Binding
 from .sources.base import SKIP, Cursor, Receiver
 from .sources.fetch import Failed
 from .sources.orders import NativeOrder
-from .workers import signals_blocked, worker_init
+from .workers import await_death_report, signals_blocked, worker_init
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -71,8 +73,12 @@ class LoaderIterator:
             except StopIteration:
                 self._end(loader._finished)
                 raise
-            except BaseException:
-                self._end(loader._interrupted)
+            except BaseException as error:
+                try:
+                    if loader.num_workers > 0:
+                        await_death_report(error)  # torch's message for a dead worker
+                finally:
+                    self._end(loader._interrupted)
                 raise
             before = (cursor.samples, cursor.batches, cursor.source)  # receive replaces source
             batch = started.receive(cursor, batch)  # the cursor moves when the user receives it
@@ -134,7 +140,15 @@ def start(loader: DataLoader, binding: Binding[Cursor], primed: Started | None) 
         if primed.key == _key(loader, cursor, epoch):
             return primed
         primed.close()  # a set_epoch or load_state_dict came between iter() and next()
+        # torch warned of too many workers as iter() started them; it would not warn again.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _TOO_MANY_WORKERS, UserWarning)
+            return _launch(loader, cursor, epoch)
     return _launch(loader, cursor, epoch)
+
+
+# The start of torch's warning as it creates an iterator with more workers than CPUs.
+_TOO_MANY_WORKERS = r"This DataLoader will create \d+ worker processes in total"
 
 
 def _key(loader: DataLoader, cursor: Cursor, epoch: int) -> tuple:

@@ -17,7 +17,9 @@ signal in that window waits in the worker for the thread, and in the training pr
 delivered when the mask is put back: late by milliseconds, never lost.
 
 A worker whose training process died (SIGKILL) exits quietly rather than print a connection
-error's traceback (``_quiet_if_orphaned``).
+error's traceback (``_quiet_if_orphaned``). A worker that died (a segfault, the OOM killer) is
+reported with torch's message even when a batch it had queued is what found it gone
+(``await_death_report``).
 
 Cost: two ``pthread_sigmask`` calls per ``iter()`` with workers; one idle thread per worker.
 """
@@ -98,6 +100,76 @@ def _drop_signals(signals: tuple[int, ...], trainer_pid: int) -> None:
         info = signal.sigwaitinfo(signals)
         if info.si_signo == signal.SIGTERM and info.si_pid == trainer_pid:
             os._exit(0)  # the training process is stopping this worker: what torch's handler does
+
+
+DEATH_WAIT = 2.0  # seconds a broken connection to a worker waits for torch's report of its death
+
+
+def await_death_report(error: BaseException) -> None:
+    """Report a dead worker as torch does, when a batch found it gone first.
+
+    A worker that queued a batch of tensors keeps their memory until the training process
+    takes it over through a socket of the worker's. If the worker dies meanwhile (a segfault,
+    the OOM killer), the kernel closes that socket a moment before the worker can be seen dead:
+    torch's loader then raises ``ConnectionResetError``, ``ConnectionRefusedError`` or
+    ``EOFError`` (its own loader does, in a third to most of such deaths) rather than its
+    message, "DataLoader worker (pid N) is killed by signal: Segmentation fault.". That message
+    comes from torch's SIGCHLD handler, which checks the open iterators' workers, reports a
+    death once, and runs wherever the main thread is when the signal comes: later, in other
+    code, or inside a ``__del__`` that swallows it.
+
+    So on such an error, with torch's iterator still open, this raises SIGCHLD in this thread
+    every 10 ms for up to ``DEATH_WAIT`` seconds: torch's handler runs at once and raises its
+    report as soon as the worker can be seen dead, the broken connection as its context. If
+    the signal came first and its report was swallowed, the dead worker (a child process that
+    torch named ``pt_data_worker``) is reported here in torch's words. A spurious SIGCHLD is
+    harmless (the signal does not queue: a handler must expect that). If no worker died, the
+    error is raised as it was, that much later: a failure path only.
+    """
+    if not isinstance(error, (ConnectionError, EOFError)):
+        return
+    if "in DataLoader worker process" in str(error):  # raised by the user's code in a worker
+        return
+    if not hasattr(signal, "SIGCHLD") or threading.current_thread() is not threading.main_thread():
+        return  # Windows; signal handlers run in the main thread only
+    deadline = time.monotonic() + DEATH_WAIT
+    while time.monotonic() < deadline:
+        signal.raise_signal(signal.SIGCHLD)  # torch's handler, if any, runs before this returns
+        report = _dead_worker()
+        if report is not None:
+            signal.raise_signal(signal.SIGCHLD)  # seen dead just now: torch's words first
+            raise RuntimeError(report)
+        time.sleep(0.01)
+
+
+def _dead_worker() -> str | None:
+    """torch's report of a loader worker that died and that nobody has waited for yet."""
+    if not (hasattr(os, "waitid") and hasattr(os, "WNOWAIT")):
+        return None
+    try:  # WNOWAIT: the child stays for torch (and anyone else) to wait for
+        child = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if child is None:  # no child has ended
+            return None
+        with open(f"/proc/{child.si_pid}/comm") as comm:
+            if comm.read().strip() != "pt_data_worker":
+                return None
+    except OSError:  # no child at all; no /proc
+        return None
+    name = f"DataLoader worker (pid {child.si_pid})"
+    if child.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        report = f"{name} is killed by signal: {signal.strsignal(child.si_status)}. "
+        if child.si_status == signal.SIGBUS:
+            report += (
+                "It is possible that dataloader's workers are out of shared memory. Please try "
+                "to raise your shared memory limit."
+            )
+        return report
+    if child.si_status != 0:
+        return (
+            f"{name} exited unexpectedly with exit code {child.si_status}. Details are lost due "
+            "to multiprocessing. Rerunning with num_workers=0 may give better error trace."
+        )
+    return None
 
 
 @contextlib.contextmanager
