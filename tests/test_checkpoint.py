@@ -629,7 +629,13 @@ def test_saving_a_step_again_replaces_it_and_a_lower_step_supersedes_newer_ones(
     restored = checkpointer.load_latest({"value": None})
     assert restored.step == 3 and restored.values == {"value": "second 3"}
     assert _steps(tmp_path) == ["step-000000001", "step-000000002", "step-000000003"]
-    # The run went back to step 1 (say 2 and 3 were corrupt): its next save is what resumes.
+    # A newer checkpoint not found damaged is never deleted: the save is refused.
+    with pytest.raises(ValueError, match=r"cannot save step 2 .*\['step-000000003'\]"):
+        checkpointer.save(2, {"value": "again 2"})
+    # The run went back to step 2 (3 is corrupt): its next save is what resumes.
+    _truncate(tmp_path / "step-000000003")
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert checkpointer.load_latest({"value": None}).step == 2
     with pytest.warns(UserWarning, match=r"\['step-000000003'\] in .* larger step than 2"):
         checkpointer.save(2, {"value": "again 2"})
     restored = checkpointer.load_latest({"value": None})

@@ -185,9 +185,9 @@ def test_retention_replacement_and_a_lower_step_in_memory(storage):
     assert _steps(storage) == ["step-000000003", "step-000000004"]
     checkpointer.save(4, {"value": 40})  # the same step again: replaced
     assert Checkpointer(ROOT, storage=storage).load_latest({"value": None}).values == {"value": 40}
-    with pytest.warns(UserWarning, match="larger step"):
-        checkpointer.save(2, {"value": 20})  # a run that went back: newer ones go
-    assert _steps(storage) == ["step-000000002"]
+    with pytest.raises(ValueError, match="larger step, which load_latest did not find damaged"):
+        checkpointer.save(2, {"value": 20})  # newer ones, not found damaged, stay
+    assert _steps(storage) == ["step-000000003", "step-000000004"]
 
 
 def test_a_killed_writers_leftovers_are_ignored_then_cleaned_in_memory(storage):

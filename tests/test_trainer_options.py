@@ -41,6 +41,7 @@ REFUSED = {
     "preemption_check_every": (0, "preemption_check_every must be a positive int, got 0"),
     "checkpoint_timeout": (0, "checkpoint_timeout must be a number of seconds > 0, got 0"),
     "lease_seconds": (-1, "lease_seconds must be a number of seconds > 0, got -1"),
+    "remote_timeout": (0, "remote_timeout must be a number of seconds > 0, got 0"),
 }
 
 

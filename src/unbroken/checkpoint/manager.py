@@ -60,13 +60,13 @@ import torch
 from .._checks import is_int, is_number
 from .._state import has_state
 from ..distributed.reduction import is_exact, warn_inexact
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
 from .entries import ABSENT, Kind, LocalCopy, Part, Reading, check_loadable, kind_in, kind_of
 from .group import Ranks, attempt
 from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
-from .objects import storage_for
+from .objects import REMOTE_TIMEOUT, storage_for
 from .per_rank import SKIP, PerRank, unwrap
 from .restore import Restored, restore
 from .sharded import Sharded
@@ -95,6 +95,9 @@ class Checkpointer:
     (endpoint, credentials; as ``StreamingDataset`` takes them): parts are uploaded first and
     the manifest last, which commits the checkpoint (``checkpoint.objects``). A URL whose bucket
     does not exist, whose endpoint does not answer or whose protocol is unknown raises here.
+    ``remote_timeout``: seconds an operation on the store may go without progress before it
+    fails with ``RemoteUnavailable`` (a store that stopped answering; ``retry``); the client's
+    own connect and read timeouts are in ``storage_options`` (S3: ``config_kwargs``).
     ``storage`` replaces the storage altogether (a ``Storage`` of your own).
 
     One job writes to a directory at a time: before each save, the writer removes what killed
@@ -114,6 +117,7 @@ class Checkpointer:
         timeout: float = 600.0,
         storage: Storage | None = None,
         storage_options: dict[str, Any] | None = None,
+        remote_timeout: float = REMOTE_TIMEOUT,
     ) -> None:
         if not is_int(keep) or keep < 2:
             raise ValueError(
@@ -124,7 +128,9 @@ class Checkpointer:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.keep = keep
         if storage is None:
-            storage, directory = storage_for(os.fspath(directory), storage_options)
+            storage, directory = storage_for(
+                os.fspath(directory), storage_options, timeout=remote_timeout
+            )
         self.directory = os.fspath(directory)  # a path or a URL, as the storage takes it
         self._storage: Storage = storage
         self._root = self.directory
@@ -146,8 +152,10 @@ class Checkpointer:
         """Write ``state`` as checkpoint ``step``; returns its final directory.
 
         Once the save is committed, ``load_latest`` restores it: a checkpoint of the same step
-        is replaced, and ones with a larger step (from a run that went back to an earlier
-        checkpoint) are removed, with a warning. Then only the newest ``keep`` remain.
+        is replaced, and ones with a larger step that ``load_latest`` skipped as corrupt (a run
+        that went back to an earlier checkpoint) are removed, with a warning. Then only the
+        newest ``keep`` remain. A checkpoint of a larger step that was not found damaged is
+        never deleted: the save raises ``ValueError`` naming it, before writing anything.
         ``blocking=False`` returns once ``state`` is copied to CPU memory and writes in a
         background thread; the next ``save``, ``wait``, ``load_latest`` or ``close`` waits for
         it and re-raises what it raised (if none does, the failure is printed to stderr when
@@ -236,6 +244,9 @@ class Checkpointer:
         ``world_size``. A ``Restored`` is always true, so ``if restored:`` means "resumed".
         Each invalid checkpoint (truncated, a flipped byte, a malformed manifest, a rank's part
         missing, ...) is skipped with a warning saying why (the ``CorruptCheckpoint`` it is).
+        A checkpoint that could not be read because the store did not answer is no corrupt
+        one: ``RemoteUnavailable`` is raised (after the retries, or past ``remote_timeout``),
+        naming the directory, and nothing is skipped, restored or deleted.
         Raises ``StateMismatch`` if the newest valid checkpoint lacks a name of ``state``, does
         not fit its modules or optimizers (shapes are compared before anything is restored),
         has another format version, or holds a ``PerRank`` entry saved by another number of
@@ -246,10 +257,21 @@ class Checkpointer:
         """
         _check_names(state, "load_latest")
         self.wait()
+        try:
+            return self._load_latest(state)
+        except RemoteUnavailable as error:
+            raise RemoteUnavailable(
+                f"unbroken.Checkpointer: could not read the checkpoints in {self.directory}: "
+                f"{error} No checkpoint was skipped, restored or deleted: start again once the "
+                "store answers (or give a slow store a larger remote_timeout)."
+            ) from error
+
+    def _load_latest(self, state: dict[str, Any]) -> Restored | None:
         ranks = self._ranks
         started = time.perf_counter()
         listed = attempt(self._candidates if ranks.first_rank else self._check_directory)
         found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
+        self._writing.seen([step for step, _ in found])
         scanned = time.perf_counter()
         for step, where in reversed(found):
             path = where
@@ -263,8 +285,9 @@ class Checkpointer:
                     f"rank {r}: {v}" if ranks.world_size > 1 else str(v) for r, v in corrupt
                 )
                 warnings.warn(
-                    f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=2
+                    f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=3
                 )
+                self._writing.damaged.add(path)  # read, and proven damaged: a save may drop it
                 continue
             assert not isinstance(read, BaseException)
             manifest, saved, skipped = read

@@ -36,7 +36,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from ..errors import CorruptCheckpoint, StateMismatch
+from ..errors import CorruptCheckpoint, RemoteUnavailable, StateMismatch
 from .storage import Digest, Storage, join, sha256
 
 FORMAT = "unbroken.Checkpoint"
@@ -128,6 +128,8 @@ def read_manifest(storage: Storage, path: str, step: int) -> Manifest:
             data = opened.read()
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{MANIFEST} is missing") from None
+    except RemoteUnavailable:  # not read at all: no proof of damage (a resume fails instead)
+        raise
     except OSError as error:
         raise CorruptCheckpoint(f"{MANIFEST} is unreadable: {error}") from None
     manifest = validate(data, step, path)
@@ -135,6 +137,8 @@ def read_manifest(storage: Storage, path: str, step: int) -> Manifest:
         _refuse_links(storage, path, file)
         try:
             actual = storage.size(join(path, file))
+        except RemoteUnavailable:
+            raise
         except OSError as error:
             raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
         if actual != spec["size"]:
@@ -171,6 +175,8 @@ def verify_file(storage: Storage, path: str, manifest: Manifest, file: str) -> N
     try:
         if sha256(storage, join(path, file)) != manifest["files"][file]["sha256"]:
             raise CorruptCheckpoint(f"{file} does not match its sha256 in the manifest")
+    except RemoteUnavailable:
+        raise
     except OSError as error:
         raise CorruptCheckpoint(f"{file} is unreadable: {error.strerror or error}") from None
 
@@ -187,7 +193,9 @@ def load_file(
     try:
         with storage.open_read(join(path, file)) as opened:
             return torch.load(opened, map_location="cpu", weights_only=True)
-    except Exception as error:  # any failure means: not this checkpoint
+    except RemoteUnavailable:
+        raise
+    except Exception as error:  # any other failure means: not this checkpoint
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [""]
         reason = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
         reason = reason.split(". Please use")[0]  # torch's advice to allow-list it: not here

@@ -15,7 +15,17 @@ local disk (``LocalStorage``), with the same guarantee, "whole and verified, or 
   start again, so ``fill`` must be callable more than once (the Checkpointer's are: they
   serialize a copy held in memory).
 - **Reads** download a whole object once, with retries, and keep it for the next read only:
-  ``load_latest`` hashes a file, then loads it, from one download.
+  ``load_latest`` hashes a file, then loads it, from one download. An object larger than
+  ``transfer.DOWNLOAD_PART`` is downloaded in parts, ``fs.max_concurrency`` at a time.
+- **A store that stops answering** fails an operation once it has gone ``timeout`` seconds
+  without progress (``retry``: the client's connect and read timeouts, and a deadline on the
+  whole operation, its retries included; an upload progresses with each part, a download with
+  each batch of parts). The checkpoint's own code tells "could not read" (``RemoteUnavailable``:
+  a resume fails, naming the store) from "read, and damaged" (skipped): an unreachable store is
+  never taken for a corrupt checkpoint.
+- **A failed upload's file** is closed in every case, its multipart upload aborted where the
+  store still answers (else ``layout.clean`` aborts it later): an S3 file left open would try
+  to finish its upload when the interpreter exits, and never let it exit.
 - **A local copy** of every file this machine uploaded or downloaded is kept in a cache
   directory (``cache``; by default ``$XDG_CACHE_HOME/unbroken/checkpoints``, else
   ``~/.cache/...``, one folder per URL), named by its sha256. When a checkpoint is read, a file
@@ -36,16 +46,19 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from functools import partial
 from typing import Any, BinaryIO, TypeVar, cast
 
-from ..retry import filesystem, retrying
+from ..retry import Deadline, filesystem, retrying
 from .manifest import MANIFEST
 from .storage import Digest, Entry, LocalStorage, Storage, join
+from .transfer import Hashing, LocalCopy, cache_directory, discard, download, file_sha256
 
 T = TypeVar("T")
+
+REMOTE_TIMEOUT = 60.0
+"""Seconds an operation on a store may go without progress before it fails (the default)."""
 
 
 def is_url(directory: str) -> bool:
@@ -57,12 +70,16 @@ def is_url(directory: str) -> bool:
 
 
 def storage_for(
-    directory: str, storage_options: dict[str, Any] | None = None, cache: bool = True
+    directory: str,
+    storage_options: dict[str, Any] | None = None,
+    cache: bool = True,
+    timeout: float = REMOTE_TIMEOUT,
 ) -> tuple[Storage, str]:
     """The ``Storage`` of ``directory`` and the path it takes: ``LocalStorage`` for a path (or
     a ``file://`` URL, as a path), else an ``ObjectStorage`` for the URL, checked at once (an
     unknown protocol, an unreachable endpoint or a missing bucket raise here, before anything
-    is trained); ``cache=False``: no local copies (``unbroken verify`` checks the store itself)."""
+    is trained); ``cache=False``: no local copies (``unbroken verify`` checks the store itself);
+    ``timeout``: seconds an operation on the store may go without progress."""
     if not is_url(directory):
         if storage_options:
             raise ValueError(
@@ -70,13 +87,15 @@ def storage_for(
                 "a local path: leave them out"
             )
         return LocalStorage(), directory.removeprefix("file://")
-    storage = ObjectStorage(directory, storage_options, cache=cache)
+    storage = ObjectStorage(directory, storage_options, cache=cache, timeout=timeout)
     storage.check()
     return storage, directory.rstrip("/")
 
 
 class ObjectStorage:
-    """``Storage`` on an fsspec filesystem without rename (see the module)."""
+    """``Storage`` on an fsspec filesystem without rename (see the module): ``retries`` and
+    ``backoff`` of each operation, ``cache`` of local copies (a directory, ``True`` for the
+    default, ``False`` for none), ``timeout``: seconds an operation may go without progress."""
 
     renames = False
     """A checkpoint commits by its manifest, written last (``layout``)."""
@@ -88,11 +107,13 @@ class ObjectStorage:
         retries: int = 4,
         backoff: float = 0.5,
         cache: str | bool = True,
+        timeout: float = REMOTE_TIMEOUT,
     ) -> None:
         import fsspec
 
         self.url = url.rstrip("/")
-        self.cache = _cache_directory(self.url, cache)
+        self.deadline = Deadline(timeout)
+        self.cache = cache_directory(self.url, cache)
         self._known: dict[str, str] = {}  # path -> its verified local copy (expect)
         self.protocol = fsspec.core.split_protocol(self.url)[0] or "file"
         self.storage_options = dict(storage_options or {})
@@ -116,7 +137,7 @@ class ObjectStorage:
     def fs(self) -> Any:
         if self._fs is None or self._pid != os.getpid():
             try:
-                self._fs = filesystem(self.url, self.storage_options)[0]
+                self._fs = filesystem(self.url, self.storage_options, self.deadline.seconds)[0]
             except (ValueError, ImportError) as error:
                 raise ValueError(
                     f"cannot store checkpoints at {self.url}: fsspec does not know the protocol "
@@ -126,8 +147,12 @@ class ObjectStorage:
             self._pid = os.getpid()
         return self._fs
 
-    def _call(self, what: str, path: str, call: Callable[[], T]) -> T:
-        return retrying(what, self._url(path), call, self.retries, self.backoff)
+    def _call(self, what: str, path: str, call: Callable[[], T], missing: str = "") -> T:
+        """``call()`` as one operation on ``path`` (``retry.retrying``: its retries, under the
+        deadline); ``what`` (a verb) names it in errors."""
+        return retrying(
+            what, self._url(path), call, self.retries, self.backoff, missing, self.deadline
+        )
 
     def _url(self, path: str) -> str:
         return path if "://" in path else f"{self.protocol}://{path}"
@@ -174,7 +199,7 @@ class ObjectStorage:
             return
         local = os.path.join(self.cache, sha256)
         try:
-            if os.path.getsize(local) == size and _file_sha256(local) == sha256:
+            if os.path.getsize(local) == size and file_sha256(local) == sha256:
                 self._known[path] = local
                 return
             os.unlink(local)  # not what its name says: downloaded again
@@ -189,7 +214,7 @@ class ObjectStorage:
             return open(self._known[path], "rb")
         if last is not None and last[0] == path:
             return io.BytesIO(last[1])
-        data = self._call("download", path, lambda: self.fs.cat_file(path))
+        data = self._call("download", path, lambda: download(self.fs, path))
         self.received += len(data)
         self._last = (path, data)
         self._keep_copy(data)
@@ -218,20 +243,32 @@ class ObjectStorage:
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
         self._last = None
         self._known.pop(path, None)
-        return self._call("upload", path, lambda: self._upload(path, fill))
+        return self._call(
+            "upload",
+            path,
+            lambda: self._upload(path, fill),
+            missing="or its multipart upload was aborted meanwhile (by another job cleaning up "
+            "this directory?): one job at a time may write it",
+        )
 
     def _upload(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
         out = self.fs.open(path, "wb")
-        copy = _LocalCopy(self.cache)
-        hashing = _Hashing(out, copy)
+        copy = LocalCopy(self.cache)
+        hashing = Hashing(out, copy)
         try:
             fill(cast(BinaryIO, hashing))
+        except BaseException as error:
+            discard(out)
+            copy.drop()
+            if hashing.error is not None and hashing.error is not error:
+                raise hashing.error from None  # the cause; torch.save's own error is a symptom
+            raise
+        try:
+            out.close()  # the upload's end: the object appears whole
         except BaseException:
-            out.discard()  # aborts a multipart upload: no part of it stays
-            out.closed = True  # discarded: its close (at garbage collection) must not upload
+            discard(out)  # its last part or its completion failed: abort what is left
             copy.drop()
             raise
-        out.close()  # the upload's end: the object appears whole
         self.sent += hashing.size
         digest = Digest(hashing.sha256.hexdigest(), hashing.size)
         copy.keep(digest.sha256)
@@ -239,7 +276,7 @@ class ObjectStorage:
 
     def _keep_copy(self, data: bytes) -> None:
         if self.cache is not None and data:
-            copy = _LocalCopy(self.cache)
+            copy = LocalCopy(self.cache)
             copy.write(data)
             copy.keep(hashlib.sha256(data).hexdigest())
 
@@ -253,7 +290,7 @@ class ObjectStorage:
         try:
             for path in kept:
                 manifest = join(path, MANIFEST)
-                data = self._call("download", manifest, partial(self.fs.cat_file, manifest))
+                data = self._call("download", manifest, partial(download, self.fs, manifest))
                 listed.update(spec.get("sha256") for spec in json.loads(data)["files"].values())
         except (OSError, ValueError, KeyError, AttributeError):
             return  # not known: nothing is deleted
@@ -285,95 +322,17 @@ class ObjectStorage:
             return
         bucket, _, key = self.fs._strip_protocol(prefix).partition("/")
         try:
-            uploads = lister(bucket)
+            uploads = self._call("list the uploads in", prefix, lambda: lister(bucket))
         except Exception:
             return  # a store or a policy without the listing: the uploads stay, as before
         for upload in uploads:
             if upload.get("Key", "").startswith(key.rstrip("/") + "/"):
                 try:
-                    self.fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
+                    abort = partial(self.fs.abort_mpu, bucket, upload["Key"], upload["UploadId"])
+                    self._call("abort an upload to", f"{bucket}/{upload['Key']}", abort)
                 except Exception:
                     pass
 
     def commit(self, staged: str, target: str, aside: str) -> None:
         assert staged == target, "an object store writes a checkpoint in place (layout.stage)"
         # The manifest, written last (by the Writing), was the commit.
-
-
-def _cache_directory(url: str, cache: str | bool) -> str | None:
-    if cache is False:
-        return None
-    if cache is True:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        cache = os.path.join(base, "unbroken", "checkpoints")
-    return os.path.join(cache, hashlib.sha256(url.encode()).hexdigest()[:16])
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-class _LocalCopy:
-    """A file being copied into the cache: written under a temporary name, then named by its
-    sha256 once whole (a copy is never half there under that name). Best effort: a full or
-    read-only disk only means no copy."""
-
-    def __init__(self, cache: str | None) -> None:
-        self.file: Any = None
-        self.path = ""
-        if cache is not None:
-            try:
-                os.makedirs(cache, exist_ok=True)
-                handle, self.path = tempfile.mkstemp(prefix=".part-", dir=cache)
-                self.file = os.fdopen(handle, "wb")
-            except OSError:
-                self.file = None
-
-    def write(self, data: Any) -> None:
-        if self.file is not None:
-            try:
-                self.file.write(data)
-            except OSError:
-                self.drop()
-
-    def keep(self, sha256: str) -> None:
-        if self.file is not None:
-            try:
-                self.file.close()
-                os.replace(self.path, os.path.join(os.path.dirname(self.path), sha256))
-            except OSError:
-                self.drop()
-            self.file = None
-
-    def drop(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-        if self.path:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-
-
-class _Hashing:
-    """A write-only file that hashes what passes through it on its way to the store (and into
-    the local copy)."""
-
-    def __init__(self, file: Any, copy: _LocalCopy) -> None:
-        self.file, self.copy, self.sha256, self.size = file, copy, hashlib.sha256(), 0
-
-    def write(self, data: bytes) -> int:
-        self.file.write(data)
-        self.copy.write(data)
-        self.sha256.update(data)
-        size = memoryview(data).nbytes
-        self.size += size
-        return size
-
-    def flush(self) -> None:
-        pass  # the upload flushes by whole parts; a flush of a small one would fail on S3

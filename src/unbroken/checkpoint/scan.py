@@ -9,6 +9,11 @@ A checkpoint is
   not fit what the manifest says of it);
 - ``unsupported``: another format version wrote it, which is never skipped (``StateMismatch``).
 
+A checkpoint that could not be read at all gets no verdict: a store that did not answer (after
+its retries, or past its deadline) raises ``RemoteUnavailable`` from ``classify`` and
+``load_latest`` alike, never "corrupt". Only what was read and found wrong (or a file the store
+said is not there) makes a checkpoint corrupt, to be skipped, and deleted by a later save.
+
 The checks themselves are ``manifest.read_manifest`` (the seal, the schema, every file's size),
 ``manifest.verify_file`` (a file's sha256) and ``manifest.load_entry_file`` (weights-only load and
 the entry's own checks). ``load_latest`` splits them over the ranks (each hashes its share of the
@@ -24,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import CorruptCheckpoint, StateMismatch
+from ..errors import CorruptCheckpoint, RemoteUnavailable, StateMismatch
 from .manifest import MANIFEST, Manifest, load_entry_file, read_manifest, validate, verify_file
 from .storage import Storage, join
 
@@ -79,6 +84,8 @@ def _sealed(storage: Storage, path: str, step: int) -> Manifest | None:
     try:
         with storage.open_read(join(path, MANIFEST)) as opened:
             return validate(opened.read(), step, path)
+    except RemoteUnavailable:
+        raise
     except (OSError, ValueError):  # CorruptCheckpoint and StateMismatch are ValueErrors
         return None
 

@@ -1,6 +1,13 @@
 """Writing a checkpoint, every rank together: rank 0 opens the temporary directory, each rank
 writes its entries' files into it (``entries``: one class per kind), rank 0 seals the manifest
-once all are durable, commits it through the storage and drops what is no longer kept."""
+once all are durable, commits it through the storage and drops what is no longer kept.
+
+A checkpoint of a larger step than the one saved is deleted only if ``load_latest`` read it and
+found it damaged (``Writing.damaged``): one that could not be read (a store that did not answer)
+or was never read (a new Checkpointer's save into a directory of a later run) may be good, so
+the save is refused before anything is written, naming it. The check lists the directory only
+when a larger step may be there: before the first save that follows no listing, and when
+saving below the largest step seen."""
 
 from __future__ import annotations
 
@@ -22,6 +29,13 @@ class Writing:
 
     def __init__(self, storage: Storage, root: str, ranks: Ranks, keep: int) -> None:
         self.storage, self.root, self.ranks, self.keep = storage, root, ranks, keep
+        self.damaged: set[str] = set()
+        """Checkpoints that ``load_latest`` read and skipped as corrupt: a save may drop them."""
+        self.newest: int | None = None  # the largest committed step seen (None: not listed)
+
+    def seen(self, steps: list[int]) -> None:
+        """The steps of the committed checkpoints, as ``load_latest`` listed them."""
+        self.newest = max(steps, default=-1)
 
     def write(
         self,
@@ -65,7 +79,25 @@ class Writing:
         storage, root = self.storage, self.root
         storage.make_directories(root)
         layout.clean(storage, root)
+        if self.newest is None or step < self.newest:  # a larger step may be there
+            self._refuse_newer(step)
         return layout.stage(storage, root, step, join(root, layout.final_name(step)))
+
+    def _refuse_newer(self, step: int) -> None:
+        """Raise if a checkpoint of a larger step than ``step`` is committed and was not found
+        damaged: saving would leave it to be resumed from, or delete it (see the module)."""
+        committed = layout.committed(self.storage, self.root)
+        self.newest = max((number for number, _ in committed), default=-1)
+        newer = [path for number, path in committed if number > step and path not in self.damaged]
+        if newer:
+            raise ValueError(
+                f"unbroken.Checkpointer: cannot save step {step} in {self.root}: it holds "
+                f"{[basename(path) for path in newer]}, of a larger step, which load_latest did "
+                "not find damaged. Saving would leave them to be resumed from instead of this "
+                "save, or delete checkpoints that may be good. Call load_latest to resume from "
+                "them, delete them yourself if this run means to go back to an earlier step, "
+                "or save in another directory."
+            )
 
     def _write_files(
         self, tmp: str, mine: dict[str, tuple[Kind, Any]], order: dict[str, int]
@@ -109,17 +141,28 @@ class Writing:
 
     def _drop_old(self, step: int) -> None:
         """Rank 0, once every rank heard that checkpoint ``step`` is committed: the checkpoints
-        of a larger step (a run that went back) and those beyond the newest ``keep``."""
+        of a larger step found damaged (a run that went back) and those beyond the newest
+        ``keep``; a larger step not found damaged stays (see the module)."""
         storage, root = self.storage, self.root
         committed = layout.committed(self.storage, self.root)
-        doomed = [path for number, path in committed if number > step]
+        doomed = [path for number, path in committed if number > step and path in self.damaged]
         if doomed:
             warnings.warn(
                 f"unbroken.Checkpointer: {[basename(path) for path in doomed]} in {root} have a "
-                f"larger step than {step} and are removed now that step {step} is saved, so that "
-                "load_latest resumes from this save",
+                f"larger step than {step}, were skipped as corrupt by load_latest, and are "
+                f"removed now that step {step} is saved",
                 stacklevel=2,
             )
+        stay = [path for number, path in committed if number > step and path not in doomed]
+        if stay:  # written since the save began: by another job?
+            warnings.warn(
+                f"unbroken.Checkpointer: {[basename(path) for path in stay]} in {root} have a "
+                f"larger step than {step}, which was just saved, and are kept: another job may "
+                "be writing this directory",
+                stacklevel=2,
+            )
+        self.damaged.difference_update(doomed)
+        self.newest = max([step, *(number for number, path in committed if path in stay)])
         doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             layout.retire(storage, root, path)

@@ -16,15 +16,19 @@ is reported as corrupt, as ``load_latest`` would skip it. ``inspect`` also keeps
 Trainer's loop counters (entry ``progress``) and the loaders' cursors (any saved
 ``unbroken.DataLoader``, ``CombinedLoader``, ``resumable`` or ``shuffle_buffer`` state, at the
 top of an entry or nested in a dict); of a checkpoint saved by several ranks, rank 0's part.
-``verify`` makes the same checks; it prints no positions.
+``verify`` makes the same checks; it prints no positions. Both also check what a resume of a
+Trainer's run needs besides a checkpoint: its ``metrics.csv`` (next to ``checkpoints/``) must
+hold at least the bytes that the checkpoint a resume would load records.
 
 Batches and samples are counts of what the user had received in the epoch (epochs count from
 0), so "continue epoch 2 at batch 37" means 37 batches of epoch 2 were trained on and batch 37
 (counting from 0) comes next.
 
 Exit status: 0 when the newest checkpoint verifies (``inspect``: whenever checkpoints were
-found); 1 (``verify``) when the newest checkpoint does not verify, even if an older one does;
-2 for a usage error, a missing directory or no checkpoints found.
+found); 1 (``verify``) when the newest checkpoint does not verify, even if an older one does, or
+when the run's ``metrics.csv`` is missing or shorter than it records; 2 for a usage error, a
+missing directory, no checkpoints found, or a store that could not be read
+(``RemoteUnavailable``: a checkpoint not read is never called corrupt).
 
 ``--json`` prints one JSON document (``Report``) on stdout instead of the text::
 
@@ -44,17 +48,23 @@ found); 1 (``verify``) when the newest checkpoint does not verify, even if an ol
                              "batch": 37, "sample": 2368 | null,
                              "optimizer_step": 120 | null,
                              "source": "progress" | "<a loader's entry name>"},
-         "loaders": [<loader>, ...]},                # the loaders' cursors, as below
+         "loaders": [<loader>, ...],                 # the loaders' cursors, as below
+         "log_bytes": 5120 | null},                  # the Trainer's metrics.csv size it records
         ...],
      "newest": "step-000000130",
-     "ok": false,                            # the newest checkpoint verifies
+     "ok": false,                            # the newest checkpoint verifies (and the log fits)
      "resume": {"checkpoint": "step-000000120" | null,   # what load_latest would restore
                 "step": 120 | null,
                 "skipped": ["step-000000130"],           # newer ones it would skip as corrupt
                 "fails": null | "<why load_latest would raise instead>",
                 "position": <as above> | null,
                 "loaders": [<loader>, ...],              # of the checkpoint it would load
-                "summary": "resume would load checkpoint step-000000120 and ..."}}
+                "summary": "resume would load checkpoint step-000000120 and ..."},
+     "log": null | {"path": "<DIR>/metrics.csv",            # a Trainer's run directory only
+                    "bytes": 4096 | null,                   # null: missing
+                    "expected": 5120,                       # what the resume's checkpoint records
+                    "ok": false,
+                    "problem": "<path> has 4096 bytes, and checkpoint ... says 5120 were ..."}}
 
     <loader>: {"name": "train_loader", "format": "unbroken.DataLoader", "version": 3,
                "seed": 0, "epoch": 2, "batches": 37, "samples": 2368}
@@ -119,9 +129,11 @@ def parser() -> argparse.ArgumentParser:
         "verify",
         parents=[common],
         help="exit 0 if the newest checkpoint verifies, 1 if it is corrupt",
-        description="Check every checkpoint's manifest and the sha256 of each of its files. "
-        "Exit 0 if the newest checkpoint verifies, 1 if it does not (even if an older one "
-        "does), 2 if there is no checkpoint.",
+        description="Check every checkpoint's manifest and the sha256 of each of its files, "
+        "and that a Trainer run's metrics.csv holds what the checkpoint to resume from "
+        "records. Exit 0 if the newest checkpoint verifies (and the log fits), 1 if it does "
+        "not (even if an older one does), 2 if there is no checkpoint or the store cannot be "
+        "read.",
     )
     return main_parser
 

@@ -1,4 +1,8 @@
-"""The report of ``inspect``/``verify``: what a resume would do, and the text printed."""
+"""The report of ``inspect``/``verify``: what a resume would do, and the text printed.
+
+A resume of a Trainer's run needs more than a checkpoint that verifies: its ``metrics.csv`` must
+hold at least the bytes that checkpoint records (the resume cuts the log back to them), so the
+report checks that too (``log``), in the run directory whose ``checkpoints/`` it found."""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ from typing import Any
 
 from .._units import human
 from ..checkpoint.objects import is_url, storage_for
-from .scan import CheckpointReport, LoaderReport, Position, Report, Resume, check, locate
+from ..checkpoint.storage import Storage, basename, join, parent
+from ..train.rundir import CHECKPOINTS, METRICS
+from .scan import CheckpointReport, LoaderReport, LogReport, Position, Report, Resume, check, locate
 
 # -------------------------------------------------------------------------------- the report
 
@@ -23,6 +29,12 @@ def report(
     directory = directory if is_url(given) else directory.rstrip("/") or "/"
     kind, root, found = locate(directory, storage)
     checked = [check(storage, path, step, read_states) for step, path in found]
+    resume = _resume(checked, kind)
+    chosen = next((c for c in checked if c["name"] == resume["checkpoint"]), None)
+    log = _log(storage, root, chosen, is_url(given))
+    if log is not None and not log["ok"] and resume["fails"] is None:
+        resume["fails"] = log["problem"]
+        resume["summary"] = _summary(None, resume["skipped"], log["problem"], kind == "checkpoint")
     return Report(
         command=command,
         directory=given,
@@ -30,9 +42,36 @@ def report(
         checkpoints_directory=root if is_url(given) else os.path.abspath(root),
         checkpoints=checked,
         newest=checked[-1]["name"],
-        ok=checked[-1]["verified"],
-        resume=_resume(checked, kind),
+        ok=checked[-1]["verified"] and (log is None or log["ok"]),
+        resume=resume,
+        log=log,
     )
+
+
+def _log(
+    storage: Storage, root: str, chosen: CheckpointReport | None, remote: bool
+) -> LogReport | None:
+    """The run's ``metrics.csv`` against the size that the checkpoint a resume would load
+    records (``None`` when that is no Trainer checkpoint in a run directory's ``checkpoints``)."""
+    if chosen is None or chosen["log_bytes"] is None or basename(root) != CHECKPOINTS:
+        return None
+    path = join(parent(root), METRICS)
+    path = path if remote else os.path.abspath(path)
+    expected = chosen["log_bytes"]
+    try:
+        actual: int | None = storage.size(path)
+    except FileNotFoundError:
+        actual = None
+    ok = actual is not None and actual >= expected
+    found = "is missing" if actual is None else f"has {actual} bytes"
+    problem = (
+        None
+        if ok
+        else f"{path} {found}, and checkpoint {chosen['name']} says {expected} were logged: a "
+        "resume would fail. Restore the log (from a copy, or an earlier version of the object "
+        "if the store keeps them), or train in a new run directory"
+    )
+    return LogReport(path=path, bytes=actual, expected=expected, ok=ok, problem=problem)
 
 
 def _resume(checked: list[CheckpointReport], kind: str) -> Resume:
@@ -198,9 +237,11 @@ def text(document: Report) -> str:
 def _verdict(document: Report) -> str:
     """``verify``'s last line: whether the newest checkpoint verifies, and if not, what a
     resume would do instead."""
-    newest, resume = document["checkpoints"][-1], document["resume"]
+    newest, resume, log = document["checkpoints"][-1], document["resume"], document["log"]
     if document["ok"]:
         return f"OK: the newest checkpoint, {newest['name']}, verifies"
+    if newest["verified"] and log is not None and not log["ok"]:
+        return f"FAILED: the newest checkpoint, {newest['name']}, verifies, but {log['problem']}"
     if newest["status"] == "unsupported":  # load_latest raises at it rather than skip it
         return (
             f"FAILED: the newest checkpoint, {newest['name']}, is of another format version; "

@@ -15,7 +15,7 @@ from ..checkpoint.objects import ObjectStorage
 from ..checkpoint.scan import classify
 from ..checkpoint.storage import Storage, basename, join, parent
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
-from ..train.checkpointing import PROGRESS, TRAIN_LOADER, VAL_LOADER
+from ..train.checkpointing import LOG, PROGRESS, TRAIN_LOADER, VAL_LOADER
 from ..train.progress import COUNTERS, PHASES
 from ..train.rundir import CHECKPOINTS as RUN_CHECKPOINTS
 
@@ -52,6 +52,7 @@ class CheckpointReport(TypedDict):
     entries: list[str] | None
     position: Position | None
     loaders: list[LoaderReport]
+    log_bytes: int | None
 
 
 class LoaderReport(TypedDict, total=False):
@@ -77,6 +78,14 @@ class Resume(TypedDict):
     summary: str
 
 
+class LogReport(TypedDict):
+    path: str
+    bytes: int | None
+    expected: int
+    ok: bool
+    problem: str | None
+
+
 class Report(TypedDict):
     command: str
     directory: str
@@ -86,6 +95,7 @@ class Report(TypedDict):
     newest: str
     ok: bool
     resume: Resume
+    log: LogReport | None
 
 
 class UsageError(Exception):
@@ -141,16 +151,20 @@ def _manifest_step(storage: Storage, directory: str) -> int:
 
 def check(storage: Storage, path: str, step: int, read_states: bool) -> CheckpointReport:
     """One checkpoint: judged as ``load_latest`` judges it (``checkpoint.scan.classify``), and
-    (``read_states``) where it stands, from its small entries whose files verified."""
+    (``read_states``) where it stands, from its small entries whose files verified; always,
+    the size of the Trainer's log that it records (``log_bytes``: what a resume needs)."""
     states: dict[str, Any] = {}
 
     def keep(manifest: Manifest, name: str, file: str, value: Any) -> None:
         spec = manifest["entries"][name]
         first = spec["file"] if "file" in spec else spec.get("ranks", [""])[0]  # rank 0's part
-        if file == first and (name in ALWAYS_READ or manifest["files"][file]["size"] <= READ_LIMIT):
+        wanted = name in ALWAYS_READ or manifest["files"][file]["size"] <= READ_LIMIT
+        if file == first and ((read_states and wanted) or name == LOG):
             states[name] = value
 
-    verdict = classify(storage, path, step, keep if read_states else None)
+    verdict = classify(storage, path, step, keep)
+    log = states.pop(LOG, None)  # what a resume needs of the run's log: no position
+    log_bytes = log.get("bytes") if isinstance(log, dict) else None
     manifest = verdict.manifest
     return CheckpointReport(
         name=basename(path),
@@ -165,13 +179,16 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
         entries=list(manifest["entries"]) if manifest is not None else None,
         position=_position(states),
         loaders=loaders(states),
+        log_bytes=log_bytes if type(log_bytes) is int else None,
     )
 
 
 def _written(storage: Storage, manifest: str) -> str | None:
     try:
         if isinstance(storage, ObjectStorage):  # the store's time of the upload
-            when = storage.fs.info(manifest, refresh=True)["LastModified"]
+            fs = storage.fs  # through _call: its retries, under the store's deadline
+            when = storage._call("look at", manifest, lambda: fs.info(manifest, refresh=True))
+            when = when["LastModified"]
         else:
             when = datetime.fromtimestamp(os.stat(manifest).st_mtime, timezone.utc)
     except (OSError, KeyError):
@@ -182,7 +199,7 @@ def _written(storage: Storage, manifest: str) -> str | None:
 def _size(storage: Storage, directory: str) -> int:
     if isinstance(storage, ObjectStorage):
         try:
-            return int(storage.fs.du(directory))
+            return int(storage._call("measure", directory, lambda: storage.fs.du(directory)))
         except OSError:
             return 0
     total = 0

@@ -144,6 +144,10 @@ class TrainerOptions:
       all-reduce of two ints; default 1: every batch). A signal waits for the next agreement.
       ``checkpoint_timeout``: how long (seconds) a rank waits for the others in a checkpoint
       save or load, rank 0's writing of the replicated state included (default 600).
+    - ``remote_timeout``: a run directory in object storage: how long (seconds) one operation
+      on the store (an upload, a download, a listing, the lease's renewal) may go without
+      progress before it fails (default 60). A periodic save that fails so is reported and
+      training goes on; a resume fails, naming the store.
     - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
       bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
       nothing and says so once if the model is on CUDA; ``False`` changes nothing.
@@ -204,6 +208,12 @@ class TrainerOptions:
     lease_seconds: float = _option(
         30.0,
         "a run directory in object storage: how long the lock of a job that died lasts",
+        _seconds,
+    )
+    remote_timeout: float = _option(
+        60.0,
+        "a run directory in object storage: seconds an operation on the store may go without "
+        "progress before it fails",
         _seconds,
     )
 

@@ -31,12 +31,18 @@ HEADER = "step,epoch,phase,name,value\n"
 
 class CSVLog:
     """``publish(size)``, if given, is called with the size each state records (and ``None``
-    when the log closes): a run directory in object storage uploads the file then (``rundir``)."""
+    when the log closes): a run directory in object storage uploads the file then (``rundir``).
+    ``name``: where the log lives, for errors (the object's URL, when ``path`` is a local working
+    copy of it)."""
 
     def __init__(
-        self, path: str | os.PathLike, publish: Callable[[int | None], None] | None = None
+        self,
+        path: str | os.PathLike,
+        publish: Callable[[int | None], None] | None = None,
+        name: str | None = None,
     ) -> None:
         self.path = Path(path)
+        self.name = name or str(self.path)
         self.publish = publish
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
@@ -82,8 +88,10 @@ class CSVLog:
         current = self.path.stat().st_size
         if current < size:
             raise CorruptState(
-                f"{self.path} has {current} bytes but the checkpoint says {size} were logged: "
-                "the log was truncated or replaced since; restore it or start a new run directory"
+                f"{self.name} has {current} bytes but the checkpoint says {size} were logged: "
+                "the log was truncated or replaced since (or deleted). Restore it (from a copy, "
+                "or an earlier version of the object if the store keeps them) and start again, "
+                "or train in a new run directory"
             )
         self._file.truncate(size)  # rows logged after the checkpoint are logged again on resume
         self._file.seek(size)
@@ -142,7 +150,8 @@ class RunLog:
         if write:
             run.download(METRICS)  # a URL's: the log so far, cut back when the state loads
             publish = (lambda size: run.upload(METRICS, size)) if run.remote else None
-            self.csv = CSVLog(run.local / METRICS, publish)
+            name = run.remote_name(METRICS) if run.remote else None
+            self.csv = CSVLog(run.local / METRICS, publish, name)
         self.run, self.directory, self.tensorboard = run, run.local, tensorboard
         self.write = write
         self.board: Any = None

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.objects import ObjectStorage, is_url
+from ..checkpoint.objects import REMOTE_TIMEOUT, ObjectStorage, is_url
 from ..checkpoint.storage import join
 from .lease import Lease
 from .lock import DirectoryLock, Lock, held_by_every_rank, not_writable
@@ -61,11 +61,14 @@ class RunDirectory:
     def checkpoints(self) -> str:
         return join(self.location, CHECKPOINTS)
 
-    def open(self) -> None:
+    def open(self, remote_timeout: float = REMOTE_TIMEOUT) -> None:
         """Make the directory (or check the store: bucket, endpoint, credentials) and, for a
-        URL, the local working directory of the log."""
+        URL, the local working directory of the log; ``remote_timeout``: seconds an operation
+        on the store may go without progress before it fails (``RemoteUnavailable``)."""
         if self.remote:
-            self.storage = ObjectStorage(self.location, self.storage_options)
+            self.storage = ObjectStorage(
+                self.location, self.storage_options, timeout=remote_timeout
+            )
             self.storage.check()
             self.local = Path(tempfile.mkdtemp(prefix="unbroken-run-"))
             return
@@ -91,6 +94,10 @@ class RunDirectory:
             yield
 
     # The log's remote copy (a URL only).
+    def remote_name(self, name: str) -> str:
+        """The URL of the run directory's ``name`` (said in errors)."""
+        return join(self.location, name)
+
     def download(self, name: str) -> None:
         """The remote ``name`` into the local working directory, if it exists."""
         if self.storage is not None:

@@ -77,7 +77,8 @@ class Trainer:
     ``checkpoint_every_seconds``, ``checkpoint_every_steps``, ``keep``, ``async_save``,
     ``accumulate``, ``clip_grad_norm``, ``scheduler_interval``, ``callbacks``, ``log_every``,
     ``progress_bar``, ``tensorboard``, ``signals``, ``preemption_check_every``,
-    ``checkpoint_timeout``, ``deterministic``, ``lease_seconds``; or ``options``, all of them as one
+    ``checkpoint_timeout``, ``deterministic``, ``lease_seconds``, ``remote_timeout``; or
+    ``options``, all of them as one
     ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
     read them).
     """
@@ -106,6 +107,7 @@ class Trainer:
         preemption_check_every: int = 1,
         checkpoint_timeout: float = 600.0,
         lease_seconds: float = 30.0,
+        remote_timeout: float = 60.0,
         options: TrainerOptions | None = None,
     ) -> None:
         self.startup = Startup()  # first: the time to the first step, by phase
@@ -177,7 +179,7 @@ class Trainer:
             ensure_exact(model, "unbroken.Trainer")
             with self.preemption, determinism(self.options.deterministic, model):
                 exit_if_preempted(self.job, self.preemption)
-                self.run.open()
+                self.run.open(self.options.remote_timeout)
                 try:
                     with self.run.locked(self.job, self.options.lease_seconds):
                         self._fit(train_loader, val_loader)
@@ -355,15 +357,17 @@ class Trainer:
             self._save(blocking=not self.options.async_save, periodic=True)
 
     def _save(self, blocking: bool = True, periodic: bool = False) -> None:
-        # A periodic save that cannot reach object storage (RemoteUnavailable, after its
-        # retries) does not stop training: it is reported and the next one tries again. One
-        # process only: under torch.distributed the ranks raise together (the job restarts).
+        # A periodic save that cannot reach object storage (RemoteUnavailable: after its
+        # retries, or a store that did not answer within remote_timeout) does not stop
+        # training: it is reported and the next one tries again; so does a background save
+        # (always periodic) before any save. One process only: under torch.distributed the
+        # ranks raise together (the job restarts).
         tolerate = periodic and not self.job.distributed
         started = time.perf_counter()  # what the save holds training for: the wait included
         try:
             self.checkpointer.wait()  # the background save before it: it may have failed
         except RemoteUnavailable as error:
-            if not tolerate:
+            if self.job.distributed:
                 raise
             say(f"the background checkpoint failed ({error}); training goes on")
         if self.progress.ticks == self.progress.saved_at:
