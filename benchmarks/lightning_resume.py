@@ -44,12 +44,26 @@ replaces the killed run's):
   Python and Lightning start-up included: the resumed run's restart cost is in its total; one
   run each, on a shared machine: a rough figure).
 
+Then the sweeps (``--sweeps NAME ...``; none with ``--sweeps`` alone): ``tests/lightning_job.py
+--sweep saves`` in one process saves a checkpoint at every place Lightning can save one
+(every training batch's end, validation's end, epoch's end) and resumes a run from each; each
+resumed run saves everywhere too and is resumed from the first checkpoint of each kind of place
+it saved, three resumes in a row (``--resumes 3``). Each resume is compared with the run it
+resumed from (records and final weights, optimizer and scheduler states, bit for bit), and
+counted exact, inexact and warned by ``ExactResume``, or silently wrong (must be none). The
+configurations (``SWEEPS``): plain, without validation, accumulation, ``OneCycleLR``,
+``ReduceLROnPlateau`` under ``max_epochs`` and ``max_steps`` (with and without validation),
+``max_steps``, a training set without ``len()``, epoch-level training metrics, a training step
+drawing from numpy and ``random``, 2 workers resumed with 0 (with and without such draws), and
+a SIGTERM in every step under ``max_steps`` with ``ReduceLROnPlateau``.
+
     .venv/bin/python benchmarks/lightning_resume.py            # 5 cuts, num_workers 0 and 2
     .venv/bin/python benchmarks/lightning_resume.py --quick    # cuts 21 and 13:6, num_workers 0
 
-The default is 48 job runs (~7 minutes on 2 cores), ``--quick`` 12 (~1 minute). The numbers
-also go to ``bench_output/lightning_resume.json`` (``--json PATH``; ``--json ''`` for none), from
-which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
+The default is 48 job runs (~7 minutes on 2 cores) and 14 sweeps (~6,200 resumes, ~5 minutes),
+``--quick`` 12 job runs and 3 sweeps from the first checkpoint of each kind only (~2 minutes).
+The numbers also go to ``bench_output/lightning_resume.json`` (``--json PATH``; ``--json ''`` for
+none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
 (``make bench``).
 """
 
@@ -57,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -74,6 +89,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, Results, add_json_option, environment, load_line, table
 
+from unbroken.lightning.loops import Place
+
 JOB = REPO / "tests" / "lightning_job.py"
 N, BATCH, EPOCHS = 96, 8, 3  # the job's dataset, batch size and epochs
 PER_EPOCH = N // BATCH
@@ -83,7 +100,33 @@ LOADERS = ("torch", "unbroken")
 CUTS = ["7", "21", "30", "13:6", "25"]
 QUICK_CUTS = ["21", "13:6"]
 WARNING = "unbroken.lightning.ExactResume: "  # how ExactResume's warnings start
+# The sweeps (in one process each, two at a time): the job's options after "--every 7 --epochs
+# 2". "saves" sweeps resume from every checkpoint the uninterrupted run saved, then twice more
+# in a row (--resumes 3) from the first checkpoint of each kind of place each resumed run saved.
+SAVES = ("--sweep", "saves", "--resumes", "3")
+MAX_STEPS = ("--max-steps", "30", "--epochs", "4")  # 30 steps: 2.5 epochs
+TO_0 = ("--sweep", "saves", "--workers", "2", "--resume-workers", "0")
+SWEEPS = {
+    "plain": SAVES,
+    "no-val": (*SAVES, "--no-val", "--checkpoint", "epoch"),
+    "accumulate": (*SAVES, "--accumulate", "3"),
+    "onecycle": (*SAVES, "--scheduler", "onecycle"),
+    "plateau": (*SAVES, "--scheduler", "plateau"),
+    "plateau-max-steps": (*SAVES, "--scheduler", "plateau", *MAX_STEPS),
+    "plateau-max-steps-no-val": (*SAVES, "--scheduler", "plateau", "--no-val", *MAX_STEPS),
+    "max-steps-no-val": (*SAVES, "--no-val", *MAX_STEPS),
+    "iterable": (*SAVES, "--iterable"),
+    "epoch-metric-no-val": (*SAVES, "--no-val", "--epoch-metric"),
+    "draw": (*SAVES, "--draw"),
+    "workers-2-to-0": TO_0,
+    "workers-2-to-0-draw": (*TO_0, "--draw"),
+    "signals-plateau-max-steps": ("--sweep", "signals", "--scheduler", "plateau", *MAX_STEPS),
+}
+QUICK_SWEEPS = ["plain", "plateau-max-steps", "workers-2-to-0-draw"]  # and --first kinds
 ON_LOAD = "resuming from a checkpoint"  # how its warning on loading an inexact checkpoint starts
+# ExactResume's warnings that a resumed run is not exact: on load, and at a step drawing from
+# numpy or random after the worker counts crossed 0.
+RESUME_WARNINGS = ("cannot go on exactly", "global generator")
 
 
 @dataclass(frozen=True)
@@ -224,6 +267,82 @@ def exact_resume_warnings(stderr: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def same(a: object, b: object) -> bool:
+    """Bit for bit: tensors with torch.equal, containers element by element."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def run_sweep(name: str, out: Path, quick: bool, timeout: float) -> dict:
+    """One sweep (``SWEEPS[name]``) in its own process, and each of its resumes: exact against
+    the run it resumed from (records and final states), and whether ExactResume warned."""
+    options = (*SWEEPS[name], *(("--first", "kinds") if quick else ()))
+    command = [sys.executable, str(JOB), str(out), "--every", "7", "--epochs", "2", *options]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"sweep {name}: exit {done.returncode}\n{done.stderr[-4000:]}")
+    wall = time.perf_counter() - start
+    resumes = []
+    for run in sorted((out / "runs").iterdir()):
+        about = json.loads((run / "about.json").read_text())
+        parent = out / "whole"
+        if about["parent"] != "whole":
+            parent = out / "runs" / about["parent"] / "resumed"
+        reference, own = records(parent), records(run / "resumed")
+        before = about["records_before"]
+        final = [torch.load(d / "final.pt", weights_only=False) for d in (parent, run / "resumed")]
+        said = [w for w in about["warnings"] if "is being saved" not in w]
+        resumes.append(
+            {
+                "name": run.name,
+                "depth": run.name.count("+") + 1,
+                "exact": reference[:before] + own == reference and same(*final),
+                "place_exact": Place(**about["saved_at"]).exact if about["saved_at"] else True,
+                "warned": any(m in w for w in said for m in RESUME_WARNINGS),
+            }
+        )
+    return {"sweep": name, "options": list(options), "wall_s": wall, "resumes": resumes}
+
+
+def sweep_row(sweep: dict) -> list[str]:
+    resumes = sweep["resumes"]
+    depths = [sum(r["depth"] == d for r in resumes) for d in (1, 2, 3)]
+    silent = [r for r in resumes if not r["exact"] and not r["warned"]]
+    return [
+        sweep["sweep"],
+        " / ".join(map(str, depths)),
+        str(sum(r["exact"] and not r["warned"] for r in resumes)),
+        str(sum(not r["exact"] and r["warned"] for r in resumes)),
+        str(sum(r["exact"] and r["warned"] for r in resumes)),
+        str(len(silent)) if not silent else f"**{len(silent)}**",
+        f"{sweep['wall_s']:.0f}",
+    ]
+
+
+def sweep_summary(sweep: dict) -> dict:
+    """A sweep's counts (for the JSON), with the names of its silently wrong resumes."""
+    resumes = sweep["resumes"]
+    return {
+        "sweep": sweep["sweep"],
+        "options": sweep["options"],
+        "wall_s": sweep["wall_s"],
+        "resumes_by_depth": [sum(r["depth"] == d for r in resumes) for d in (1, 2, 3)],
+        "exact": sum(r["exact"] and not r["warned"] for r in resumes),
+        "inexact_warned": sum(not r["exact"] and r["warned"] for r in resumes),
+        "exact_warned": sum(r["exact"] and r["warned"] for r in resumes),
+        "silent_wrong": [r["name"] for r in resumes if not r["exact"] and not r["warned"]],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -248,10 +367,18 @@ def main() -> None:
         action="store_true",
         help=f"cuts {' and '.join(QUICK_CUTS)} only (mid-epoch, epoch end), num_workers 0",
     )
+    parser.add_argument(
+        "--sweeps",
+        nargs="*",
+        choices=list(SWEEPS),
+        default=list(SWEEPS),
+        help="the sweeps to run (none: no sweep); default: all",
+    )
     add_json_option(parser, "lightning_resume")
     args = parser.parse_args()
     if args.quick:
         args.cuts, args.workers = list(QUICK_CUTS), [0]
+        args.sweeps = [name for name in args.sweeps if name in QUICK_SWEEPS]
     try:
         cuts = [Cut.parse(c) for c in args.cuts]
     except ValueError:
@@ -265,6 +392,7 @@ def main() -> None:
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="lightning_resume-", dir=args.dir))
     rows: list[dict] = []
+    sweeps: list[dict] = []
     whole_orders: dict[tuple[str, int, int], dict[int, list[int]]] = {}
     try:
         for workers in args.workers:
@@ -343,6 +471,15 @@ def main() -> None:
                         file=sys.stderr,
                         flush=True,
                     )
+        # The sweeps, after the cuts (whose wall times they would disturb), two at a time.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(run_sweep, name, root / f"sweep-{name}", args.quick, 20 * args.timeout)
+                for name in args.sweeps
+            ]
+            for future in futures:
+                sweeps.append(future.result())
+                print(f"[sweep: {' | '.join(sweep_row(sweeps[-1]))}]", file=sys.stderr, flush=True)
     finally:
         if args.keep:
             print(f"[runs kept in {root}]", file=sys.stderr)
@@ -482,6 +619,42 @@ def main() -> None:
             f"--loader unbroken --workers {r['workers']} --every {r['every']} --kill-at "
             f"{r['cut']}`, then the same without --kill-at."
         )
+    if sweeps:
+        header = [
+            "sweep",
+            "resumes 1st / 2nd / 3rd in a row",
+            "exact",
+            "inexact, warned",
+            "exact, warned",
+            "silent wrong",
+            "wall s",
+        ]
+        print()
+        print(
+            results.table(
+                "Sweeps: every checkpoint Lightning can save resumed, then twice more in a row "
+                "from each kind of place; each resume against the run it resumed from",
+                table(header, [sweep_row(s) for s in sweeps]),
+            )
+        )
+        notes.append(
+            "sweeps: tests/lightning_job.py --sweep saves|signals in one process (--every 7 "
+            f"--epochs 2 and the sweep's options{'; --first kinds' if args.quick else ''}); a "
+            "resume is exact when the records of the run it resumed from up to the checkpoint "
+            "and its own are that run's, and its final weights, optimizer and scheduler states "
+            "equal that run's; warned: ExactResume said, as it loaded the checkpoint (or at the "
+            "first step drawing from numpy or random after a change of worker counts), that the "
+            "run cannot go on exactly; silent wrong: neither exact nor warned (must be 0)."
+        )
+        for sweep in sweeps:
+            for r in sweep["resumes"]:
+                if not r["exact"] and not r["warned"]:
+                    notes.append(
+                        f"sweep {sweep['sweep']}: {r['name']} resumed SILENTLY WRONG; reproduce "
+                        f"with `python {JOB.relative_to(REPO)} OUT --every 7 --epochs 2 "
+                        f"{' '.join(sweep['options'])}` and compare OUT/runs/{r['name']} with "
+                        "the run it resumed from."
+                    )
     print()
     for note in notes:
         print(f"- {note}")
@@ -498,6 +671,7 @@ def main() -> None:
         "cuts": [{"cut": c.kill_at, "every": c.every, "kind": c.kind} for c in cuts],
         "workers": args.workers,
         "rows": rows,
+        "sweeps": [sweep_summary(sweep) for sweep in sweeps],
     }
     results.write()
 

@@ -4,33 +4,40 @@
 augmentation (drawn from torch's global generator in ``__getitem__``), validating twice an epoch
 on an augmented set, and resumes from ``OUT/ckpt/last.ckpt`` (``ckpt_path="last"``) when there
 is one. Everything the run does is appended to ``OUT/records-rank<r>.jsonl``, one JSON object a
-line: each training batch (epoch, batch, optimizer step, sample indices, a hash of the augmented
-input, the loss and the learning rate), each validation batch (the same, no step) and each
-epoch's start (with the learning rate after Lightning's epoch-end scheduler steps). The final weights,
-optimizer and scheduler states go to ``OUT/final.pt``.
+line: each training batch (epoch, batch, Lightning's epoch counters, optimizer step, sample
+indices, a hash of the augmented input, the loss and the learning rate), each validation batch
+(the same, no step or counters) and each epoch's start (with the learning rate after
+Lightning's epoch-end scheduler steps) and end. The final weights, optimizer and scheduler
+states go to ``OUT/final.pt``.
 
 - ``--loader unbroken|torch``: ``unbroken.DataLoader`` with ``ExactResume`` (the README's
   recipe), or plain Lightning (torch's DataLoader, no unbroken callback); ``--val-loader``
   overrides the validation loader's kind.
 - ``--checkpoint steps`` (``every_n_train_steps=--every``, the default) or ``epoch`` (Lightning's
   default ``ModelCheckpoint``, once an epoch); both ``save_last=True``.
-- ``--accumulate K``, ``--scheduler onecycle|plateau`` (``ReduceLROnPlateau`` on a validation
-  metric that never improves), ``--no-val``, ``--iterable`` (a training set without ``len()``),
-  ``--epoch-metric`` (the training loss logged with ``on_epoch=True``), ``--workers N``,
-  ``--datamodule``.
+- ``--accumulate K``, ``--scheduler onecycle|plateau`` (``ReduceLROnPlateau`` on a metric that
+  never improves: logged in validation, and in the training step with ``--no-val``),
+  ``--no-val``, ``--iterable`` (a training set without ``len()``), ``--epoch-metric`` (the
+  training loss logged with ``on_epoch=True``), ``--workers N``, ``--datamodule``, ``--draw``
+  (the training step draws from numpy's and ``random``'s global generators), ``--epochs E`` and
+  ``--max-steps S`` (Lightning's bounds).
 - ``--kill-at B`` SIGKILLs rank ``--kill-rank`` at the end of training batch B (counted from
   1 over the whole run); ``--signal-at B`` sends SIGTERM to the whole process group there, as a
   scheduler does (with ``--signal-rank R``, to rank R's process alone).
 - ``--sweep saves``: in this one process, the uninterrupted run (``OUT/whole``) saving a
   checkpoint at every place Lightning can save one (every training batch's end, every
   validation's end, every training epoch's end: ``OUT/whole/cuts/NNN-hook.ckpt``), then a run
-  resumed from each of them (``OUT/runs/NNN-hook/resumed``). ``--sweep signals``: the same with
-  a run sent SIGTERM at the end of each training batch (``OUT/runs/signal-BBB/signalled``), then
-  resumed from the ``last.ckpt`` it saved. Each checkpoint holds the number of records written
-  before it; ``OUT/runs/NAME/about.json`` has it, the step, where ``ExactResume`` says it was
-  saved and the warnings unbroken gave. A resumed run is exact if the whole run's records before
-  the cut followed by its own are the whole run's records, and its final states are the whole
-  run's.
+  resumed from each of them (``OUT/runs/NNN-hook/resumed``; ``--first kinds``: from the first
+  of each kind of place only). ``--sweep signals``: the same with a run sent SIGTERM at the end
+  of each training batch (``OUT/runs/signal-BBB/signalled``), then resumed from the
+  ``last.ckpt`` it saved. ``--resumes R``: each resumed run saves everywhere too, numbering on
+  from its checkpoint, and is resumed in turn from the first checkpoint of each kind it saved
+  (``OUT/runs/NNN-hook+MMM-hook``), R resumes in a row. ``--resume-workers N``: the resumed
+  runs with N workers. Each checkpoint holds the number of records written before it;
+  ``OUT/runs/NAME/about.json`` has it, the run it resumed from, the step, where ``ExactResume``
+  says it was saved and the warnings unbroken gave. A resumed run is exact if the records of the
+  run it resumed from before the cut followed by its own are that run's records, and its final
+  states are that run's.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import gc
 import hashlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -47,6 +55,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
@@ -131,8 +140,12 @@ class Model(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        if self.args.draw:  # the step itself draws from numpy's and random's generators
+            loss = loss * (1 + 0.1 * (np.random.rand() + random.random() - 1))
         if self.args.epoch_metric:  # an epoch aggregate Lightning does not save
             self.log("train_loss", loss, on_step=False, on_epoch=True)
+        if self.args.no_val and self.args.scheduler == "plateau":
+            self.log("flat", 1.0)  # what ReduceLROnPlateau monitors without validation
         return {"loss": loss, "record": {"indices": index.tolist(), "x": digest(x)}}
 
     def validation_step(self, batch, batch_idx):
@@ -159,6 +172,14 @@ class ModelWithData(Loaders, Model):
     """The loaders from the model's own hooks (the default)."""
 
 
+def progress(trainer) -> list[int]:
+    """Lightning's epoch progress counters, total then current (ready, started, processed,
+    completed): where a checkpoint saved now would resume."""
+    counts = trainer.fit_loop.epoch_progress
+    fields = ("ready", "started", "processed", "completed")
+    return [getattr(c, f) for c in (counts.total, counts.current) for f in fields]
+
+
 class Recorder(L.Callback):
     """Appends what the run does to ``records-rank<r>.jsonl`` (see the module)."""
 
@@ -172,10 +193,9 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         step, loss = trainer.global_step, repr(outputs["loss"].item())
-        at = {"epoch": trainer.current_epoch, "batch": batch_idx}
-        self.write(
-            trainer, kind="train", **at, step=step, loss=loss, lr=repr(lr), **outputs["record"]
-        )
+        at = {"epoch": trainer.current_epoch, "batch": batch_idx, "progress": progress(trainer)}
+        record = outputs["record"]
+        self.write(trainer, kind="train", **at, step=step, loss=loss, lr=repr(lr), **record)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, idx=0):
         if trainer.sanity_checking:
@@ -223,15 +243,24 @@ class Interrupt(L.Callback):
 class SaveEverywhere(Checkpoint):
     """Saves a checkpoint at every place Lightning can save one (``--sweep saves``). A
     ``Checkpoint``, so that Lightning runs it where it runs ``ModelCheckpoint``: after the other
-    callbacks."""
+    callbacks. A run resumed from one of them numbers its own on from it, so that a resumed run's
+    checkpoint has the number of the uninterrupted run's at the same place (if it resumed
+    exactly)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory, self.saved = directory, 0
+        directory.mkdir(parents=True, exist_ok=True)
 
     def save(self, trainer, hook: str) -> None:
         if not trainer.sanity_checking:
             self.saved += 1
             trainer.save_checkpoint(self.directory / f"{self.saved:03d}-{hook}.ckpt")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["saves_before"] = self.saved
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        self.saved = checkpoint.get("saves_before", 0)
 
     def on_train_batch_end(self, trainer, *args):
         self.save(trainer, "batch")
@@ -285,41 +314,72 @@ def fit(args, out: Path, ckpt_path: str | None, extra: tuple = ()) -> L.Lightnin
 
 
 def sweep(args, out: Path) -> None:
-    """The uninterrupted run, then runs resumed from each cut (``--sweep saves``: every
-    checkpoint the uninterrupted run saved; ``--sweep signals``: a SIGTERM to the process group
-    at the end of every training batch, each in a run of its own)."""
+    """The uninterrupted run, then runs resumed from each cut (``--sweep saves``: the
+    checkpoints the uninterrupted run saved, all or the first of each kind (``--first``);
+    ``--sweep signals``: a SIGTERM to the process group at the end of every training batch, each
+    in a run of its own). With ``--resumes R`` > 1, each resumed run saves everywhere too, and is
+    resumed in turn from the first checkpoint of each kind it saved, R resumes in a row."""
     whole = out / "whole"
-    (whole / "cuts").mkdir(parents=True)
-    fit(args, whole, None, (SaveEverywhere(whole / "cuts"),) if args.sweep == "saves" else ())
-    if args.sweep == "saves":
-        cuts = [(cut.stem, cut) for cut in sorted((whole / "cuts").iterdir())]
+    saves = args.sweep == "saves"
+    whole.mkdir(parents=True)
+    fit(args, whole, None, (SaveEverywhere(whole / "cuts"),) if saves else ())
+    if saves:
+        cuts = saved_cuts(whole / "cuts", every=args.first == "all")
     else:
         total = len([r for r in records(whole) if r["kind"] == "train"])
         cuts = [(f"signal-{b:03d}", b) for b in range(1, total + 1)]
     for name, cut in cuts:
-        run = out / "runs" / name
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if isinstance(cut, int):  # a run signalled at the end of batch `cut`, saving last.ckpt
-                first = run / "signalled"
-                first.mkdir(parents=True)
-                try:
-                    fit(argparse.Namespace(**{**vars(args), "signal_at": cut}), first, None)
-                    cut = None  # the run ended before it could save: nothing to resume
-                except SystemExit as stop:
-                    assert stop.code == 75, stop.code
-                    cut = first / "ckpt" / "last.ckpt"
-            resumed = run / "resumed"
-            resumed.mkdir(parents=True)
-            saved = torch.load(cut, weights_only=False) if cut is not None else {}
-            fit(args, resumed, None if cut is None else str(cut))
-        about = {
-            "records_before": saved.get("records_before", 0),
-            "global_step": saved.get("global_step", 0),
-            "saved_at": saved.get("callbacks", {}).get("unbroken.ExactResume", {}).get("saved_at"),
-            "warnings": [str(w.message) for w in caught if "unbroken" in str(w.message)],
-        }
-        (run / "about.json").write_text(json.dumps(about))
+        resume(args, out, "whole", name, cut, 1)
+
+
+def saved_cuts(directory: Path, every: bool) -> list[tuple[str, Path]]:
+    """The checkpoints a run saved, in order: all, or the first of each kind of place."""
+    kinds, cuts = set(), []
+    for cut in sorted(directory.iterdir()) if directory.exists() else []:
+        state = torch.load(cut, weights_only=False)["callbacks"]["unbroken.ExactResume"]
+        place = state["saved_at"]
+        kind = (place["hook"], *sorted(k for k, v in place.items() if v is True))
+        if every or kind not in kinds:
+            kinds.add(kind)
+            cuts.append((cut.stem, cut))
+    return cuts
+
+
+def resume(args, out: Path, parent: str, name: str, cut, depth: int) -> None:
+    """Resume from ``cut`` (a checkpoint of the run ``parent``, or for ``--sweep signals`` the
+    batch at whose end a run is signalled first) in ``OUT/runs/NAME/resumed``, then from its
+    own checkpoints while ``depth`` < ``--resumes``."""
+    run = out / "runs" / name
+    deeper = depth < args.resumes
+    changed = {**vars(args), "workers": args.resume_workers}
+    resumed_args = argparse.Namespace(**changed) if args.resume_workers >= 0 else args
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if isinstance(cut, int):  # a run signalled at the end of batch `cut`, saving last.ckpt
+            first = run / "signalled"
+            first.mkdir(parents=True)
+            try:
+                fit(argparse.Namespace(**{**vars(args), "signal_at": cut}), first, None)
+                cut = None  # the run ended before it could save: nothing to resume
+            except SystemExit as stop:
+                assert stop.code == 75, stop.code
+                cut = first / "ckpt" / "last.ckpt"
+        resumed = run / "resumed"
+        resumed.mkdir(parents=True)
+        saved = torch.load(cut, weights_only=False) if cut is not None else {}
+        extra = (SaveEverywhere(resumed / "cuts"),) if deeper else ()
+        fit(resumed_args, resumed, None if cut is None else str(cut), extra)
+    about = {
+        "parent": parent,
+        "records_before": saved.get("records_before", 0),
+        "global_step": saved.get("global_step", 0),
+        "saved_at": saved.get("callbacks", {}).get("unbroken.ExactResume", {}).get("saved_at"),
+        "warnings": [str(w.message) for w in caught if "unbroken" in str(w.message)],
+    }
+    (run / "about.json").write_text(json.dumps(about))
+    if deeper:
+        for child, child_cut in saved_cuts(resumed / "cuts", every=False):
+            resume(args, out, name, f"{name}+{child}", child_cut, depth + 1)
 
 
 def records(run: Path, rank: int = 0) -> list[dict]:
@@ -350,6 +410,10 @@ def main() -> None:
     parser.add_argument("--datamodule", action="store_true")
     parser.add_argument("--ckpt-url")
     parser.add_argument("--sweep", choices=["saves", "signals"])
+    parser.add_argument("--first", choices=["all", "kinds"], default="all")
+    parser.add_argument("--resumes", type=int, default=1)
+    parser.add_argument("--resume-workers", type=int, default=-1)
+    parser.add_argument("--draw", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     if args.sweep:

@@ -22,10 +22,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+import unbroken
 from unbroken.checkpoint import ObjectStorage
 from unbroken.errors import CorruptState
 from unbroken.lightning import EXIT_CODE, AtomicCheckpointIO, ExactResume
+from unbroken.lightning.draws import crossed
 from unbroken.lightning.loops import Place
 
 JOB = Path(__file__).with_name("lightning_job.py")
@@ -221,9 +224,17 @@ def test_sigkill_after_a_periodic_checkpoint_at_an_epochs_last_batch(single, tmp
     run(whole, *options)
     run(cut, *options, "--kill-at", "13", expect=-signal.SIGKILL)
     assert torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 12
-    stderr = run(cut, *options)
+    # The resumed run is preempted in epoch 1 (SIGTERM after its batch 4) and saves after the
+    # next step. It used to count epoch 1 as not started, so that a run resumed from that save
+    # ran on_train_epoch_start again and counted batch_idx from 0, silently.
+    stderr = run(cut, *options, "--signal-at", "16", expect=EXIT_CODE)
     assert "resuming from a checkpoint saved where Lightning cannot go on exactly" in stderr
     assert "skips the end of this epoch" in stderr
+    assert torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 17
+    before = len(records(cut))
+    assert "cannot go on exactly" not in run(cut, *options)
+    after = records(whole)[[r.get("step") for r in records(whole)].index(17) + 1 :]
+    assert records(cut)[before:] == after  # epoch 1 from its batch 5 on, as the whole run
     assert steps(cut) == steps(whole) and len(steps(whole)) == 24
     assert weights_equal(whole, cut)
 
@@ -376,11 +387,35 @@ PLACE = {
             "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}],
             "saved_at": {**PLACE, "extra": 1},
         },
+        {
+            "version": 2,
+            "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}],
+            "saved_at": PLACE,
+            "workers": {"train": ["2"]},
+        },
     ],
 )
 def test_a_malformed_callback_state_is_refused(state):
     with pytest.raises(CorruptState, match="ExactResume state"):
         ExactResume().load_state_dict(state)
+
+
+def test_a_state_saved_before_the_worker_counts_and_the_later_places_still_loads(tmp_path):
+    state = {k: v for k, v in ExactResume().state_dict().items() if k != "workers"}
+    callback = ExactResume()
+    callback.load_state_dict({**state, "saved_at": PLACE})  # PLACE: the fields of older saves
+    callback.on_train_start(idle_trainer(tmp_path), None)
+    callback.preemption.uninstall()
+
+
+def test_worker_counts_that_cross_0_are_found():
+    assert crossed({"train": [2], "val": [0]}, {"train": [0], "val": [0]}) == [
+        "train loader 0: 2 -> 0"
+    ]
+    assert crossed({"train": [2], "val": [2]}, {"train": [1], "val": [0]}) == [
+        "val loader 0: 2 -> 0"
+    ]
+    assert crossed({"train": [0]}, {"train": [0], "val": [3]}) == []
 
 
 def test_the_states_of_another_world_size_load_with_a_warning():
@@ -411,6 +446,90 @@ def test_a_checkpoint_saved_where_lightning_does_not_go_on_exactly_warns_as_it_l
     assert len(said) == (1 if lost else 0)
     for phrase in lost:
         assert phrase in said[0]
+
+
+class Tiny(L.LightningModule):
+    """12 training batches an epoch (24 samples, batch 2); validation on the same samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(4, 1)
+        self.data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+
+    def train_dataloader(self):
+        return unbroken.DataLoader(self.data, batch_size=2, shuffle=True, seed=0)
+
+    def val_dataloader(self):
+        return unbroken.DataLoader(self.data, batch_size=8)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def saved_places(tmp_path, saver: ModelCheckpoint, **options) -> dict[int, Place]:
+    """Fit ``Tiny`` for 3 epochs with ``saver`` and ``ExactResume``: the place each checkpoint
+    the saver wrote was taken at, by its step."""
+    trainer = L.Trainer(
+        max_epochs=3,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[ExactResume(), saver],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **options,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny())
+    places = {}
+    for path in tmp_path.glob("*.ckpt"):
+        saved = torch.load(path, weights_only=False)
+        state = saved["callbacks"]["unbroken.ExactResume"]["saved_at"]
+        places[saved["global_step"]] = Place(**state)
+    return places
+
+
+@pytest.mark.parametrize(
+    "every, accumulate, val_every",
+    [(7, 1, 6), (8, 1, 6), (6, 1, 4), (5, 2, 4), (4, 3, 6), (2, 3, 6)],
+)
+def test_where_every_n_train_steps_saves_is_what_the_readme_says(
+    tmp_path, every, accumulate, val_every
+):
+    # The README's rule: ModelCheckpoint(every_n_train_steps=n) saves after every n-th optimizer
+    # step, at the end of the batch that made it: never inside an accumulation window; at an
+    # epoch's last batch when the step is a multiple of the epoch's optimizer steps S; before a
+    # validation when the step's batch is one Lightning validates after (val_check_interval=V
+    # batches: the step's place in its epoch a multiple of V / accumulate). Checked against the
+    # place ExactResume records in each checkpoint. (8, 1, 6): n neither divides the epoch nor
+    # is a multiple of the validation interval, and still lands on an epoch's last batch.
+    saver = ModelCheckpoint(tmp_path, "{step}", every_n_train_steps=every, save_top_k=-1)
+    places = saved_places(
+        tmp_path, saver, accumulate_grad_batches=accumulate, val_check_interval=val_every
+    )
+    per_epoch = -(-12 // accumulate)  # S: optimizer steps an epoch
+    found = {step: (p.accumulating, p.last_batch, p.validates_next) for step, p in places.items()}
+    expected = {}
+    for step in range(every, 3 * per_epoch + 1, every):
+        in_epoch = step % per_epoch  # 0: the epoch's last step
+        expected[step] = (False, in_epoch == 0, (in_epoch * accumulate) % val_every == 0)
+    assert found == expected
+
+
+def test_saving_at_every_validation_end_is_exact_every_time(tmp_path):
+    # The README's exact way to save every N batches: validate every N, save at each end.
+    saver = ModelCheckpoint(tmp_path, "{step}", save_on_train_epoch_end=False, save_top_k=-1)
+    places = saved_places(tmp_path, saver, val_check_interval=4)
+    assert sorted(places) == list(range(4, 37, 4))
+    assert all(p.hook == "validation_end" and p.exact for p in places.values())
 
 
 def test_torch_loaders_in_the_fit_are_warned_about(tmp_path):

@@ -13,6 +13,9 @@ with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckp
 
 - ``callback``: ``ExactResume``, what Lightning does not save or put back, preemption, warnings.
 - ``loops``: what it reads of Lightning's loops: where a checkpoint would resume exactly.
+- ``restart``: what it changes in them after a resume.
+- ``draws``: steps drawing from numpy or ``random`` after a resume with other worker counts.
+- ``saved``: what it keeps in Lightning's checkpoint.
 - ``io``: ``AtomicCheckpointIO``, checkpoint files written whole or not at all.
 """
 

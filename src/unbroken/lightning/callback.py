@@ -10,7 +10,10 @@ the checkpoint. What else a resumed run needs, this callback adds:
   sanity check, so nothing Lightning does before the first batch moves them).
 - **The metrics callbacks and schedulers read** (``trainer.callback_metrics``, each rank's), put
   back at the same moment, and ``ReduceLROnPlateau``'s step at the end of the first resumed
-  epoch, which Lightning leaves out (``loops.let_plateau_schedulers_step``).
+  epoch, which Lightning leaves out (``restart.let_plateau_schedulers_step``).
+- **Lightning's epoch counters**, which it leaves short after a resume from an epoch's last
+  batch (``restart.start_epoch_left_unstarted``), so that the resumed run's own checkpoints
+  resume exactly.
 - **The loaders' positions where Lightning drops them**: loaders built before the checkpoint is
   loaded (``trainer.estimated_stepping_batches`` in ``configure_optimizers``) never get their
   saved state from Lightning; the callback loads it when training starts. A loader without
@@ -28,9 +31,11 @@ the checkpoint. What else a resumed run needs, this callback adds:
   plugin of its own.
 - **Warnings where exactness is out of its hands**: resuming from a checkpoint taken where
   Lightning does not go on exactly (``loops.Place.problems``: a ``ModelCheckpoint`` saving at an
-  epoch's last batch, or before a validation, or inside an accumulation window), and training
+  epoch's last batch, or before a validation, or inside an accumulation window), training
   with a torch ``DataLoader`` (its position is not saved; with workers, a SIGTERM to the process
-  group kills them and the run with them, before anything is saved).
+  group kills them and the run with them, before anything is saved), and a step that draws from
+  numpy or ``random`` after a resume that moved a loader between 0 and more workers
+  (``draws``).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from ..data.loader import DataLoader
 from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.globalrng import GlobalRNG
 from ..train.ranks import Job
-from . import loops
+from . import draws, loops, restart
 from .io import AtomicCheckpointIO
 from .saved import VERSION, metrics, read_state, tensors
 
@@ -82,6 +87,8 @@ class ExactResume(Callback):
         self._epoch_metrics_before: list[str] = []  # ... and what it logged with on_epoch=True
         # From the checkpoint being resumed, used at train start:
         self._restore: dict | None = None  # this rank's generators and metrics
+        self._saved_workers: dict[str, list[int]] | None = None  # the loaders' num_workers
+        self._draws = draws.DrawWatch([])  # watches the steps if they changed across 0
         self._loader_states: list | None = None
 
     @property
@@ -98,6 +105,7 @@ class ExactResume(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.preemption.uninstall()
+        self._draws = draws.DrawWatch([])  # a later validate() or fit is not this resume
 
     # What the checkpoint holds.
     def state_dict(self) -> dict[str, Any]:
@@ -113,7 +121,9 @@ class ExactResume(Callback):
         if job.distributed:
             ranks = [None] * job.world_size
             dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
-        return {"version": VERSION, "ranks": ranks, "saved_at": self._place.to_state()}
+        saved_at = self._place.to_state()
+        workers = draws.worker_counts(trainer)
+        return {"version": VERSION, "ranks": ranks, "saved_at": saved_at, "workers": workers}
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -149,7 +159,7 @@ class ExactResume(Callback):
         self._loader_states = loops.saved_loader_states(checkpoint)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ranks, place = read_state(state_dict)
+        ranks, place, self._saved_workers = read_state(state_dict)
         job = Job()
         rank, world = job.rank, job.world_size
         if len(ranks) != world:
@@ -181,6 +191,10 @@ class ExactResume(Callback):
             self._load_dropped_loader_states(trainer, self._loader_states)
             self._loader_states = None
         self._batches_before_resume = None if self._restore is None else -1  # -1: not known yet
+        if self._saved_workers is not None:
+            now = draws.worker_counts(trainer)
+            self._draws = draws.DrawWatch(draws.crossed(self._saved_workers, now))
+            self._saved_workers = None
         if self._restore is not None:
             self._epoch_metrics_before = self._restore.get("epoch_metrics", [])
             GlobalRNG().load_state_dict(self._restore["rng"])
@@ -247,16 +261,25 @@ class ExactResume(Callback):
         self._step_at_batch_start = trainer.global_step
         if self._batches_before_resume == -1:  # the first batch after a resume
             self._batches_before_resume = batch_idx
+            restart.start_epoch_left_unstarted(trainer)  # so that later checkpoints resume exactly
+        self._draws.start()
         # Gradients of the window's earlier batches wait for its optimizer step.
         self._place = loops.Place("train_batch_start", accumulating=self._place.accumulating)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._warn_about_draws(self._draws.end("training"))
         stepped = trainer.global_step != self._step_at_batch_start
         self._place = loops.batch_end_place(trainer, stepped)
-        if self._place.exact and trainer.global_step % self.check_every == 0:
+        if self._place.exact_but_for_counters and trainer.global_step % self.check_every == 0:
             self._stop_if_preempted(trainer)
+
+    def on_validation_batch_start(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        self._draws.start()
+
+    def on_validation_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        self._warn_about_draws(self._draws.end("validation"))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
@@ -265,8 +288,8 @@ class ExactResume(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        self._place = loops.Place("validation_end", accumulating=self._place.accumulating)
-        if self._place.exact:
+        self._place = loops.validation_end_place(trainer, self._place.accumulating)
+        if self._place.exact_but_for_counters:
             self._stop_if_preempted(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -287,7 +310,7 @@ class ExactResume(Callback):
         if trainer.fit_loop.restarting:  # the first epoch's end after a resume
             self._first_epoch_end_after_resume(trainer)
         self._place = loops.epoch_end_place(trainer)
-        if self._place.exact:
+        if self._place.exact_but_for_counters:
             self._stop_if_preempted(trainer)
 
     def _first_epoch_end_after_resume(self, trainer: Trainer) -> None:
@@ -306,7 +329,7 @@ class ExactResume(Callback):
                 "Metric kept in the LightningModule with persistent state.",
             )
         self._batches_before_resume = None
-        missing = loops.let_plateau_schedulers_step(trainer)
+        missing = restart.let_plateau_schedulers_step(trainer)
         if missing:
             self._warn_once(
                 "plateau",
@@ -327,6 +350,10 @@ class ExactResume(Callback):
         loops.keep_ignoring_after_teardown(trainer, self.preemption.signals)
         exit_to_be_requeued(destroy_groups=False)  # Lightning's teardown still uses them
 
+    def _warn_about_draws(self, said: str | None) -> None:
+        if said is not None:
+            self._warn_once("draws", f"{_WHAT}: {said}")
+
     def _warn_once(self, kind: str, message: str) -> None:
         if kind in self._warned or (self._job is not None and not self._job.first):
             return
@@ -336,10 +363,11 @@ class ExactResume(Callback):
 
 _AVOID = (
     "Weights and data stay exact unless what is skipped changes the training. To avoid it, save "
-    "where Lightning resumes exactly: ModelCheckpoint's default (at validation or epoch end), "
-    "or every_n_train_steps that is a multiple of accumulate_grad_batches and neither divides "
-    "the epoch nor is a multiple of val_check_interval; ExactResume's own preemption save "
-    "always waits for such a place."
+    "at validation ends, where Lightning resumes exactly: "
+    "ModelCheckpoint(save_on_train_epoch_end=False) without every_n_train_steps, with "
+    "val_check_interval setting how often. "
+    "every_n_train_steps=n lands on an epoch's last batch every lcm(n, optimizer steps an "
+    "epoch) steps, whatever n. ExactResume's own preemption save always waits for an exact place."
 )
 
 

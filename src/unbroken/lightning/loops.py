@@ -1,7 +1,7 @@
-"""What ``ExactResume`` reads of Lightning's training loop, and the one flag it changes.
+"""What ``ExactResume`` reads of Lightning's training loop: where a checkpoint resumes exactly.
 
 Lightning 2.x decides where a resumed run goes on from its loops' progress counters. From most
-places a checkpoint can be taken it goes on exactly; from three it cannot, whatever the data
+places a checkpoint can be taken it goes on exactly; from these it cannot, whatever the data
 loader does (each seen by running Lightning 2.6 in ``tests/test_lightning_cuts.py``):
 
 - the end of a training batch after which Lightning validates: the resumed run skips that
@@ -12,7 +12,10 @@ loader does (each seen by running Lightning 2.6 in ``tests/test_lightning_cuts.p
   ``on_train_epoch_start`` hooks;
 - inside a gradient accumulation window: the gradients accumulated so far are not saved;
 - at ``on_train_epoch_end``, when ``ReduceLROnPlateau`` steps at the epoch's end or the training
-  step logs epoch-level metrics: Lightning takes the epoch as done, and does neither.
+  step logs epoch-level metrics: Lightning takes the epoch as done, and does neither;
+- bounded by ``max_steps``: an epoch's end (Lightning trains on in the ended epoch), anywhere in
+  a run resumed from one (its epoch counters stay off), and the run's last step (the resumed
+  run ends at once, without the rest of that epoch).
 
 ``Place`` says which of these a moment of the run is, so that ``ExactResume`` saves on
 preemption only where Lightning goes on exactly, and warns when a checkpoint taken elsewhere
@@ -22,13 +25,13 @@ preemption only where Lightning goes on exactly, and warns when a checkpoint tak
   order, and ``states_left_unloaded``: the saved states it did not put back;
 - ``prefetched``: how many batches Lightning's fetcher holds ahead of the training step (one,
   for a training loader without ``len()``): the loaders' states already count them;
-- ``let_plateau_schedulers_step``: Lightning skips ``ReduceLROnPlateau`` at the end of the first
-  epoch after a resume (it assumes the monitored metric is lost; ``ExactResume`` saves it).
+- ``epoch_counts``: the fit loop's epoch progress, which ``restart`` repairs after a resume.
 
-Four of these read Lightning's private loop attributes (``fit_loop.epoch_loop``, its
-``_should_check_val_fx`` and ``batch_progress``, ``fit_loop._data_fetcher``,
-``fit_loop._combined_loader_states_to_load``); if a Lightning release renames the first three,
-``LightningInternalsChanged`` says so rather than guessing.
+Some of these read Lightning's private loop attributes (``fit_loop.epoch_loop``, its
+``_should_check_val_fx`` and ``batch_progress``, ``fit_loop.epoch_progress``,
+``fit_loop._data_fetcher``, ``fit_loop._combined_loader_states_to_load``); if a Lightning
+release renames the first four, ``LightningInternalsChanged`` says so rather than guessing.
+Each is a few attribute reads, once a batch.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+from .._checks import is_int
 
 _MISSING = object()
 
@@ -58,11 +63,19 @@ class Place:
     last_batch: bool = False  # at the end of an epoch's last training batch
     epoch_end_steps: bool = False  # before the epoch-end plateau steps and metrics (see below)
     by_max_steps: bool = False  # at an epoch's end of a run bounded by max_steps (see below)
+    counters_off: bool = False  # Lightning's epoch counters are off since a resume (see below)
+    last_step: bool = False  # at or after the run's last step, max_steps (see below)
 
     @property
     def exact(self) -> bool:
+        return self.exact_but_for_counters and not self.counters_off
+
+    @property
+    def exact_but_for_counters(self) -> bool:
+        """Exact, or off only in the epoch counters, which no later place of the run repairs:
+        where a preemption save need not wait."""
         return not (self.accumulating or self.validates_next or self.last_batch) and not (
-            self.epoch_end_steps or self.by_max_steps
+            self.epoch_end_steps or self.by_max_steps or self.last_step
         )
 
     def problems(self) -> list[str]:
@@ -94,6 +107,20 @@ class Place:
                 "Lightning, bounded by max_steps, resumes an epoch's end by training one more "
                 "batch in that epoch and then skipping to the epoch after the next"
             )
+        if self.last_step:
+            lost.append(
+                "this is the run's last step (max_steps): Lightning ends a run resumed here at "
+                "once, without the rest of this epoch (its on_train_epoch_end hooks, "
+                "epoch-level metrics, its validation if one follows)"
+            )
+        if self.counters_off:
+            # Since a resume from an epoch's end under max_steps, Lightning's epoch_progress
+            # counts the epoch as not started, and does not count the last one as completed.
+            lost.append(
+                "Lightning's epoch counters are off since this run resumed from an epoch's end "
+                "under max_steps, so it runs on_train_epoch_start hooks again and counts "
+                "batch_idx from 0 in the middle of the epoch"
+            )
         return lost
 
     def to_state(self) -> dict[str, Any]:
@@ -104,6 +131,8 @@ class Place:
             "last_batch": self.last_batch,
             "epoch_end_steps": self.epoch_end_steps,
             "by_max_steps": self.by_max_steps,
+            "counters_off": self.counters_off,
+            "last_step": self.last_step,
         }
 
 
@@ -119,11 +148,24 @@ def batch_end_place(trainer: Trainer, stepped: bool) -> Place:
         last = bool(epoch_loop.batch_progress.is_last_batch)
     except AttributeError as error:
         raise LightningInternalsChanged(
-            f"unbroken.lightning: Lightning {_version()} has no {error.name!r} where 2.x has it "
-            "(the training loop's progress); this release of unbroken cannot tell which "
+            f"unbroken.lightning: Lightning {lightning_version()} has no {error.name!r} where "
+            "2.x has it (the training loop's progress); this release of unbroken cannot tell which "
             "checkpoints it resumes exactly. Use Lightning 2.4-2.6, or report it."
         ) from error
-    return Place("train_batch_end", accumulating, validates, last)
+    off, last_step = _counters_off(trainer), _ran_last_step(trainer)
+    return Place("train_batch_end", accumulating, validates, last, False, False, off, last_step)
+
+
+def validation_end_place(trainer: Trainer, accumulating: bool) -> Place:
+    """The place at a validation's end (``on_validation_end``) inside the training epoch."""
+    off, last_step = _counters_off(trainer), _ran_last_step(trainer)
+    return Place("validation_end", accumulating, counters_off=off, last_step=last_step)
+
+
+def _ran_last_step(trainer: Trainer) -> bool:
+    """Bounded by ``max_steps``, whether the run made its last step: a run resumed from here
+    ends at once, without the end of the epoch the uninterrupted run still runs."""
+    return 0 <= trainer.max_steps <= trainer.global_step
 
 
 def epoch_end_place(trainer: Trainer) -> Place:
@@ -132,8 +174,12 @@ def epoch_end_place(trainer: Trainer) -> Place:
     checkpoint taken here, it does neither (it takes the epoch as done). Bounded by
     ``max_steps`` (its "iteration-based training"), Lightning does not resume here exactly at
     all (``Place.problems``)."""
-    steps = bool(_epoch_plateau_monitors(trainer) or training_epoch_metrics(trainer))
-    return Place("train_epoch_end", epoch_end_steps=steps, by_max_steps=trainer.max_steps != -1)
+    steps = bool(epoch_plateau_monitors(trainer) or training_epoch_metrics(trainer))
+    by_max_steps = trainer.max_steps != -1
+    off = _counters_off(trainer, epoch_end=True)
+    return Place(
+        "train_epoch_end", epoch_end_steps=steps, by_max_steps=by_max_steps, counters_off=off
+    )
 
 
 def stateful_training_loaders(trainer: Trainer) -> list[Any]:
@@ -161,8 +207,8 @@ def prefetched(trainer: Trainer) -> int:
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", _MISSING)
     if fetcher is _MISSING:
         raise LightningInternalsChanged(
-            f"unbroken.lightning: Lightning {_version()}'s fit loop has no '_data_fetcher'; "
-            "this release of unbroken cannot tell whether it prefetched a batch"
+            f"unbroken.lightning: Lightning {lightning_version()}'s fit loop has no "
+            "'_data_fetcher'; this release of unbroken cannot tell whether it prefetched a batch"
         )
     return len(getattr(fetcher, "batches", ()))
 
@@ -183,20 +229,31 @@ def saved_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:
     return states if isinstance(states, list) and states else None
 
 
-def let_plateau_schedulers_step(trainer: Trainer) -> list[str]:
-    """Called at the end of the first epoch after a resume (``on_train_epoch_end``), where
-    Lightning leaves out its epoch-interval ``ReduceLROnPlateau`` steps (``not self.restarting``
-    in ``FitLoop.on_advance_end``: it assumes the monitored metric was lost with the process;
-    ``ExactResume`` saves ``callback_metrics``). If every such scheduler's metric is available,
-    clear the flag that makes Lightning skip them (it clears it itself right after) and return
-    []; else leave it, and return the missing metrics' names."""
-    monitors = _epoch_plateau_monitors(trainer)
-    if not monitors:
-        return []
-    missing = [name for name in monitors if name not in trainer.callback_metrics]
-    if not missing:
-        trainer.fit_loop.restarting = False
-    return missing
+def _counters_off(trainer: Trainer, epoch_end: bool = False) -> bool:
+    """Whether Lightning's epoch counters (``fit_loop.epoch_progress``, total and current) are
+    not those it resumes exactly from: inside an epoch, ready == started == processed + 1 ==
+    completed + 1; at ``on_train_epoch_end``, ready == started == processed == completed + 1."""
+    current, total = epoch_counts(trainer)
+    open_ = 0 if epoch_end else 1
+    return not all(
+        c.ready == c.started == c.processed + open_ == c.completed + 1 for c in (current, total)
+    )
+
+
+def epoch_counts(trainer: Trainer) -> tuple[Any, Any]:
+    """(current, total) of the fit loop's ``epoch_progress``, each with int ready, started,
+    processed and completed."""
+    progress = getattr(trainer.fit_loop, "epoch_progress", None)
+    counts = (getattr(progress, "current", None), getattr(progress, "total", None))
+    fields = ("ready", "started", "processed", "completed")
+    if not all(is_int(getattr(c, f, None)) for c in counts for f in fields):
+        raise LightningInternalsChanged(
+            f"unbroken.lightning: Lightning {lightning_version()}'s fit loop has no "
+            f"epoch_progress with current and total {fields} (2.x has them); this release of "
+            "unbroken cannot tell "
+            "which checkpoints it resumes exactly. Use Lightning 2.4-2.6, or report it."
+        )
+    return counts
 
 
 def training_epoch_metrics(trainer: Trainer) -> list[str]:
@@ -227,7 +284,7 @@ def fetch_anew(trainer: Trainer) -> None:
     fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
     if fetcher is None:
         raise LightningInternalsChanged(
-            f"unbroken.lightning: Lightning {_version()}'s fit loop has no '_data_fetcher'"
+            f"unbroken.lightning: Lightning {lightning_version()}'s fit loop has no '_data_fetcher'"
         )
     iter(fetcher)
 
@@ -252,7 +309,7 @@ def keep_ignoring_after_teardown(trainer: Trainer, signals: tuple[signal.Signals
             originals[sig] = signal.SIG_IGN
 
 
-def _epoch_plateau_monitors(trainer: Trainer) -> list[str]:
+def epoch_plateau_monitors(trainer: Trainer) -> list[str]:
     """The metrics of the ``ReduceLROnPlateau`` schedulers that step at an epoch's end."""
     return [
         str(config.monitor)
@@ -265,7 +322,7 @@ def _epoch_loop(trainer: Trainer) -> Any:
     epoch_loop = getattr(trainer.fit_loop, "epoch_loop", None)
     if epoch_loop is None:
         raise LightningInternalsChanged(
-            f"unbroken.lightning: Lightning {_version()}'s fit loop has no 'epoch_loop'"
+            f"unbroken.lightning: Lightning {lightning_version()}'s fit loop has no 'epoch_loop'"
         )
     return epoch_loop
 
@@ -276,7 +333,8 @@ def _stateful(loader: Any) -> bool:
     )
 
 
-def _version() -> str:
+def lightning_version() -> str:
+    """The installed Lightning's version, for messages."""
     import lightning
 
     return str(getattr(lightning, "__version__", "?"))
