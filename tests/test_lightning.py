@@ -190,21 +190,24 @@ def test_sigterm_to_the_process_group_saves_and_exits_75_with_workers(single, tm
     assert weights_equal(whole, cut)
 
 
-def test_ddp_two_processes_sigkill_resumes_bit_exactly(tmp_path):
-    # Lightning's DDP strategy on 2 CPU processes (gloo) under torchrun; rank 1 is SIGKILLed at
-    # step 11 (epoch 1: 6 steps an epoch per rank); torchrun stops rank 0. The last checkpoint
-    # is step 10, written by rank 0 with both ranks' random generators.
+def test_ddp_three_processes_sigkill_resumes_bit_exactly(tmp_path):
+    # Lightning's DDP strategy on 3 CPU processes (gloo) under torchrun; rank 1 is SIGKILLed at
+    # step 7 (epoch 1: 4 steps an epoch per rank); torchrun stops the others. The last
+    # checkpoint is step 5, written by rank 0 with every rank's random generators. On 3 ranks
+    # the resumed step sums its gradients as the uninterrupted one did only with ExactResume's
+    # exact_reduce (on 2, a + b == b + a would hide it).
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     whole.mkdir(), cut.mkdir()
-    run(whole, devices=2)
-    run(cut, "--kill-at", "11", "--kill-rank", "1", devices=2, expect=-1)
+    run(whole, devices=3)
+    run(cut, "--kill-at", "7", "--kill-rank", "1", devices=3, expect=-1)
     assert not (cut / "final.pt").exists()
-    run(cut, devices=2)
-    for rank in (0, 1):
+    assert torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 5
+    run(cut, devices=3)
+    for rank in range(3):
         assert steps(cut, rank) == steps(whole, rank)
-    both = [steps(whole, r) for r in (0, 1)]
-    for e in range(3):  # the two ranks' shares of each epoch are one permutation of the data
-        order = [i for s in range(e * 6, (e + 1) * 6) for r in (0, 1) for i in both[r][s]]
+    each = [steps(whole, r) for r in range(3)]
+    for e in range(3):  # the ranks' shares of each epoch are one permutation of the data
+        order = [i for s in range(e * 4, (e + 1) * 4) for r in range(3) for i in each[r][s]]
         assert sorted(order) == list(range(N))
     assert weights_equal(whole, cut)
 

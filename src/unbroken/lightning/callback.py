@@ -27,6 +27,8 @@ the checkpoint. What else a resumed run needs, this callback adds:
   window (the save waits for the window's optimizer step: at most ``accumulate_grad_batches - 1``
   more batches), after a batch Lightning validates after (it waits for the validation's end) and
   at an epoch's last batch (the epoch's end).
+- **DDP on 3 or more ranks**: ``unbroken.distributed.exact_reduce`` registered on the strategy's
+  model, so a resumed step sums its gradients as the uninterrupted one did.
 - **Whole checkpoints**: ``AtomicCheckpointIO``, installed unless the Trainer has a checkpoint
   plugin of its own.
 - **Warnings where exactness is out of its hands**: resuming from a checkpoint taken where
@@ -53,6 +55,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from .._checks import is_int
 from ..data.epochs import EpochIterable
 from ..data.loader import DataLoader
+from ..distributed.reduction import ensure_exact
 from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.globalrng import GlobalRNG
 from ..train.ranks import Job
@@ -102,6 +105,10 @@ class ExactResume(Callback):
         self._trainer, self._job = trainer, Job()
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning's DDP on 3+ ranks: sums that its bucket rebuild cannot change.
+        ensure_exact(trainer.strategy.model, "unbroken.lightning.ExactResume")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.preemption.uninstall()
