@@ -46,6 +46,15 @@ at the failure-free step rate: they are given the same, good,
 checkpoint frequency, chosen knowing the trace, which a user of them could not know. Their
 references use the N of the median of ``--intervals``.
 
+**The run directory in object storage.** The Trainer with ``"auto"`` runs once more with its
+run directory on an S3 server (moto's, started by this script on 127.0.0.1: no network latency,
+so what it adds is the protocol's requests): checkpoints, ``metrics.csv`` and the run's lease
+live there, and every restart's way to its first step includes taking the lease of the process
+killed before it (known dead on this machine: taken at once, not after ``lease_seconds``) and
+reading the checkpoint back (the files from this machine's local copies, the manifest from the
+store). Its jobs get a cache directory of their own (``XDG_CACHE_HOME``), and its objects are
+deleted after each run.
+
 Reported per system and trace: the wall time; **goodput** = reference time / wall time (for a
 run not finished: times the fraction of the steps it had kept); the kills and preemptions it
 received; the steps it trained again; samples **trained twice** and **never trained**: from
@@ -72,6 +81,7 @@ read differences of a few percent as noise.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import random
@@ -93,6 +103,8 @@ sys.path.insert(0, str(HERE))
 from goodput_job import PER_EPOCH, SAMPLES, UNSUPPORTED  # noqa: E402  (stdlib and torch only)
 
 JOB = HERE / "goodput_job.py"
+BUCKET = "goodput"  # on the S3 server this script starts, for the runs in S3
+MOTO_KEYS = {"key": "testing", "secret": "testing"}
 PEERS = ("plain", "lightning", "lightning-unbroken")
 CRASH_LOOP = 3  # sessions in a row failing on their own before any step: the run is given up
 
@@ -108,13 +120,18 @@ class Config:
     system: str
     every_steps: int = 0
     interval: str = ""
+    store: str = ""  # "s3": the Trainer's run directory on the local S3 server
 
     @property
     def key(self) -> str:
-        return f"trainer-{self.interval}" if self.system == "trainer" else self.system
+        if self.system != "trainer":
+            return self.system
+        return f"trainer-{self.interval}" + ("-s3" if self.store else "")
 
     @property
     def label(self) -> str:
+        if self.store:
+            return Config("trainer", interval=self.interval).label + ", run directory in S3"
         if self.system == "trainer":
             if self.interval == "default":
                 return f"unbroken Trainer, no option (default: {DEFAULT})"
@@ -142,9 +159,32 @@ class Config:
         cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
         if self.system == "trainer":
             cmd += ["--interval", self.interval]
+            if self.store:
+                cmd += ["--url", store_url(run_dir), "--endpoint", args.s3_endpoint]
         else:
             cmd += ["--every-steps", str(self.every_steps)]
         return cmd + (["--probe"] if probe else [])
+
+    def env(self, run_dir: Path) -> dict[str, str] | None:
+        """The job's environment: a run in S3 gets a cache of its own for its local copies."""
+        return {**os.environ, "XDG_CACHE_HOME": str(run_dir / "cache")} if self.store else None
+
+
+def store_url(run_dir: Path) -> str:
+    """The run directory in S3 of the run whose local directory is ``run_dir``."""
+    return f"s3://{BUCKET}/{hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]}/run"
+
+
+def forget(config: Config, run_dir: Path, args: argparse.Namespace) -> None:
+    """Delete a run's objects in S3 (the server keeps them in memory)."""
+    if config.store:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": args.s3_endpoint}, **MOTO_KEYS)
+        try:
+            fs.rm(store_url(run_dir), recursive=True)
+        except FileNotFoundError:
+            pass
 
 
 def interval_text(seconds: float) -> str:
@@ -170,6 +210,7 @@ DEFAULT = trainer_default()
 # default "auto", the "no option" run would repeat the "auto" one: the old default runs instead.
 PREVIOUS_DEFAULT = "600"
 SECOND = "default" if DEFAULT != "auto" else PREVIOUS_DEFAULT
+IN_S3 = Config("trainer", interval="auto", store="s3")
 
 
 # --------------------------------------------------------------------------- failure traces
@@ -261,6 +302,7 @@ def run_job(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=HERE.parent,
+            env=config.env(run_dir),
         )
         out.close()  # the child has its own descriptor
         log.sessions.append(Session(proc.pid, spawned))
@@ -328,6 +370,7 @@ def probe(config: Config, run_dir: Path, args: argparse.Namespace) -> int:
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=HERE.parent,
+            env=config.env(run_dir),
             timeout=600,
             check=False,
         )
@@ -441,7 +484,12 @@ def output_lines(run_dir: Path) -> list[str]:
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith("unbroken:") and any(
                 words in line
-                for words in ("first step after", "restart to first step", "checkpoint interval")
+                for words in (
+                    "first step after",
+                    "restart to first step",
+                    "checkpoint interval",
+                    "took the lease",
+                )
             ):
                 lines.append(f"session {k}: {line}")
     return lines
@@ -682,8 +730,13 @@ def main() -> None:
     if args.steps % PER_EPOCH or args.steps <= 0:
         parser.error(f"--steps must be a positive multiple of {PER_EPOCH}, got {args.steps}")
     root = Path(tempfile.mkdtemp(prefix="unbroken-goodput-"))
+    from unbroken.testing import S3Server
+
     try:
-        run(args, root)
+        with S3Server() as server:  # the Trainer's run directory in S3: a local moto server
+            server.make_bucket(BUCKET)
+            args.s3_endpoint = server.endpoint
+            run(args, root)
     finally:
         if args.keep:
             print(f"[runs kept in {root}]", file=sys.stderr)
@@ -738,7 +791,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
 
     median_interval = sorted(args.intervals)[len(args.intervals) // 2]
     configs: list[Config] = [Config("trainer", interval=interval_text(i)) for i in args.intervals]
-    configs += [Config("trainer", interval="auto"), Config("trainer", interval=SECOND)]
+    configs += [Config("trainer", interval="auto"), IN_S3, Config("trainer", interval=SECOND)]
     configs += [Config(p, every_steps=steps_for(median_interval)) for p in PEERS]
     references: dict[str, dict[str, Any]] = {}
     finals: dict[str, Path] = {}
@@ -771,8 +824,9 @@ def run(args: argparse.Namespace, root: Path) -> None:
         finals[config.key] = run_dir / "final.pt"
         if config.system == "plain" and (run_dir / "checkpoint.pt").exists():
             checkpoint_mb = (run_dir / "checkpoint.pt").stat().st_size / 1e6
-        for name in ("ckpt", "run"):  # final.pt stays; the checkpoints' disk is freed
+        for name in ("ckpt", "run", "cache"):  # final.pt stays; the checkpoints' disk is freed
             shutil.rmtree(run_dir / name, ignore_errors=True)
+        forget(config, run_dir, args)
         (run_dir / "checkpoint.pt").unlink(missing_ok=True)
         say(f"{config.label}: {row['wall_s']:.1f} s")
 
@@ -817,6 +871,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
                 errors.append(f"MTBF {mtbf:g} s, {config.label}: {row['history_error']}")
             if not args.keep:
                 shutil.rmtree(run_dir, ignore_errors=True)
+                forget(config, run_dir, args)
             say(
                 f"MTBF {mtbf:g} s: {config.label} (every {config.checkpoint}): "
                 f"{row['wall_s']:.1f} s, goodput {goodput_text(row)}, {row['kills']} kills, "
@@ -832,7 +887,11 @@ def run(args: argparse.Namespace, root: Path) -> None:
         )
         best_interval = float(best.interval)
         every = steps_for(best_interval)
-        for config in (Config("trainer", interval="auto"), Config("trainer", interval=SECOND)):
+        for config in (
+            Config("trainer", interval="auto"),
+            IN_S3,
+            Config("trainer", interval=SECOND),
+        ):
             runs[config.key] = measure(config)
         for peer in PEERS:
             runs[peer] = measure(Config(peer, every_steps=every))
@@ -936,7 +995,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         print(results.table(title, table(TRACE_HEADER, trace_rows(list(t["runs"].values())))))
     # Summary: goodput by configuration against MTBF.
     labels = {c.key: c.label for c in configs}
-    order = [*PEERS, "trainer-best", "trainer-auto", f"trainer-{SECOND}"]
+    order = [*PEERS, "trainer-best", "trainer-auto", IN_S3.key, f"trainer-{SECOND}"]
     order += [c.key for c in configs if c.key not in order]  # the fixed intervals
     summary = []
     for key in order:
@@ -972,6 +1031,9 @@ def run(args: argparse.Namespace, root: Path) -> None:
         "Lightning without unbroken exits 0 after a SIGTERM without saving "
         "(SIGTERMException is a SystemExit): counted in 'exit 0 unfinished / crashed' and "
         "restarted here; a scheduler trusting the exit status would have ended the run there",
+        f"{IN_S3.label}: on a local S3 server (moto, 127.0.0.1); its restart to the first step "
+        "includes the run's lease, taken at once from the killed process before it (known dead "
+        "on this machine), and the checkpoint's reading back from the store and local copies",
     ]
     for key, why in unavailable.items():
         notes.append(f"{references[key]['label']}: unavailable: {why}")
@@ -981,12 +1043,23 @@ def run(args: argparse.Namespace, root: Path) -> None:
             for t in traces
             for r in t["runs"].values()
             for line in r.get("startup_lines", [])
-            if not line.startswith("session 0:")
+            if not line.startswith("session 0:") and "took the lease" not in line
         ),
         None,
     )
     if example:
         notes.append(f"the Trainer on a restart says: `{example}`")
+    taken = next(
+        (
+            line
+            for t in traces
+            for line in t["runs"].get(IN_S3.key, {}).get("startup_lines", [])
+            if "took the lease" in line
+        ),
+        None,
+    )
+    if taken:
+        notes.append(f"{IN_S3.label}, on a restart: `{taken}`")
     for t in traces:
         for key in ("trainer-auto", f"trainer-{SECOND}"):
             chosen = t["runs"].get(key, {}).get("chosen_intervals_s") or []
@@ -1065,6 +1138,7 @@ def draw(results: Any, path: str) -> None:
             "D",
         ),
         ("trainer-auto", 'Trainer, checkpoint_every_seconds="auto"', COLORS["unbroken"], "-", "^"),
+        (IN_S3.key, 'Trainer, "auto", run directory in S3 (local)', COLORS["unbroken"], ":", "^"),
         (
             f"trainer-{SECOND}",
             Config("trainer", interval=SECOND).label.removeprefix("unbroken "),

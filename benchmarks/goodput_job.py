@@ -1,7 +1,7 @@
 """One training job of ``benchmarks/goodput.py``, the same math under four ways of checkpointing.
 
     python benchmarks/goodput_job.py --system S --run-dir D [--steps N] [--every-steps K]
-        [--interval default|auto|SECONDS]
+        [--interval default|auto|SECONDS] [--url s3://BUCKET/PREFIX --endpoint URL]
 
 The same command starts the job and resumes it from ``D``'s newest checkpoint; the supervisor
 (``goodput.py``) runs it again whenever it exits with anything but 0.
@@ -46,6 +46,9 @@ Systems (``--system``):
   ``checkpoint_every_seconds="auto"``, ``--interval S`` passes ``checkpoint_every_seconds=S``.
   On SIGTERM it saves and exits 75. A ``unbroken`` that does not accept ``"auto"`` ends the job
   with exit status 3 (``UNSUPPORTED``) and the library's error, which the supervisor reports.
+  With ``--url`` (and ``--endpoint``, an S3 server's, with moto's keys) the Trainer's run
+  directory is that URL instead of ``D/run``: checkpoints, metrics.csv and the run's lease go to
+  the store (``events.log`` and ``final.pt`` stay in ``D``).
 
 Everything the job does is appended to ``D/events.log``, one ``os.write`` per line (a SIGKILL
 loses no line already written): ``start <time.time()> <pid>`` (the clock read as the script's
@@ -291,9 +294,15 @@ def run_trainer(args: argparse.Namespace, events: Events) -> None:
         options["checkpoint_every_seconds"] = "auto"
     elif args.interval != "default":
         options["checkpoint_every_seconds"] = float(args.interval)
+    if args.url:  # the run directory in object storage (a local S3 server)
+        options["storage_options"] = {
+            "endpoint_url": args.endpoint,
+            "key": "testing",
+            "secret": "testing",
+        }
     try:  # built first, as the README says: a SIGTERM from here on is a preemption (exit 75)
         trainer = unbroken.Trainer(
-            args.run_dir / "run",
+            args.url or args.run_dir / "run",
             max_steps=args.steps,
             max_epochs=-(-args.steps // PER_EPOCH),
             seed=SEED,
@@ -335,6 +344,8 @@ def main() -> None:
         "--interval", default="default", help="trainer: default, auto or a number of seconds"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--url", default=None, help="trainer: the run directory at this URL")
+    parser.add_argument("--endpoint", default=None, help="with --url: the S3 server's endpoint")
     parser.add_argument("--probe", action="store_true", help="report the resume step, exit")
     args = parser.parse_args()
     if args.steps % PER_EPOCH:

@@ -165,19 +165,25 @@ def test_a_run_url_whose_bucket_does_not_exist_fails_before_training(s3, tmp_pat
 
 class Outage:
     """Stops the S3 server after one training batch and starts it again (empty, on the same
-    endpoint) after another: the saves between cannot reach it."""
+    endpoint) after another: the saves between cannot reach it. The run's lease is put back as
+    it was (a store that comes back keeps its objects; a job whose lease is gone must stop)."""
 
     def __init__(self, server, stop_at: int, back_at: int, bucket: str) -> None:
         self.server, self.stop_at, self.back_at, self.bucket = server, stop_at, back_at, bucket
 
     def on_train_batch_end(self, trainer, logs) -> None:
+        fs = trainer.run.storage.fs
         if trainer.progress.ticks == self.stop_at:
             self.port = self.server.port
+            self.lease = {p: fs.cat_file(p) for p in fs.glob(f"{trainer.run.location}/.lock.*")}
             self.server.stop()
         elif trainer.progress.ticks == self.back_at:
-            self.server.port = self.port
-            self.server.start()
-            self.server.make_bucket(self.bucket)
+            with trainer.run.lease._lock:  # no renewal looks before the lease is back
+                self.server.port = self.port
+                self.server.start()
+                self.server.make_bucket(self.bucket)
+                for path, body in self.lease.items():
+                    fs.pipe_file(path, body)
 
 
 def test_training_goes_on_through_an_outage_of_the_store_and_the_next_save_goes_through(

@@ -241,6 +241,7 @@ class ObjectStorage:
         pass  # an object is durable once its upload returned
 
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
+        self.fenced()
         self._last = None
         self._known.pop(path, None)
         return self._call(
@@ -257,6 +258,7 @@ class ObjectStorage:
         hashing = Hashing(out, copy)
         try:
             fill(cast(BinaryIO, hashing))
+            self.fenced()  # again before the object appears: the fill may have taken long
         except BaseException as error:
             discard(out)
             copy.drop()
@@ -304,9 +306,11 @@ class ObjectStorage:
     def rename(self, source: str, target: str) -> None:
         # Not atomic here (a copy, then a delete): the Checkpointer does not rename on a store
         # that cannot (``renames``); this is for tools.
+        self.fenced()
         self._call("rename", source, lambda: self.fs.mv(source, target, recursive=True))
 
     def remove_tree(self, path: str) -> None:
+        self.fenced()
         self._last = None
         try:
             self._call("delete", path, lambda: self.fs.rm(path, recursive=True))
@@ -317,6 +321,7 @@ class ObjectStorage:
         """Abort the multipart uploads left under ``prefix`` by writers killed mid-upload
         (invisible, but kept and billed by S3 until aborted). Only where the filesystem can
         list them (s3fs); call it when no upload of this job is under way there."""
+        self.fenced()
         lister = getattr(self.fs, "list_multipart_uploads", None)
         if lister is None:
             return
@@ -336,3 +341,11 @@ class ObjectStorage:
     def commit(self, staged: str, target: str, aside: str) -> None:
         assert staged == target, "an object store writes a checkpoint in place (layout.stage)"
         # The manifest, written last (by the Writing), was the commit.
+
+    fence: Callable[[], None] | None = None
+    """Called before every change (the Trainer's run directory: its lease's ``fence``)."""
+
+    def fenced(self) -> None:
+        """Raise if this job may change the store no more (``fence``: ``DirectoryInUse``)."""
+        if self.fence is not None:
+            self.fence()

@@ -8,12 +8,18 @@ itself stays, and means nothing without the lock). Record locks are not inherite
 DataLoader workers, so a worker outliving a killed trainer does not hold the directory either,
 and they work on NFS, where ``flock`` may not. The holder's pid is written into the file for the
 error message of the process that is refused.
+
+A lock that no kernel frees (the lease in object storage: ``lease``) names its holder instead
+(``identity``: host, machine, pid and the process's start time, torchrun's run id and restart
+count), and ``gone`` tells from that record, by reading ``/proc`` (no request), whether its
+holder is known to be dead: its process gone from this machine, or its torchrun job restarted.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,6 +96,68 @@ def not_writable(directory: Any, error: OSError) -> OSError:
         "(to look at a run on a read-only disk, use `unbroken inspect` or `unbroken verify`, "
         "which write nothing)",
     )
+
+
+# Who holds a lock, and whether it still lives (the lease in object storage names its holder
+# so; a local lock needs none of it: the kernel frees it with its holder).
+def _process(pid: int) -> tuple[str, int] | None:
+    """``(state, start time in clock ticks since boot)`` of process ``pid`` here, or ``None``."""
+    try:  # the 3rd and 22nd fields, counted after the command name (it may hold spaces)
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _machine() -> str | None:
+    """This kernel's boot and pid namespace: processes with the same value see each other's
+    pids (a container on the same host has another namespace, and its own pid 7)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+def identity() -> dict[str, Any]:
+    """This process, as a lease names its holder."""
+    pid, restart = os.getpid(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    found = _process(pid)
+    return {
+        "host": socket.gethostname(),
+        "machine": _machine(),
+        "pid": pid,
+        "started": found[1] if found else None,
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        "restart": int(restart) if restart.isdigit() else None,
+    }
+
+
+def gone(holder: dict[str, Any], me: dict[str, Any]) -> str | None:
+    """Why ``holder`` is known to hold the lease no more (seen by ``me``), or ``None``."""
+    if holder.get("released"):
+        return "it released the lease as it ended"
+    run_id, restart = me.get("run_id"), me.get("restart")
+    if run_id not in (None, "", "none") and holder.get("run_id") == run_id:  # torchrun's own
+        before = holder.get("restart")
+        if isinstance(before, int) and restart is not None and restart > before:
+            return f"torchrun restarted job {run_id} (restart {before} -> {restart})"
+    if me.get("machine") is None or (holder.get("host"), holder.get("machine")) != (
+        me["host"],
+        me["machine"],
+    ):
+        return None  # another machine: only its renewals tell
+    pid = holder.get("pid")
+    found = _process(pid) if isinstance(pid, int) else None
+    if found is None or found[0] in ("Z", "X") or found[1] != holder.get("started"):
+        return "its process is gone from this machine"
+    if pid == me["pid"]:  # this process, whose fit ended without releasing it (not in _held)
+        return "it is this process, which holds it no more"
+    return None
+
+
+def describe(holder: dict[str, Any]) -> str:
+    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
 
 
 class Lock(Protocol):

@@ -53,6 +53,7 @@ class RunDirectory:
         self.storage_options = dict(storage_options or {})
         self.storage: ObjectStorage | None = None
         self.local = Path(self.location) if not self.remote else Path()  # set by open()
+        self.lease: Lease | None = None  # rank 0's, held while locked() runs (a URL)
 
     def __str__(self) -> str:
         return self.location
@@ -84,14 +85,23 @@ class RunDirectory:
     @contextmanager
     def locked(self, job: Job, lease_seconds: float) -> Iterator[None]:
         """One job at a time: the OS lock of every rank (local), or rank 0's lease (a URL),
-        refused on every rank if refused on one."""
+        refused on every rank if refused on one. Rank 0's changes to a URL pass its lease's
+        fence: a job that lost the lease stops before it changes anything more."""
         if not self.remote:
             lock: Lock | None = DirectoryLock(self.local, job.rank)
         else:
             assert self.storage is not None
             lock = Lease(self.storage, self.location, lease_seconds) if job.first else None
         with held_by_every_rank(lock, job, self.location):
-            yield
+            self.lease = lock if isinstance(lock, Lease) else None
+            if self.storage is not None and self.lease is not None:
+                self.storage.fence = self.lease.fence
+            try:
+                yield
+            finally:
+                if self.storage is not None:
+                    self.storage.fence = None
+                self.lease = None
 
     # The log's remote copy (a URL only).
     def remote_name(self, name: str) -> str:

@@ -1,0 +1,221 @@
+"""The lease on a run directory in object storage (the moto S3 server), raced by real processes:
+one writer per URL however many start together, a holder known dead is replaced at once, an
+unknown one only after ``lease_seconds``, and a holder that lost its lease writes nothing more.
+The Trainer's side (a frozen job, a restart's wait) is in ``test_lease_trainer.py``."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import secrets
+import signal
+import subprocess
+import time
+
+import pytest
+
+from unbroken.checkpoint import ObjectStorage
+from unbroken.errors import DirectoryInUse
+from unbroken.train.lease import Lease
+
+SECONDS = 2.0  # lease_seconds here: a holder that stops renewing is replaced after this long
+FORK = multiprocessing.get_context("fork")  # the children share this process's imports
+
+
+def _url(s3, name: str) -> str:
+    return s3.make_bucket(f"{name}-{secrets.token_hex(4)}") + "/runs/exp1"
+
+
+def _leases(storage: ObjectStorage, url: str) -> dict[str, dict]:
+    """The lease objects under ``url``, by name, with their holders."""
+    storage.fs.invalidate_cache()
+    names = [p for p in storage.fs.ls(url, detail=False) if "/.lock" in p and "probe" not in p]
+    return {p.rpartition("/")[2]: json.loads(storage.fs.cat_file(p)) for p in names}
+
+
+def _serve(bucket, options, orders) -> None:
+    """A child: takes leases under ``bucket`` as told, with one client made (and connected)
+    first, so that a race is over the lease, not over the client's start."""
+    storage = ObjectStorage(bucket, options)
+    storage.check()
+    orders.send("ready")
+    held = []
+    while (order := orders.recv()) is not None:
+        url, environment, start_at, keep = order
+        os.environ.update(environment)  # torchrun's variables, read by the Lease
+        lease = Lease(storage, url, SECONDS)
+        while time.time() < start_at:
+            pass
+        began = time.monotonic()
+        try:
+            lease.acquire()
+        except DirectoryInUse as error:
+            orders.send(("refused", str(error), time.monotonic() - began))
+            continue
+        orders.send(("won", os.getpid(), time.monotonic() - began))
+        if keep:
+            held.append(lease)  # held (and renewed) until this process is killed
+            continue
+        if orders.recv() == "write":  # the run directory's storage, fenced by its lease
+            storage.fence = getattr(lease, "fence", None)
+            try:
+                storage.write(f"{url}/metrics.csv", lambda out: out.write(b"old\n"))
+                orders.send("wrote")
+            except DirectoryInUse as error:
+                orders.send(f"refused: {error}")
+            storage.fence = None
+            orders.recv()
+        lease.release()
+
+
+class Taker:
+    """A child process that takes leases (``take``) and holds each until told (``end``)."""
+
+    def __init__(self, bucket, options) -> None:
+        self.orders, theirs = FORK.Pipe()
+        self.process = FORK.Process(target=_serve, args=(bucket, options, theirs), daemon=True)
+        self.process.start()
+        assert self.answer() == "ready"
+
+    def take(self, url, environment=None, start_at=0.0, keep=False) -> None:
+        self.orders.send((url, environment or {}, start_at, keep))
+
+    def answer(self, timeout: float = 120):
+        assert self.orders.poll(timeout), "the child did not answer"
+        return self.orders.recv()
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join()  # reaped: its pid is gone from this machine
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.kill()
+
+
+def test_of_two_jobs_started_together_exactly_one_writes_20_times_over(s3):
+    options, bucket = s3.storage_options, _url(s3, "pairs")
+    storage = ObjectStorage(bucket, options)
+    urls = [f"{bucket}/{pair}" for pair in range(20)]
+    killed = Taker(bucket, options)  # half the pairs race to take over a SIGKILLed job's lease
+    for url in urls[1::2]:
+        killed.take(url, keep=True)
+        assert killed.answer()[0] == "won"
+    killed.kill()
+    racers = [Taker(bucket, options) for _ in range(2)]
+    try:
+        for pair, url in enumerate(urls):
+            start_at = time.time() + 0.05
+            for racer in racers:
+                racer.take(url, start_at=start_at)
+            answers = [racer.answer() for racer in racers]
+            leases = _leases(storage, url)
+            for racer, answer in zip(racers, answers):
+                if answer[0] == "won":
+                    racer.orders.send("end")  # released once both have answered
+            assert sorted(a[0] for a in answers) == ["refused", "won"], (pair, answers)
+            winner = next(a[1] for a in answers if a[0] == "won")
+            refusal = next(a[1] for a in answers if a[0] == "refused")
+            assert f"in use by another training job (pid {winner} on " in refusal, refusal
+            assert leases[max(leases)]["pid"] == winner, (pair, leases)  # the store agrees
+    finally:
+        for racer in racers:
+            racer.close()
+
+
+def test_a_torchrun_restart_takes_the_lease_at_once_and_an_unknown_holder_is_waited_for(s3):
+    url, options = _url(s3, "torchrun"), s3.storage_options
+    job = {"TORCHELASTIC_RUN_ID": "job-7", "TORCHELASTIC_RESTART_COUNT": "0"}
+    holder, restarted, other = (Taker(url, options) for _ in range(3))
+    try:
+        holder.take(url, job, keep=True)
+        assert holder.answer()[0] == "won"
+        os.kill(holder.process.pid, signal.SIGSTOP)  # alive, silent: as seen from another node
+        # The same torchrun job, restarted: its previous attempt is over.
+        restarted.take(url, {**job, "TORCHELASTIC_RESTART_COUNT": "1"})
+        outcome, _, took = restarted.answer()
+        assert outcome == "won" and took < SECONDS / 2, (outcome, took)
+        restarted.orders.send("end")  # released: taken at once again
+        restarted.take(url, job, keep=True)
+        assert restarted.answer()[0] == "won"
+        os.kill(restarted.process.pid, signal.SIGSTOP)
+        # Another job (another run id) finds a live holder: it takes the lease once that
+        # renewed nothing for a whole lease.
+        other.take(url, {**job, "TORCHELASTIC_RUN_ID": "job-8"})
+        outcome, _, took = other.answer()
+        assert outcome == "won" and took >= SECONDS, (outcome, took)
+    finally:
+        for child in (holder, restarted, other):
+            child.close()
+
+
+def test_a_holder_frozen_past_its_lease_is_refused_its_next_change(s3):
+    url, options = _url(s3, "frozen"), s3.storage_options
+    holder, taker = Taker(url, options), Taker(url, options)
+    try:
+        holder.take(url)
+        assert holder.answer()[0] == "won"
+        os.kill(holder.process.pid, signal.SIGSTOP)
+        taker.take(url)
+        outcome, winner, took = taker.answer()
+        assert outcome == "won" and took >= SECONDS, (outcome, took)
+        os.kill(holder.process.pid, signal.SIGCONT)
+        holder.orders.send("write")
+        said = holder.answer()
+        assert said.startswith("refused: the run directory") and f"pid {winner} on" in said, said
+        assert "no longer this job's" in said
+        storage = ObjectStorage(url, options)
+        assert not storage.exists(f"{url}/metrics.csv")  # nothing written
+        leases = _leases(storage, url)
+        assert leases[max(leases)]["pid"] == winner, leases
+    finally:
+        for child in (holder, taker):
+            child.close()
+
+
+def test_a_lease_deleted_under_its_holder_is_not_made_again_and_stops_its_writes(s3):
+    url, options = _url(s3, "deleted"), s3.storage_options
+    storage = ObjectStorage(url, options)
+    lease = Lease(storage, url, SECONDS)
+    lease.acquire()
+    storage.fence = getattr(lease, "fence", None)
+    try:
+        storage.write(f"{url}/metrics.csv", lambda out: out.write(b"a\n"))
+        for name in _leases(storage, url):
+            storage.fs.rm_file(f"{url}/{name}")
+        with pytest.warns(UserWarning, match="no longer this job's: its lease .* is gone"):
+            time.sleep(SECONDS)  # the heartbeat found it gone
+        assert _leases(storage, url) == {}  # not made again by its old holder
+        with pytest.raises(DirectoryInUse, match="is gone"):
+            storage.write(f"{url}/metrics.csv", lambda out: out.write(b"b\n"))
+        assert storage.fs.cat_file(f"{url}/metrics.csv") == b"a\n"
+    finally:
+        storage.fence = None
+        lease.release()
+
+
+def test_a_holder_is_known_gone_by_its_pid_and_start_time_on_this_machine():
+    from unbroken.train.lock import gone, identity
+
+    me = identity()
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        with open(f"/proc/{child.pid}/stat") as stat:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19])
+        alive = {**me, "pid": child.pid, "started": started}
+        assert gone(alive, me) is None
+        ended = "its process is gone from this machine"
+        assert gone({**alive, "started": started - 1}, me) == ended  # its pid, reused
+        assert gone({**alive, "machine": "another"}, me) is None  # another machine's pid 7
+        assert gone({**alive, "released": True}, me) == "it released the lease as it ended"
+        elsewhere = {**alive, "machine": "another", "run_id": "job-7", "restart": 0}
+        restarted = {**me, "run_id": "job-7", "restart": 1}
+        assert gone(elsewhere, restarted) == "torchrun restarted job job-7 (restart 0 -> 1)"
+        assert gone(elsewhere, {**restarted, "restart": 0}) is None  # the same attempt's
+        # torchrun's default run id is the same for every job: it tells nothing.
+        assert gone({**elsewhere, "run_id": "none"}, {**restarted, "run_id": "none"}) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert gone(alive, me) == ended
