@@ -114,7 +114,8 @@ class TrainerOptions:
       interval that wastes the least time, from the measured cost of this run's saves and the
       failures its run directory has seen (Young/Daly; ``train.schedule``): a fresh run saves
       after a minute to measure, then about every ``sqrt(2 x cost x 4 hours)`` until a failure is
-      seen, bounded to [2 s, 30 min]; each choice is printed. ``checkpoint_every_steps``: also
+      seen, bounded to [2 s, 30 min]; printed when first chosen and when it changes (by 1.5x
+      or in its reasons). ``checkpoint_every_steps``: also
       save every this many optimizer steps (default ``None``). A preemption signal and the end
       of training always save.
     - ``keep``: committed checkpoints kept (>= 2). ``async_save``: write periodic checkpoints
@@ -207,7 +208,8 @@ class TrainerOptions:
     )
     lease_seconds: float = _option(
         30.0,
-        "a run directory in object storage: how long the lock of a job that died lasts",
+        "a run directory in object storage: how long an unknown holder's lease is waited for "
+        "(a holder known dead, on this host or an earlier torchrun attempt, is not)",
         _seconds,
     )
     remote_timeout: float = _option(
