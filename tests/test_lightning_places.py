@@ -92,6 +92,8 @@ def test_a_preemption_save_waits_for_the_windows_step_after_a_validation(tmp_pat
         "last_batch": False,
         "epoch_end_steps": False,
         "by_max_steps": False,
+        "counters_off": False,
+        "last_step": False,
     }
     assert torch.load(last, weights_only=False)["global_step"] == 2  # batches 1-4: two steps
 
