@@ -6,7 +6,9 @@ each matched its sha256. Each test fails if that check is dropped."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import tempfile
 import warnings
 
 import pytest
@@ -107,8 +109,14 @@ def test_a_damaged_shard_downloaded_from_object_storage_is_not_given_to_dcp(s3, 
     # Another machine: no local copies, every file downloaded.
     reader = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
     fresh, fresh_adam = _net(0)
+    before = _dcp_copies()
     with pytest.warns(UserWarning, match=r"step-000000002: .*__0_0\.distcp does not match its sha"):
         restored = reader.load_latest({"net": unbroken.Sharded(fresh, fresh_adam)})
     assert restored is not None and restored.step == 1
     for key, value in _net(1)[0].state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
+    assert _dcp_copies() <= before  # the damaged step's download is not left on the disk
+
+
+def _dcp_copies():
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("unbroken-dcp-")}

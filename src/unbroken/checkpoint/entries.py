@@ -242,15 +242,19 @@ def _downloaded(at: Reading, spec: EntrySpec) -> str:
     """A ``Sharded`` entry's files, every rank's (DCP reshards: a rank may read any of them),
     downloaded and verified into a local temporary directory, which DCP then reads;
     ``LocalCopy`` so that the load removes it once done."""
-    local = tempfile.mkdtemp(prefix="unbroken-dcp-")
-    for file in spec["shards"]:
-        verify_file(at.storage, at.where, at.manifest, file)  # downloads it; kept for one read
-        with (
-            at.storage.open_read(join(at.where, file)) as opened,
-            open(os.path.join(local, file.rpartition("/")[2]), "wb") as out,
-        ):
-            shutil.copyfileobj(opened, out, 1 << 22)
-    return LocalCopy(local)
+    local = LocalCopy(tempfile.mkdtemp(prefix="unbroken-dcp-"))
+    try:
+        for file in spec["shards"]:
+            verify_file(at.storage, at.where, at.manifest, file)  # downloads it; kept for one read
+            with (
+                at.storage.open_read(join(at.where, file)) as opened,
+                open(os.path.join(local, file.rpartition("/")[2]), "wb") as out,
+            ):
+                shutil.copyfileobj(opened, out, 1 << 22)
+    except BaseException:  # a damaged or unreadable shard: nothing of it stays on the disk
+        local.remove()
+        raise
+    return local
 
 
 def _copy(path: str, out: Any) -> None:

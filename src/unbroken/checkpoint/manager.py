@@ -288,6 +288,10 @@ class Checkpointer:
                     f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=3
                 )
                 self._writing.damaged.add(path)  # read, and proven damaged: a save may drop it
+                if not isinstance(read, BaseException):  # this rank's downloads of it go
+                    for value in read[1].values():
+                        if isinstance(value, LocalCopy):
+                            value.remove()
                 continue
             assert not isinstance(read, BaseException)
             manifest, saved, skipped = read
