@@ -208,3 +208,35 @@ def test_a_periodic_save_meeting_a_frozen_store_is_reported_and_training_goes_on
     assert storage.fs.cat_file(f"{url}/metrics.csv") == log
     restored = Checkpointer(f"{url}/checkpoints", storage=storage).load_latest({"progress": None})
     assert restored.values["progress"]["epoch"] == 2  # the final save reached the store
+
+
+def test_a_store_frozen_during_the_leases_renewal_fails_its_fence_in_time_not_a_hang(
+    server, freezer
+):
+    # A run directory's lease renews every lease_seconds / 4 and lets writes through only while
+    # a renewal is recent. The store freezes: the heartbeat cannot renew, the next write's fence
+    # tries to confirm and fails within the deadline (the write with it: a failed save); once
+    # the store answers again the lease is still this job's and the fence lets writes through.
+    from unbroken.errors import DirectoryInUse
+    from unbroken.train.lease import Lease
+
+    url = _url(server, "lease")
+    storage = ObjectStorage(url, server.storage_options, timeout=TIMEOUT)
+    lease = Lease(storage, url, seconds=3.0)
+    lease.acquire()
+    try:
+        freezer.freeze()
+        time.sleep(2.5)  # past 2/3 of the lease: no renewal could land
+        began = time.monotonic()
+        with pytest.raises(RemoteUnavailable):
+            lease.fence()
+        assert time.monotonic() - began < BOUND  # without the deadline: botocore's retries, ~21 s
+        freezer.thaw()
+        lease.fence()  # the store answers again, and nobody took the lease: confirmed
+    except DirectoryInUse as error:
+        pytest.fail(f"the lease was lost to nobody: {error}")
+    finally:
+        freezer.thaw()
+        began = time.monotonic()
+        lease.release()  # the heartbeat, stuck in a frozen request, stops in time too
+        assert time.monotonic() - began < BOUND
