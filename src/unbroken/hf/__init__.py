@@ -1,0 +1,35 @@
+"""Exact resume inside Hugging Face ``transformers.Trainer`` and Accelerate (extra ``[hf]``).
+
+- ``Trainer``: ``transformers.Trainer`` whose training data comes from an
+  ``unbroken.DataLoader``, whose checkpoints are sealed, and whose resume continues exactly;
+  ``ExactResumeMixin`` gives the same to a subclass of ``transformers.Trainer`` of your own.
+- ``seal``, ``check``, ``last_sealed``: checkpoint folders written whole or ignored (``seal``),
+  for the Trainer's checkpoints and for ``accelerate.Accelerator.save_state`` folders.
+
+``unbroken.hf.seal`` needs neither transformers nor Accelerate; ``Trainer`` imports transformers
+when first used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .seal import UnsealedCheckpointWarning, Verdict, check, last_sealed, seal
+
+__all__ = [
+    "ExactResumeMixin",
+    "Trainer",
+    "UnsealedCheckpointWarning",
+    "Verdict",
+    "check",
+    "last_sealed",
+    "seal",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Trainer", "ExactResumeMixin"):
+        from . import trainer  # imports transformers: only when asked for
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'unbroken.hf' has no attribute {name!r}")

@@ -1,0 +1,212 @@
+"""Seals for checkpoint folders that another library writes: whole and verified, or ignored.
+
+transformers and Accelerate write a checkpoint as a folder of files (``checkpoint-40/``), file
+by file, with no mark that the folder is complete. A process killed in the middle leaves a
+folder that looks like a checkpoint and crashes the resume that picks it. A *seal* fixes that:
+once every file is written, ``seal(folder)`` makes them durable (fsync) and writes
+``unbroken-seal.json`` last, atomically (a temporary name, fsync, rename)::
+
+    {"format": "unbroken.hf.Seal", "version": 1,
+     "files": {"model.safetensors": {"size": 1234, "sha256": "<64 hex digits>"}, ...},
+     "sha256": "<of the canonical JSON of the other fields>"}
+
+``check(folder)`` says whether a folder is ``sealed`` (every listed file there, with its size
+and, unless ``hashes=False``, its sha256), ``unsealed`` (no seal: a save that never finished)
+or ``damaged`` (a seal whose files changed or went missing). ``last_sealed(directory)`` is the
+newest ``checkpoint-<step>`` folder that is sealed, with a warning naming each newer one it
+skipped. Files added after the seal are not checked: they were not part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FORMAT = "unbroken.hf.Seal"
+VERSION = 1
+SEAL = "unbroken-seal.json"
+_TEMPORARY = ".unbroken-seal.json.tmp"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 22
+
+Status = Literal["sealed", "unsealed", "damaged"]
+
+
+class UnsealedCheckpointWarning(UserWarning):
+    """A checkpoint folder was skipped because it is not sealed, or its seal does not hold."""
+
+
+@dataclass
+class Verdict:
+    """What ``check`` found: ``status``, and for a damaged folder what is wrong (``problems``)."""
+
+    folder: str
+    status: Status
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def sealed(self) -> bool:
+        return self.status == "sealed"
+
+    def reason(self) -> str:
+        """One line saying why the folder cannot be resumed from (empty when it can)."""
+        if self.status == "unsealed":
+            return f"{self.folder} has no {SEAL}: its save did not finish"
+        if self.status == "damaged":
+            return f"{self.folder} is damaged: " + "; ".join(self.problems)
+        return ""
+
+
+def seal(folder: str) -> dict[str, Any]:
+    """Make every file under ``folder`` durable and record it in ``unbroken-seal.json``.
+
+    Call it once the folder is complete (on every rank's files: after a barrier). A seal
+    already there is replaced. Returns the seal's content.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+        ValueError: ``folder`` holds a symbolic link (a seal could not vouch for its target).
+    """
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot seal {folder}: no such folder")
+    files: dict[str, dict[str, Any]] = {}
+    for relative in _files(folder):
+        path = os.path.join(folder, relative)
+        files[relative] = {"size": os.path.getsize(path), "sha256": _sha256(path, sync=True)}
+    content: dict[str, Any] = {"format": FORMAT, "version": VERSION, "files": files}
+    content["sha256"] = _digest(content)
+    temporary = os.path.join(folder, _TEMPORARY)
+    with open(temporary, "w", encoding="utf-8") as out:
+        json.dump(content, out, indent=1, sort_keys=True)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, os.path.join(folder, SEAL))
+    _sync_directory(folder)
+    return content
+
+
+def check(folder: str, hashes: bool = True) -> Verdict:
+    """Whether ``folder`` is a checkpoint that ``seal`` completed and that has not changed since.
+
+    ``hashes=False`` checks the seal and the files' sizes only (fast: no file is read).
+    """
+    path = os.path.join(folder, SEAL)
+    if not os.path.isfile(path):
+        return Verdict(folder, "unsealed")
+    try:
+        with open(path, encoding="utf-8") as file:
+            content = json.load(file)
+        files = _validate(content)
+    except (OSError, ValueError) as error:
+        return Verdict(folder, "damaged", [f"{SEAL} cannot be read ({error})"])
+    problems = []
+    for relative, spec in sorted(files.items()):
+        target = os.path.join(folder, relative)
+        if os.path.islink(target) or not os.path.isfile(target):
+            problems.append(f"{relative} is missing")
+        elif os.path.getsize(target) != spec["size"]:
+            problems.append(
+                f"{relative} has {os.path.getsize(target)} bytes, the seal says {spec['size']}"
+            )
+        elif hashes and _sha256(target) != spec["sha256"]:
+            problems.append(f"{relative} does not match its sha256 in the seal")
+    return Verdict(folder, "damaged" if problems else "sealed", problems)
+
+
+def checkpoints(directory: str, prefix: str = "checkpoint") -> list[tuple[int, str]]:
+    """The ``<prefix>-<step>`` folders in ``directory``, newest step first."""
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)")
+    found = []
+    if os.path.isdir(directory):
+        for name in os.listdir(directory):
+            match = pattern.fullmatch(name)
+            path = os.path.join(directory, name)
+            if match and os.path.isdir(path):
+                found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def last_sealed(
+    directory: str, prefix: str = "checkpoint", hashes: bool = True
+) -> tuple[str | None, list[Verdict]]:
+    """The newest sealed ``<prefix>-<step>`` folder in ``directory`` (None if there is none),
+    and the verdicts on the newer folders it skipped, each also given as a
+    ``UnsealedCheckpointWarning`` naming the folder and why."""
+    skipped = []
+    for _, path in checkpoints(directory, prefix):
+        verdict = check(path, hashes=hashes)
+        if verdict.sealed:
+            return path, skipped
+        warnings.warn(f"skipping {verdict.reason()}", UnsealedCheckpointWarning, stacklevel=2)
+        skipped.append(verdict)
+    return None, skipped
+
+
+def _files(folder: str) -> list[str]:
+    found = []
+    for root, directories, names in os.walk(folder):
+        directories.sort()
+        for name in sorted(names) + [d for d in directories if os.path.islink(os.path.join(root, d))]:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, folder)
+            if relative in (SEAL, _TEMPORARY):
+                continue
+            if os.path.islink(path):
+                raise ValueError(f"cannot seal {folder}: {relative} is a symbolic link")
+            found.append(relative)
+    return found
+
+
+def _validate(content: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(f"not a seal (format is not {FORMAT!r})")
+    if content.get("version") != VERSION:
+        raise ValueError(f"seal version {content.get('version')!r}; this unbroken reads {VERSION}")
+    if content.get("sha256") != _digest(content):
+        raise ValueError("the seal does not match its own sha256")
+    files = content.get("files")
+    if not isinstance(files, dict):
+        raise ValueError("the seal's 'files' is not an object")
+    for relative, spec in files.items():
+        parts = relative.replace("\\", "/").split("/")
+        if os.path.isabs(relative) or ".." in parts or "\x00" in relative:
+            raise ValueError(f"the seal names a file outside the folder: {relative!r}")
+        if (
+            not isinstance(spec, dict)
+            or type(spec.get("size")) is not int
+            or spec["size"] < 0
+            or not isinstance(spec.get("sha256"), str)
+            or not _SHA256.fullmatch(spec["sha256"])
+        ):
+            raise ValueError(f"the seal's entry for {relative!r} is malformed")
+    return files
+
+
+def _digest(content: dict[str, Any]) -> str:
+    fields = {key: value for key, value in content.items() if key != "sha256"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _sha256(path: str, sync: bool = False) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+        if sync:  # the library that wrote it may not have: a seal vouches for durable bytes
+            os.fsync(file.fileno())
+    return digest.hexdigest()
+
+
+def _sync_directory(path: str) -> None:
+    if os.name == "posix":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
