@@ -56,9 +56,9 @@ class Verdict:
     def reason(self) -> str:
         """One line saying why the folder cannot be resumed from (empty when it can)."""
         if self.status == "unsealed":
-            return f"{self.folder} has no {SEAL}: its save did not finish"
+            return f"it has no {SEAL}, so its save did not finish"
         if self.status == "damaged":
-            return f"{self.folder} is damaged: " + "; ".join(self.problems)
+            return "it changed after it was sealed: " + "; ".join(self.problems)
         return ""
 
 
@@ -142,7 +142,7 @@ def last_sealed(
         verdict = check(path, hashes=hashes)
         if verdict.sealed:
             return path, skipped
-        warnings.warn(f"skipping {verdict.reason()}", UnsealedCheckpointWarning, stacklevel=2)
+        warnings.warn(f"skipping checkpoint {path}: {verdict.reason()}", UnsealedCheckpointWarning, stacklevel=2)
         skipped.append(verdict)
     return None, skipped
 
