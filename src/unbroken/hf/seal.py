@@ -58,7 +58,7 @@ class Verdict:
         if self.status == "unsealed":
             return f"it has no {SEAL}, so its save did not finish"
         if self.status == "damaged":
-            return "it changed after it was sealed: " + "; ".join(self.problems)
+            return "its seal does not hold: " + "; ".join(self.problems)
         return ""
 
 
@@ -102,19 +102,22 @@ def check(folder: str, hashes: bool = True) -> Verdict:
         with open(path, encoding="utf-8") as file:
             content = json.load(file)
         files = _validate(content)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested too deep
         return Verdict(folder, "damaged", [f"{SEAL} cannot be read ({error})"])
     problems = []
     for relative, spec in sorted(files.items()):
         target = os.path.join(folder, relative)
-        if os.path.islink(target) or not os.path.isfile(target):
-            problems.append(f"{relative} is missing")
-        elif os.path.getsize(target) != spec["size"]:
-            problems.append(
-                f"{relative} has {os.path.getsize(target)} bytes, the seal says {spec['size']}"
-            )
-        elif hashes and _sha256(target) != spec["sha256"]:
-            problems.append(f"{relative} does not match its sha256 in the seal")
+        try:
+            if _through_link(folder, relative) or not os.path.isfile(target):
+                problems.append(f"{relative} is missing")
+            elif os.path.getsize(target) != spec["size"]:
+                problems.append(
+                    f"{relative} has {os.path.getsize(target)} bytes, the seal says {spec['size']}"
+                )
+            elif hashes and _sha256(target) != spec["sha256"]:
+                problems.append(f"{relative} does not match its sha256 in the seal")
+        except OSError as error:  # unreadable, or removed while checked: not a sealed file
+            problems.append(f"{relative} cannot be read ({error.strerror or error})")
     return Verdict(folder, "damaged" if problems else "sealed", problems)
 
 
@@ -137,21 +140,30 @@ def last_sealed(
     """The newest sealed ``<prefix>-<step>`` folder in ``directory`` (None if there is none),
     and the verdicts on the newer folders it skipped, each also given as a
     ``UnsealedCheckpointWarning`` naming the folder and why."""
-    skipped = []
+    skipped: list[Verdict] = []
     for _, path in checkpoints(directory, prefix):
         verdict = check(path, hashes=hashes)
         if verdict.sealed:
             return path, skipped
-        warnings.warn(f"skipping checkpoint {path}: {verdict.reason()}", UnsealedCheckpointWarning, stacklevel=2)
+        warnings.warn(
+            f"skipping checkpoint {path}: {verdict.reason()}",
+            UnsealedCheckpointWarning,
+            stacklevel=2,
+        )
         skipped.append(verdict)
     return None, skipped
 
 
 def _files(folder: str) -> list[str]:
+    """Every file under ``folder`` but the seal's own, in a fixed order; the subfolders are
+    made durable too (a file's name lives in its folder's entries)."""
     found = []
     for root, directories, names in os.walk(folder):
         directories.sort()
-        for name in sorted(names) + [d for d in directories if os.path.islink(os.path.join(root, d))]:
+        linked = [d for d in directories if os.path.islink(os.path.join(root, d))]
+        if root != folder:
+            _sync_directory(root)
+        for name in sorted(names) + linked:
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
             if relative in (SEAL, _TEMPORARY):
@@ -185,6 +197,17 @@ def _validate(content: Any) -> dict[str, dict[str, Any]]:
         ):
             raise ValueError(f"the seal's entry for {relative!r} is malformed")
     return files
+
+
+def _through_link(folder: str, relative: str) -> bool:
+    """Whether ``relative`` or a folder on its way is a symbolic link (bytes the seal did not
+    read: ``seal`` refuses links)."""
+    path = folder
+    for part in relative.replace("\\", "/").split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            return True
+    return False
 
 
 def _digest(content: dict[str, Any]) -> str:
