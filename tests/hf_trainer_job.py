@@ -1,0 +1,213 @@
+"""A transformers.Trainer job for the tests of ``unbroken.hf`` (and its benchmark and demo).
+
+A 2-layer MLP with dropout as a ``PreTrainedModel`` built from a config (nothing downloaded),
+96 samples whose ``__getitem__`` draws ``torch.rand`` (an augmentation), AdamW, a linear
+schedule. Every training batch is appended to ``OUT/batches.jsonl`` as it is trained on (the
+global step, this rank, the sample indices, the augmentation's sum), with the loss, so a test
+can compare what a killed and resumed run trained on with an uninterrupted one. At the end the
+weights go to ``OUT/weights-rank<r>.pt`` and the log history to ``OUT/history-rank<r>.json``.
+
+``--kill-at STEP`` SIGKILLs the process at the end of optimizer step STEP (after its save, if
+any); ``--kill-in-save STEP`` SIGKILLs it inside the save of STEP, after transformers wrote the
+optimizer and before the rest; ``--kill-before-seal STEP`` after transformers' files are
+written and before unbroken's state and seal. ``--term-at STEP`` sends SIGTERM to itself
+there (a preemption). ``--stock`` runs transformers.Trainer itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel, TrainerCallback, TrainingArguments
+
+N = 96
+
+
+class MLPConfig(PretrainedConfig):
+    model_type = "unbroken-test-mlp"
+
+    def __init__(self, width: int = 16, dropout: float = 0.2, **kwargs):
+        super().__init__(**kwargs)
+        self.width, self.dropout = width, dropout
+
+
+class MLP(PreTrainedModel):
+    config_class = MLPConfig
+
+    def __init__(self, config: MLPConfig):
+        super().__init__(config)
+        self.net = nn.Sequential(
+            nn.Linear(4, config.width),
+            nn.ReLU(),
+            nn.Dropout(config.dropout),
+            nn.Linear(config.width, 2),
+        )
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass  # nn.Linear's own initialisation, from the seeded generator
+
+    def forward(self, x, labels=None, index=None, aug=None):
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, labels)
+        if self.training and RECORD is not None:
+            RECORD.write(
+                json.dumps(
+                    {
+                        "step": STEP[0],
+                        "rank": RANK,
+                        "index": index.tolist(),
+                        "aug": aug.tolist(),
+                        "loss": loss.item(),
+                    }
+                )
+                + "\n"
+            )
+            RECORD.flush()
+        return {"loss": loss, "logits": logits}
+
+
+BASE = torch.Generator().manual_seed(1234)
+INPUTS = torch.randn(N, 4, generator=BASE)
+
+
+def item(index: int) -> dict:
+    noise = torch.rand(4) * 0.1  # the augmentation: the process's (or worker's) generator
+    return {
+        "x": INPUTS[index] + noise,
+        "labels": torch.tensor(index % 2),
+        "index": torch.tensor(index),
+        "aug": noise.sum(),
+    }
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> dict:
+        return item(index)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A global-cursor stream without len(): the items [start, stop) of the epoch."""
+
+    def read_range(self, start: int, stop: int) -> list[dict]:
+        return [item(i) for i in range(start, min(stop, N))]
+
+    def __iter__(self):
+        return iter(self.read_range(0, N))
+
+
+RECORD = None
+STEP = [0]
+RANK = int(os.environ.get("RANK", "0"))
+
+
+class Tracer(TrainerCallback):
+    """Records the step, and kills the process where the test asks."""
+
+    def __init__(self, options):
+        self.options = options
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        STEP[0] = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.options.term_at and RANK == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.options.kill_before_seal:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build(options):
+    import unbroken.hf
+
+    base = unbroken.hf.Trainer if not options.stock else __import__("transformers").Trainer
+
+    class Job(base):
+        def _save_optimizer_and_scheduler(self, output_dir):
+            super()._save_optimizer_and_scheduler(output_dir)
+            if self.state.global_step == options.kill_in_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    args = TrainingArguments(
+        output_dir=options.out,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=options.accum,
+        num_train_epochs=options.epochs,
+        max_steps=options.max_steps,
+        learning_rate=0.01,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        logging_steps=options.log_every,
+        save_steps=options.save_every,
+        save_total_limit=options.keep,
+        dataloader_num_workers=options.workers,
+        seed=7,
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        remove_unused_columns=False,
+    )
+    torch.manual_seed(0)
+    model = MLP(MLPConfig())
+    dataset = Stream() if options.stream else Samples()
+    trainer = Job(model=model, args=args, train_dataset=dataset, callbacks=[Tracer(options)])
+    # The Tracer kills before unbroken's on_save seals: put it before unbroken's callback.
+    callbacks = trainer.callback_handler.callbacks
+    callbacks.sort(key=lambda c: not isinstance(c, Tracer))
+    return trainer
+
+
+def main(argv=None) -> int:
+    global RECORD
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--max-steps", type=int, default=-1)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--keep", type=int, default=None)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--stock", action="store_true")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-in-save", type=int, default=-1)
+    parser.add_argument("--kill-before-seal", type=int, default=-1)
+    parser.add_argument("--term-at", type=int, default=-1)
+    options = parser.parse_args(argv)
+    os.makedirs(options.out, exist_ok=True)
+    RECORD = open(os.path.join(options.out, f"batches-rank{RANK}.jsonl"), "a")
+    trainer = build(options)
+    if options.kill_at >= 0:
+
+        class Killer(TrainerCallback):
+            def on_save(self, args, state, control, **kwargs):  # after unbroken's seal
+                if state.global_step == options.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == options.kill_at and not control.should_save:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.add_callback(Killer())
+    trainer.train(resume_from_checkpoint=True if options.resume else None)
+    torch.save(trainer.model.state_dict(), os.path.join(options.out, f"weights-rank{RANK}.pt"))
+    with open(os.path.join(options.out, f"history-rank{RANK}.json"), "w") as out:
+        json.dump(trainer.state.log_history, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
