@@ -302,6 +302,28 @@ def test_a_global_cursor_stream_is_read_once_and_resumes_without_rereading():
     assert len(list(resumed)) == 3 and resumed_dataset.reads[0] == (70, 80)
 
 
+class EagerRanged(Ranged):
+    """read_range builds its items at once (a list): they draw when it is called."""
+
+    def read_range(self, start, stop):
+        return list(super().read_range(start, stop))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_whose_read_range_returns_a_list_draws_from_the_seeded_generators(workers):
+    # Each batch's items must be built after its generators are seeded: otherwise their draws
+    # depend on what ran before (another epoch's end, a restore), and a resume repeats no sample.
+    make = _make(EagerRanged, 10, 3, False, workers)
+    assert assert_resumes_exactly(make, epochs=2)
+    restarted = make()
+    restarted.set_epoch(1)
+    epoch_1 = next(iter(restarted))["torch"]
+    assert not torch.equal(epoch_1, next(iter(make()))["torch"])  # epochs differ
+    ended = make()
+    list(ended)  # epoch 0 read to its end: epoch 1's first batch as set_epoch(1) gives it
+    assert torch.equal(next(iter(ended))["torch"], epoch_1)
+
+
 @pytest.mark.parametrize("cls", [StatefulStream, Ranged])
 def test_iterating_a_stream_in_process_leaves_the_torch_rng_alone(cls):
     torch.manual_seed(7)

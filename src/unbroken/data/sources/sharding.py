@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -194,9 +195,9 @@ class ShardedRangeStream(RangeStream):
             position = first + self.rank * share  # this rank's first position (maybe past end)
             batch: list = []
             for lo, hi in _wrapped(position, share, first, rest):  # past the end: wrap around
-                items = iter(self.dataset.read_range(lo, hi))
+                read = partial(self.dataset.read_range, lo, hi)  # called once seeded
                 batch += read_items(
-                    items, hi - lo, seed, key, position + len(batch), out._unbroken_rngs
+                    read, hi - lo, seed, key, position + len(batch), out._unbroken_rngs
                 )
             yield Tagged(out._unbroken_collate(batch), worker, first + rest, None)
             index += workers

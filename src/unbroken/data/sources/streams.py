@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 import warnings
 from abc import abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -94,14 +95,23 @@ def identity(batch: Any) -> Any:
 
 
 def read_items(
-    items: Iterator, count: int, seed: Seeder, key: int, position: int, global_rngs: tuple[str, ...]
+    items: Iterator | Callable[[], Iterable],
+    count: int,
+    seed: Seeder,
+    key: int,
+    position: int,
+    global_rngs: tuple[str, ...],
 ) -> list:
     """Up to ``count`` items, a batch starting at ``position``: the RNGs are seeded once for it,
     and ``sample_seed()`` follows each item; in the training process itself, torch's generator
-    is put back afterwards (see ``keep_main_torch_rng``)."""
+    is put back afterwards (see ``keep_main_torch_rng``). ``items`` given as a function is
+    called after the seeding: a ``read_range`` that builds its items at once (returns a list)
+    then draws from the seeded generators too, not from whatever state they had."""
     batch: list = []
     saved_rng = keep_main_torch_rng(global_rngs)
     seed(key, position)
+    if callable(items):
+        items = iter(items())
     current = CURRENT
     for item_position in range(position, position + count):
         current.position = item_position
@@ -245,8 +255,14 @@ class RangeStream(StreamSource):
         batch_index = plan["first_batch"] + worker
         while True:
             start = batch_index * step
-            items = iter(self.dataset.read_range(start, start + step))
-            batch = read_items(items, step, seed, key, start, out._unbroken_rngs)
+            batch = read_items(
+                partial(self.dataset.read_range, start, start + step),
+                step,
+                seed,
+                key,
+                start,
+                out._unbroken_rngs,
+            )
             if not batch or (len(batch) < step and self.drop_last):
                 return
             yield Tagged(out._unbroken_collate(batch), worker, start + len(batch), None)
