@@ -8,6 +8,17 @@ directory; a local path, or a URL in object storage (``s3://bucket/runs/exp1``, 
 variables). Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
 a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
 
+``DIR`` may also be, on a local disk, a Hugging Face output directory (``transformers.Trainer``'s
+``output_dir``, holding ``checkpoint-<step>`` folders) or one ``checkpoint-<step>`` folder,
+recognised by ``unbroken-seal.json`` or ``trainer_state.json`` in a folder of that name (see
+``cli.hf``; unbroken's own kinds are looked for first). Each folder is ``ok`` when its seal
+holds (``unbroken.hf.seal``: every listed file there with its size and sha256), ``unsealed``
+without a seal (its save did not finish, or nothing of ``unbroken.hf`` sealed it) or
+``damaged``; a resume is what ``unbroken.hf.Trainer`` does with ``resume_from_checkpoint``: the
+newest sealed folder, skipping the newer ones, and none sealed (or one folder named that is not)
+fails. ``inspect`` reads a sealed folder's position from rank 0's ``unbroken-state-rank0.json``
+(its loader) and ``trainer_state.json`` (the global step, as ``optimizer_step``).
+
 A checkpoint *verifies* when ``unbroken.checkpoint.scan.classify`` finds it ``ok``: the one
 judgement ``Checkpointer.load_latest`` makes too (its manifest intact, every listed file there with
 its size and sha256, every file but DCP's shards loading with ``torch.load(weights_only=True)``
@@ -25,7 +36,8 @@ Batches and samples are counts of what the user had received in the epoch (epoch
 (counting from 0) comes next.
 
 Exit status: 0 when the newest checkpoint verifies (``inspect``: whenever checkpoints were
-found); 1 (``verify``) when the newest checkpoint does not verify, even if an older one does, or
+found); 1 (``verify``) when the newest checkpoint does not verify (of Hugging Face folders: is
+unsealed or damaged), even if an older one does, or
 when the run's ``metrics.csv`` is missing or shorter than it records; 2 for a usage error, a
 missing directory, no checkpoints found, or a store that could not be read
 (``RemoteUnavailable``: a checkpoint not read is never called corrupt).
@@ -34,20 +46,23 @@ missing directory, no checkpoints found, or a store that could not be read
 
     {"command": "inspect" | "verify",
      "directory": "<DIR as given>",
-     "kind": "run" | "checkpoints" | "checkpoint",
+     "kind": "run" | "checkpoints" | "checkpoint" | "hf-run" | "hf-checkpoint",
      "checkpoints_directory": "<absolute path of the directory holding the checkpoints>",
      "checkpoints": [                       # oldest step first
         {"name": "step-000000120", "path": "<absolute path>", "step": 120,
-         "written": "2025-01-31T12:00:00Z" | null,   # manifest.json's mtime, UTC
+         "written": "2025-01-31T12:00:00Z" | null,   # manifest.json's (the seal's) mtime, UTC
          "bytes": 123456,                            # every file under the directory
          "verified": true,
          "status": "ok" | "corrupt" | "unsupported", # unsupported: another format version
+                   # (Hugging Face folders: "ok" | "unsealed" | "damaged")
          "problems": ["000-model.pt does not match its sha256 in the manifest", ...],
          "world_size": 1 | null, "entries": ["model", "optimizer", ...] | null,
+                                    # (Hugging Face folders: the files, "model.safetensors", ...)
          "position": null | {"epoch": 2, "phase": "train" | "val" | "end" | null,
                              "batch": 37, "sample": 2368 | null,
                              "optimizer_step": 120 | null,
-                             "source": "progress" | "<a loader's entry name>"},
+                             "source": "progress" | "<a loader's entry name>"
+                                       | "unbroken-state-rank0.json"},
          "loaders": [<loader>, ...],                 # the loaders' cursors, as below
          "log_bytes": 5120 | null},                  # the Trainer's metrics.csv size it records
         ...],
@@ -56,6 +71,7 @@ missing directory, no checkpoints found, or a store that could not be read
      "resume": {"checkpoint": "step-000000120" | null,   # what load_latest would restore
                 "step": 120 | null,
                 "skipped": ["step-000000130"],           # newer ones it would skip as corrupt
+                                                         # (unsealed or damaged)
                 "fails": null | "<why load_latest would raise instead>",
                 "position": <as above> | null,
                 "loaders": [<loader>, ...],              # of the checkpoint it would load
@@ -99,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
         "directory",
         metavar="DIR",
         help="a run directory (a Trainer's), a Checkpointer directory, or one checkpoint: a "
-        "local path or a URL in object storage",
+        "local path or a URL in object storage; or, local only, a Hugging Face output directory "
+        "or one of its checkpoint-<step> folders",
     )
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument(

@@ -14,7 +14,18 @@ from .._units import human
 from ..checkpoint.objects import is_url, storage_for
 from ..checkpoint.storage import Storage, basename, join, parent
 from ..train.rundir import CHECKPOINTS, METRICS
-from .scan import CheckpointReport, LoaderReport, LogReport, Position, Report, Resume, check, locate
+from . import hf
+from .scan import (
+    CheckpointReport,
+    LoaderReport,
+    LogReport,
+    Position,
+    Report,
+    Resume,
+    UsageError,
+    check,
+    locate,
+)
 
 # -------------------------------------------------------------------------------- the report
 
@@ -27,14 +38,25 @@ def report(
     report on."""
     storage, directory = storage_for(given, storage_options, cache=False)  # the store itself
     directory = directory if is_url(given) else directory.rstrip("/") or "/"
-    kind, root, found = locate(directory, storage)
-    checked = [check(storage, path, step, read_states) for step, path in found]
-    resume = _resume(checked, kind)
+    try:
+        kind, root, found = locate(directory, storage)
+    except UsageError:  # not unbroken's: a Hugging Face output directory or checkpoint?
+        located = None if is_url(given) else hf.locate(directory)
+        if located is None:
+            raise
+        kind, root, found = located
+    if kind in hf.KINDS:
+        checked = [hf.check(path, step, read_states) for step, path in found]
+    else:
+        checked = [check(storage, path, step, read_states) for step, path in found]
+    resume = _resume(checked, kind, root)
     chosen = next((c for c in checked if c["name"] == resume["checkpoint"]), None)
     log = _log(storage, root, chosen, is_url(given))
     if log is not None and not log["ok"] and resume["fails"] is None:
         resume["fails"] = log["problem"]
-        resume["summary"] = _summary(None, resume["skipped"], log["problem"], kind == "checkpoint")
+        resume["summary"] = _summary(
+            None, resume["skipped"], log["problem"], kind == "checkpoint", []
+        )
     return Report(
         command=command,
         directory=given,
@@ -74,10 +96,12 @@ def _log(
     return LogReport(path=path, bytes=actual, expected=expected, ok=ok, problem=problem)
 
 
-def _resume(checked: list[CheckpointReport], kind: str) -> Resume:
+def _resume(checked: list[CheckpointReport], kind: str, root: str) -> Resume:
     """What ``load_latest`` would do: try the newest first, skip the corrupt ones, raise at one
-    of another format version."""
+    of another format version. Of Hugging Face folders, what ``unbroken.hf.Trainer`` would do
+    (``unbroken.hf.last_sealed``): the newest sealed, skipping the newer ones; none: raise."""
     skipped: list[str] = []
+    why: list[str] = []  # each skipped folder's status, said of Hugging Face folders
     chosen: CheckpointReport | None = None
     fails = None
     for candidate in reversed(checked):
@@ -88,6 +112,11 @@ def _resume(checked: list[CheckpointReport], kind: str) -> Resume:
             chosen = candidate
             break
         skipped.append(candidate["name"])
+        why.append(candidate["status"])
+    if chosen is None and kind in hf.KINDS:
+        fails = hf.no_resume(kind, root, checked)
+        if kind == hf.HF_CHECKPOINT:  # a folder named to resume from is refused, not skipped
+            skipped, why = [], []
     one = kind == "checkpoint"
     return Resume(
         checkpoint=chosen["name"] if chosen else None,
@@ -96,15 +125,21 @@ def _resume(checked: list[CheckpointReport], kind: str) -> Resume:
         fails=fails,
         position=chosen["position"] if chosen else None,
         loaders=chosen["loaders"] if chosen else [],
-        summary=_summary(chosen, skipped, fails, one),
+        summary=_summary(chosen, skipped, fails, one, why if kind in hf.KINDS else []),
     )
 
 
 def _summary(
-    chosen: CheckpointReport | None, skipped: list[str], fails: str | None, one: bool
+    chosen: CheckpointReport | None,
+    skipped: list[str],
+    fails: str | None,
+    one: bool,
+    why: list[str],
 ) -> str:
-    skips = f" (skipping {_names(skipped)}: corrupt)" if skipped else ""
+    """``why``: each skipped checkpoint's status, said after its name (else "corrupt", once)."""
+    each = ", ".join(f"{name} ({status})" for name, status in zip(skipped, why))
     if fails is not None:
+        skips = f" (skipping {each or _names(skipped) + ': corrupt'})" if skipped else ""
         return f"a resume would fail{skips}: {fails}"
     if chosen is None:
         what = "this checkpoint does not verify" if one else "no checkpoint verifies"
@@ -112,7 +147,7 @@ def _summary(
     where = _where(chosen["position"])
     text = f"resume would load checkpoint {chosen['name']}{where}"
     if skipped:
-        text += f"; it would skip {_names(skipped)} (corrupt)"
+        text += f"; it would skip {each or _names(skipped) + ' (corrupt)'}"
     return text
 
 
@@ -162,11 +197,16 @@ def _cell(value: int | None) -> str:
 def text(document: Report) -> str:
     inspecting = document["command"] == "inspect"
     where = document["checkpoints_directory"]
-    kind = {"run": "run directory", "checkpoints": "checkpoint directory"}.get(document["kind"])
+    kind = {
+        "run": "run directory",
+        "checkpoints": "checkpoint directory",
+        hf.HF_RUN: "Hugging Face output directory",
+    }.get(document["kind"])
+    one = "Hugging Face checkpoint" if document["kind"] == hf.HF_CHECKPOINT else "checkpoint"
     lines = [
         f"{kind} {document['directory']}: checkpoints in {where}"
         if kind
-        else f"checkpoint {document['directory']}",
+        else f"{one} {document['directory']}",
         "",
     ]
     headers = ["CHECKPOINT", "STEP"]
@@ -191,6 +231,7 @@ def text(document: Report) -> str:
                     _cell(position["optimizer_step"]),
                 ]
         verdict = {"ok": "ok", "corrupt": "CORRUPT", "unsupported": "UNSUPPORTED"}
+        verdict.update(unsealed="UNSEALED", damaged="DAMAGED")  # Hugging Face folders
         row += [
             checkpoint["written"] or "-",
             human(checkpoint["bytes"]),

@@ -130,8 +130,9 @@ def locate(directory: str, storage: Storage) -> tuple[str, str, list[tuple[int, 
         )
     raise UsageError(
         f"no checkpoints found in {directory}: it is neither a run directory (with "
-        f"{RUN_CHECKPOINTS}/ inside), a checkpoint directory (with step-* directories) nor a "
-        f"checkpoint (with {MANIFEST})"
+        f"{RUN_CHECKPOINTS}/ inside), a checkpoint directory (with step-* directories), a "
+        f"checkpoint (with {MANIFEST}), nor, on a local disk, a Hugging Face output directory "
+        "or checkpoint (checkpoint-<step> folders with unbroken-seal.json or trainer_state.json)"
     )
 
 
