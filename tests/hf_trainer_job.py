@@ -10,7 +10,8 @@ weights go to ``OUT/weights-rank<r>.pt`` and the log history to ``OUT/history-ra
 ``--kill-at STEP`` SIGKILLs the process at the end of optimizer step STEP (after its save, if
 any); ``--kill-in-save STEP`` SIGKILLs it inside the save of STEP, after transformers wrote the
 optimizer and before the rest; ``--kill-before-seal STEP`` after transformers' files are
-written and before unbroken's state and seal. ``--term-at STEP`` sends SIGTERM to itself
+written and before unbroken's state and seal. ``--kill-in-window STEP`` inside the accumulation window after step STEP (after its first
+micro-batch). ``--term-at STEP`` sends SIGTERM to itself
 there (a preemption). ``--stock`` runs transformers.Trainer itself.
 """
 
@@ -18,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import random
 import signal
 import sys
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel, TrainerCallback, TrainingArguments
@@ -56,6 +60,8 @@ class MLP(PreTrainedModel):
     def forward(self, x, labels=None, index=None, aug=None):
         logits = self.net(x)
         loss = nn.functional.cross_entropy(logits, labels)
+        if self.training and DRAW[0]:  # a step drawing from numpy and random, not only torch
+            loss = loss * (1 + 0.01 * (np.random.rand() + random.random()))
         if self.training and RECORD is not None:
             RECORD.write(
                 json.dumps(
@@ -107,6 +113,7 @@ class Stream(torch.utils.data.IterableDataset):
 
 RECORD = None
 STEP = [0]
+DRAW = [False]
 RANK = int(os.environ.get("RANK", "0"))
 
 
@@ -122,6 +129,10 @@ class Tracer(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.options.term_at and RANK == 0:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_substep_end(self, args, state, control, **kwargs):  # inside an accumulation window
+        if state.global_step == self.options.kill_in_window:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.options.kill_before_seal:
@@ -151,6 +162,8 @@ def build(options):
         logging_steps=options.log_every,
         save_steps=options.save_every,
         save_total_limit=options.keep,
+        eval_strategy="epoch" if options.eval else "no",
+        per_device_eval_batch_size=8,
         dataloader_num_workers=options.workers,
         seed=7,
         report_to="none",
@@ -161,15 +174,22 @@ def build(options):
     torch.manual_seed(0)
     model = MLP(MLPConfig())
     dataset = Stream() if options.stream else Samples()
-    trainer = Job(model=model, args=args, train_dataset=dataset, callbacks=[Tracer(options)])
+    evaluation = torch.utils.data.Subset(Samples(), range(16)) if options.eval else None
+    DRAW[0] = options.draw
+    trainer = Job(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=evaluation,
+        callbacks=[Tracer(options)],
+    )
     # The Tracer kills before unbroken's on_save seals: put it before unbroken's callback.
     callbacks = trainer.callback_handler.callbacks
     callbacks.sort(key=lambda c: not isinstance(c, Tracer))
     return trainer
 
 
-def main(argv=None) -> int:
-    global RECORD
+def main_options(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--workers", type=int, default=0)
@@ -180,13 +200,21 @@ def main(argv=None) -> int:
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--keep", type=int, default=None)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--eval", action="store_true", help="evaluate at each epoch's end")
+    parser.add_argument("--draw", action="store_true", help="the step draws numpy and random")
     parser.add_argument("--stock", action="store_true")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--kill-in-save", type=int, default=-1)
     parser.add_argument("--kill-before-seal", type=int, default=-1)
+    parser.add_argument("--kill-in-window", type=int, default=-1)
     parser.add_argument("--term-at", type=int, default=-1)
-    options = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    global RECORD
+    options = main_options(argv)
     os.makedirs(options.out, exist_ok=True)
     RECORD = open(os.path.join(options.out, f"batches-rank{RANK}.jsonl"), "a")
     trainer = build(options)
@@ -207,6 +235,20 @@ def main(argv=None) -> int:
     with open(os.path.join(options.out, f"history-rank{RANK}.json"), "w") as out:
         json.dump(trainer.state.log_history, out)
     return 0
+
+
+def run_in_child(argv: list[str], log: str) -> None:
+    """The job in a process forked from a server that imported transformers once (the tests'
+    ``multiprocessing`` forkserver): its output goes to ``log``; it ends with the job's status.
+    Its DataLoader workers fork, as they would in a job started from a shell (a forkserver's
+    children would start them through the server, with every dataset pickled)."""
+    multiprocessing.set_start_method("fork", force=True)
+    with open(log, "ab") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

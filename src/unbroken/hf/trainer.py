@@ -20,7 +20,9 @@ What it changes, all through transformers' public hooks but for the two names th
   then a seal (``unbroken.hf.seal``) once every rank has written. transformers' own
   per-rank random states (``rng_state*.pth``) put back dropout's generator.
 - **Which checkpoint a resume loads**: ``resume_from_checkpoint=True`` takes the newest sealed
-  one, skipping unsealed or damaged ones with a warning naming them; a path must be sealed.
+  one, skipping unsealed or damaged ones with a warning naming them, and trains from the start
+  when there is no checkpoint folder at all (so one command starts and resumes a job); folders
+  of which none is sealed are an error. A path must be sealed.
   Checkpoints newer than the one resumed are removed: the resumed run writes them again.
 - **Where saves happen**: a save that lands on an epoch's last step waits for the epoch's end,
   after transformers' epoch-end evaluation and logging, which a run resumed from it would skip
@@ -39,7 +41,6 @@ What it changes, all through transformers' public hooks but for the two names th
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import warnings
@@ -53,13 +54,12 @@ from transformers import TrainerCallback
 from ..data.loader import DataLoader
 from ..distributed.reduction import ensure_exact
 from ..errors import CorruptCheckpoint, StateMismatch
-from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
+from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
+from ..train.progress import say
 from ..train.ranks import Job
 from . import internals
 from .loader import TrainLoader
 from .seal import check, checkpoints, last_sealed, seal
-
-log = logging.getLogger("unbroken")
 
 FORMAT = "unbroken.hf.TrainerState"
 VERSION = 1
@@ -132,9 +132,9 @@ class ExactResumeMixin:
     ) -> Any:
         trainer: Any = self
         if trainer.args.ignore_data_skip:
-            log.warning(
-                "unbroken: ignore_data_skip=True is ignored: the training loader resumes at the "
-                "batch after the checkpoint, and skips nothing to get there"
+            say(
+                "ignore_data_skip=True is ignored: the training loader resumes at the batch "
+                "after the checkpoint, and skips nothing to get there"
             )
             trainer.args.ignore_data_skip = False  # transformers then counts the resumed epoch
         path = self._exact.resolve(resume_from_checkpoint)
@@ -172,9 +172,15 @@ class ExactResumeCallback(TrainerCallback):
             return None
         if resume is True:
             path, skipped = last_sealed(args.output_dir, _PREFIX)
+            if path is None and not skipped:  # the job's first run: the same command starts it
+                say(f"no checkpoint in {args.output_dir}: training from the start")
+                return None
             if path is None:
                 said = "".join(f"; skipped {v.folder}: {v.reason()}" for v in skipped)
-                raise ValueError(f"No sealed checkpoint found in {args.output_dir}{said}")
+                raise CorruptCheckpoint(
+                    f"no sealed checkpoint in {args.output_dir}{said}. Remove the folders to "
+                    "train from the start."
+                )
         else:
             path = str(resume)
             verdict = check(path)
@@ -185,7 +191,7 @@ class ExactResumeCallback(TrainerCallback):
                 )
         self._restore = self._read_state(path)
         self._remove_newer(path)
-        log.info("unbroken: resuming from %s", path)
+        say(f"resuming from {path}")
         return path
 
     def _read_state(self, path: str) -> dict[str, Any]:
@@ -227,7 +233,7 @@ class ExactResumeCallback(TrainerCallback):
             for _, folder in checkpoints(args.output_dir, _PREFIX):
                 if os.path.realpath(folder) == resumed:
                     break
-                log.warning("unbroken: removing %s, newer than the checkpoint resumed", folder)
+                say(f"removing {folder}, newer than the checkpoint resumed")
                 shutil.rmtree(folder, ignore_errors=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -295,7 +301,7 @@ class ExactResumeCallback(TrainerCallback):
         if distributed:
             dist.barrier()  # sealed: no rank exits before
         if self._preempted:
-            log.info("unbroken: preempted; saved and sealed %s, exiting with 75", folder)
+            say(f"preempted: saved and sealed {folder}; exiting with {EXIT_CODE} to be requeued")
             self.preemption.ignore_until_exit()
             exit_to_be_requeued()
 
@@ -328,5 +334,5 @@ class ExactResumeCallback(TrainerCallback):
             if kept < self._keep and check(folder, hashes=False).sealed:
                 kept += 1
             elif os.path.realpath(folder) != best:
-                log.info("unbroken: removing %s (save_total_limit=%d)", folder, self._keep)
+                say(f"removing {folder} (save_total_limit={self._keep})")
                 shutil.rmtree(folder, ignore_errors=True)
