@@ -1,6 +1,6 @@
 """A transformers.Trainer job for the tests of ``unbroken.hf`` (and its benchmark and demo).
 
-A 2-layer MLP with dropout as a ``PreTrainedModel`` built from a config (nothing downloaded),
+A 3-layer MLP with dropout as a ``PreTrainedModel`` built from a config (nothing downloaded),
 96 samples whose ``__getitem__`` draws ``torch.rand`` (an augmentation), AdamW, a linear
 schedule. Every training batch is appended to ``OUT/batches.jsonl`` as it is trained on (the
 global step, this rank, the sample indices, the augmentation's sum), with the loss, so a test
@@ -36,7 +36,7 @@ N = 96
 class MLPConfig(PretrainedConfig):
     model_type = "unbroken-test-mlp"
 
-    def __init__(self, width: int = 16, dropout: float = 0.2, **kwargs):
+    def __init__(self, width: int = 48, dropout: float = 0.2, **kwargs):
         super().__init__(**kwargs)
         self.width, self.dropout = width, dropout
 
@@ -50,6 +50,8 @@ class MLP(PreTrainedModel):
             nn.Linear(4, config.width),
             nn.ReLU(),
             nn.Dropout(config.dropout),
+            nn.Linear(config.width, config.width),
+            nn.ReLU(),
             nn.Linear(config.width, 2),
         )
         self.post_init()
@@ -164,6 +166,9 @@ def build(options):
         save_total_limit=options.keep,
         eval_strategy="epoch" if options.eval else "no",
         per_device_eval_batch_size=8,
+        # transformers' default for a PreTrainedModel is True, with which DDP never rebuilds
+        # its buckets; False (faster) is the case exact_reduce is for.
+        ddp_find_unused_parameters=False,
         dataloader_num_workers=options.workers,
         seed=7,
         report_to="none",
