@@ -21,13 +21,14 @@ from typing import Any
 from ..checkpoint.storage import LocalStorage
 from ..hf.seal import SEAL, checkpoints
 from ..hf.seal import check as check_seal
+from ..hf.state import FORMAT as STATE_FORMAT
+from ..hf.state import state_file
 from .scan import CheckpointReport, Position, _size, loaders
 
 HF_RUN, HF_CHECKPOINT = "hf-run", "hf-checkpoint"
 KINDS = (HF_RUN, HF_CHECKPOINT)
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
-RANK0_STATE = "unbroken-state-rank0.json"  # what unbroken.hf.Trainer writes next to it
-STATE_FORMAT = "unbroken.hf.TrainerState"
+RANK0_STATE = state_file(0)  # what unbroken.hf.Trainer writes next to it
 LOADER = "train_loader"  # the name the report gives the state's "loader"
 _PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 _NAMED = re.compile(re.escape(_PREFIX) + r"-(\d+)")

@@ -60,14 +60,9 @@ from ..train.ranks import Job
 from . import internals
 from .loader import TrainLoader
 from .seal import check, checkpoints, last_sealed, seal
+from .state import FORMAT, VERSION, state_file
 
-FORMAT = "unbroken.hf.TrainerState"
-VERSION = 1
 _PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
-
-
-def state_file(rank: int) -> str:
-    return f"unbroken-state-rank{rank}.json"
 
 
 class ExactResumeMixin:
