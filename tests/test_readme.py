@@ -18,10 +18,13 @@ import unbroken
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _blocks(language: str) -> list[tuple[str, str]]:
+DOCS = sorted((README.parent / "docs").glob("**/*.md"))
+
+
+def _blocks(language: str, page: Path = README) -> list[tuple[str, str]]:
     """(the heading above it, code) of every fenced block in `language`."""
     found, heading = [], "top"
-    lines = README.read_text().splitlines()
+    lines = page.read_text().splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -49,10 +52,34 @@ def test_the_readme_has_the_blocks_this_file_tests():
     assert len(PYTHON) >= 5
 
 
+DOC_PYTHON = [
+    (page.relative_to(README.parent).as_posix(), heading, code)
+    for page in DOCS
+    for heading, code in _blocks("python", page)
+]
+
+
 @pytest.mark.parametrize("heading, code", PYTHON, ids=[_id(h) for h, _ in PYTHON])
 def test_a_python_block_runs_as_written(heading, code, tmp_path, monkeypatch):
+    _run_twice(f"README.md ({heading})", code, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "page, heading, code", DOC_PYTHON, ids=[f"{p}-{_id(h)}" for p, h, _ in DOC_PYTHON]
+)
+def test_a_python_block_of_the_docs_runs_as_written(page, heading, code, tmp_path, monkeypatch):
+    _run_twice(f"{page} ({heading})", code, tmp_path, monkeypatch)
+
+
+def test_the_docs_blocks_are_python_or_shell():
+    for page in DOCS:
+        fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
+        assert {fence[3:] for fence in fences if fence != "```"} <= {"python", "sh", "json"}, page
+
+
+def _run_twice(name: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # blocks write runs/, checkpoints/ ... relative to the cwd
-    program = compile(code, f"README.md ({heading})", "exec")
+    program = compile(code, name, "exec")
     for _ in range(2):  # the second run finds what the first left, as a restarted job does
         exec(program, {"__name__": "__readme__"})
 
