@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -198,21 +199,35 @@ def test_sigterm_saves_at_the_step_and_exits_75(job, reference, tmp_path, worker
     assert_same_run(reference("--workers", workers), out)
 
 
-def test_three_ddp_ranks_resume_bit_for_bit(tmp_path):
-    def torchrun(out: str, *args: str) -> int:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node", "3", os.path.join(HERE, "hf_trainer_job.py")]
-        with open(out + ".log", "ab") as log:
-            done = subprocess.run(
-                [*command, "--out", out, *args], stdout=log, stderr=log, timeout=300
-            )
-        return done.returncode
+def torchrun(ranks: int, out: str, *args: str) -> int:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={ranks}", os.path.join(HERE, "hf_trainer_job.py")]
+    with open(out + ".log", "ab") as log:
+        done = subprocess.run([*command, "--out", out, *args], stdout=log, stderr=log, timeout=300)
+    return done.returncode
 
+
+def test_three_ddp_ranks_resume_bit_for_bit(tmp_path):
     expected, out = str(tmp_path / "reference"), str(tmp_path / "run")
-    assert torchrun(expected) == 0
-    assert torchrun(out, "--kill-at", "6") != 0  # every rank SIGKILLed at step 6
-    assert torchrun(out, "--resume") == 0, open(out + ".log").read()[-3000:]
+    assert torchrun(3, expected) == 0
+    assert torchrun(3, out, "--kill-at", "6") != 0  # every rank SIGKILLed at step 6
+    assert torchrun(3, out, "--resume") == 0, open(out + ".log").read()[-3000:]
     assert_same_run(expected, out, ranks=3)
+
+
+def test_two_ddp_ranks_agree_on_a_sigterm_to_one_and_resume_bit_for_bit(tmp_path):
+    # Only rank 0 gets the signal; at the step's end both save, seal and exit 75.
+    expected, out = str(tmp_path / "reference"), str(tmp_path / "run")
+    assert torchrun(2, expected, "--workers", "2") == 0
+    assert torchrun(2, out, "--workers", "2", "--term-at", "5") != 0
+    with open(out + ".log") as log:
+        said = log.read()
+    assert len(re.findall(r"exitcode\s+: 75", said)) == 2, said[-3000:]  # torchrun's summary
+    assert unbroken.hf.check(os.path.join(out, "checkpoint-5")).sealed
+    for rank in range(2):
+        assert os.path.exists(os.path.join(out, "checkpoint-5", f"rng_state_{rank}.pth"))
+    assert torchrun(2, out, "--workers", "2", "--resume") == 0, open(out + ".log").read()[-3000:]
+    assert_same_run(expected, out, ranks=2)
 
 
 # Refusals.
