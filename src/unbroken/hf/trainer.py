@@ -223,7 +223,7 @@ class ExactResumeCallback(TrainerCallback):
     def _remove_newer(self, path: str) -> None:
         """Checkpoints newer than the resumed one belong to a run that is being redone."""
         args = self.trainer.args
-        if args.process_index == 0:
+        if args.should_save:  # process 0, or each node's first with save_on_each_node
             resumed = os.path.realpath(path)
             for _, folder in checkpoints(args.output_dir, _PREFIX):
                 if os.path.realpath(folder) == resumed:
@@ -290,7 +290,7 @@ class ExactResumeCallback(TrainerCallback):
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:
             dist.barrier()  # every rank's files are written
-        if args.process_index == 0:
+        if args.should_save:  # process 0, or each node's first with save_on_each_node
             seal(folder)
             self._rotate(folder, state)
         if distributed:
