@@ -1,0 +1,130 @@
+"""Sealed ``Accelerator.save_state`` folders, and a resume from the newest whole one.
+
+Accelerate writes a checkpoint file by file and marks nothing complete, so a process killed
+inside ``save_state`` leaves a folder that ``load_state`` crashes on, or half loads. These two
+functions put that folder under a seal (``unbroken.hf.seal``):
+
+- ``save_state(accelerator, directory, step)`` saves into ``directory/checkpoint-<step>``,
+  waits for every process to write its files, then seals the folder and keeps the newest
+  ``keep`` sealed ones;
+- ``load_state(accelerator, directory)`` loads the newest sealed ``checkpoint-<step>``, skips
+  newer unsealed or damaged ones with a warning naming each, removes them, and returns the step
+  (0 when the directory holds no checkpoint yet: the job's first run).
+
+They take any object with Accelerate's ``save_state``, ``load_state``, ``wait_for_everyone``,
+``is_main_process``, ``is_local_main_process`` and ``project_configuration``; nothing here
+imports Accelerate. The exact data position comes from an ``unbroken.DataLoader`` registered
+with ``accelerator.register_for_checkpointing`` and kept out of ``accelerator.prepare``
+(docs/accelerate.md says why).
+
+Cost: on top of Accelerate's own save, one read of every file of the folder (sha256, fsync) on
+the process that seals, two barriers per save, and a sha256 of the folders checked at resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+from typing import Any
+
+from ..errors import CorruptCheckpoint
+from .seal import UnsealedCheckpointWarning, check, checkpoints, last_sealed, seal
+
+log = logging.getLogger(__name__)
+PREFIX = "checkpoint"
+
+
+def save_state(accelerator: Any, directory: str, step: int, keep: int | None = None) -> str:
+    """``accelerator.save_state`` into ``directory/checkpoint-<step>``, sealed once whole.
+
+    Call it on every process, after an optimizer step (``accelerator.sync_gradients``): the
+    gradients of an open accumulation window are not saved. ``keep`` sealed checkpoints are
+    kept (all when None); older ones are removed only after the new one is sealed. Returns the
+    folder.
+
+    Raises:
+        ValueError: the Accelerator names its checkpoints itself
+            (``ProjectConfiguration(automatic_checkpoint_naming=True)``).
+    """
+    _refuse_automatic_naming(accelerator)
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}")
+    folder = os.path.join(directory, f"{PREFIX}-{step}")
+    accelerator.save_state(folder)
+    accelerator.wait_for_everyone()  # every process's random states are in the folder
+    if _writes(accelerator):
+        seal(folder)
+        if keep is not None:
+            _prune(directory, step, keep)
+    accelerator.wait_for_everyone()  # no process goes on (or dies) believing an unsealed save
+    return folder
+
+
+def load_state(accelerator: Any, directory: str) -> int:
+    """Load the newest sealed ``checkpoint-<step>`` of ``directory``; return its step.
+
+    Returns 0, loading nothing, when ``directory`` holds no checkpoint folder. Folders newer
+    than the one loaded are unsealed or damaged: each is named in an
+    ``UnsealedCheckpointWarning`` (on the main process) and removed, since the resumed run
+    writes them again.
+
+    Raises:
+        CorruptCheckpoint: checkpoint folders exist but none is sealed and whole.
+    """
+    _refuse_automatic_naming(accelerator)
+    with warnings.catch_warnings():
+        if not accelerator.is_main_process:  # one warning per job, not one per process
+            warnings.simplefilter("ignore", UnsealedCheckpointWarning)
+        path, skipped = last_sealed(directory, PREFIX)
+    if path is None and not skipped:
+        log.info("no checkpoint in %s: training from the start", directory)
+        return 0
+    if path is None:
+        said = "".join(f"; skipped {verdict.folder}: {verdict.reason()}" for verdict in skipped)
+        raise CorruptCheckpoint(
+            f"no sealed checkpoint in {directory}{said}. Remove the folders to train from the "
+            "start."
+        )
+    accelerator.load_state(path)
+    accelerator.wait_for_everyone()  # every process chose and read before any folder goes
+    if _writes(accelerator):
+        for verdict in skipped:
+            log.warning("removing %s, newer than the checkpoint resumed", verdict.folder)
+            shutil.rmtree(verdict.folder, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    log.info("resumed from %s", path)
+    return int(os.path.basename(path).rsplit("-", 1)[1])
+
+
+def _writes(accelerator: Any) -> bool:
+    """Whether this process seals and removes: the one Accelerate writes shared files on."""
+    if accelerator.project_configuration.save_on_each_node:
+        return bool(accelerator.is_local_main_process)
+    return bool(accelerator.is_main_process)
+
+
+def _refuse_automatic_naming(accelerator: Any) -> None:
+    if accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ValueError(
+            "unbroken.hf.accelerate names checkpoints checkpoint-<step> itself, and Accelerate's "
+            "automatic_checkpoint_naming would ignore that name (and rotate folders before the "
+            "new one is whole). Build the Accelerator without "
+            "ProjectConfiguration(automatic_checkpoint_naming=True), and pass keep= to "
+            "save_state instead of total_limit."
+        )
+
+
+def _prune(directory: str, step: int, keep: int) -> None:
+    """Keep the newest ``keep`` sealed checkpoints up to ``step``; remove the older folders and
+    any unsealed one among them (a save that never finished)."""
+    kept = 0
+    for saved, folder in checkpoints(directory, PREFIX):
+        if saved > step:
+            continue
+        if kept < keep and check(folder, hashes=False).sealed:  # hashed when sealed or loaded
+            kept += 1
+        else:
+            log.info("removing %s (keep=%d)", folder, keep)
+            shutil.rmtree(folder, ignore_errors=True)
