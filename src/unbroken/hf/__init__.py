@@ -5,6 +5,9 @@
   ``ExactResumeMixin`` gives the same to a subclass of ``transformers.Trainer`` of your own.
 - ``seal``, ``check``, ``last_sealed``: checkpoint folders written whole or ignored (``seal``),
   for the Trainer's checkpoints and for ``accelerate.Accelerator.save_state`` folders.
+- ``unbroken.hf.accelerate``: ``save_state`` / ``load_state`` for a loop of your own with
+  Accelerate: sealed ``checkpoint-<step>`` folders, the newest sealed one loaded
+  (``docs/accelerate.md``).
 
 ``unbroken.hf.seal`` needs neither transformers nor Accelerate; ``Trainer`` imports transformers
 when first used.
