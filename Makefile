@@ -9,7 +9,7 @@ STAMP := $(VENV)/.unbroken-installed
 # What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
 DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
-.PHONY: test demo demo-loader demo-ddp demo-stream demo-spot bench bench-stream mutate clean
+.PHONY: test demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ demo-stream: $(STAMP)
 demo-spot: $(STAMP)
 	$(PY) demo/train_digits_spot.py
 
+# transformers.Trainer with unbroken.hf: SIGKILLed mid-epoch and inside a checkpoint write,
+# resumed, compared with an uninterrupted run (installs transformers and accelerate once).
+HF_STAMP := $(VENV)/.unbroken-hf-installed
+$(HF_STAMP): $(DEMO_STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[demo,hf]"
+	touch $(HF_STAMP)
+
+demo-hf: $(HF_STAMP)
+	$(PY) demo/train_hf.py
+
 # Every side-by-side benchmark, in RESULTS.md's order (~75 min on 2 idle cores, goodput.py ~47 of
 # them: 4 failure traces x 9 configurations of a 45-s job, run one at a time; stream_peers.py
 # creates .venv-peers/ once), each writing bench_output/NAME.json; then benchmarks/report.py draws
@@ -56,7 +66,7 @@ demo-spot: $(STAMP)
 # benchmark does not stop the others, but make fails at the end. `make bench-quick`: the same with
 # every script's --quick (~9 min, 3 of them stream_peers.py's, 3.5 goodput.py's; checks the
 # pipeline, its numbers are noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
-BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume checkpoint_blocking \
+BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume hf_resume checkpoint_blocking \
 	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput
 BENCH_FLAGS ?=
 define run-benchmarks

@@ -49,6 +49,7 @@ BENCHMARKS: list[tuple[str, str]] = [
         "Lightning 2.6 resumed mid-epoch and at epoch boundaries: plain (torch's DataLoader) vs "
         "unbroken",
     ),
+    ("hf_resume", "transformers and Accelerate resumed after a SIGKILL: stock vs unbroken.hf"),
     ("checkpoint_blocking", "Checkpoint blocking time, sync vs async"),
     ("stream_overhead", "Iterable dataset: state shipping overhead"),
     ("ddp_loader", "Data-parallel training: loaders, preemption agreement, resume"),
@@ -773,6 +774,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "resume_latency": plot_resume_latency,
     "trainer_overhead": plot_trainer_overhead,
     "lightning_resume": plot_lightning_resume,
+    "hf_resume": lambda payload, out: [],  # tables only
     "checkpoint_blocking": plot_checkpoint_blocking,
     "stream_overhead": plot_stream_overhead,
     "ddp_loader": plot_ddp_loader,
