@@ -18,6 +18,7 @@ there (a preemption). ``--stock`` runs transformers.Trainer itself.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -239,6 +240,13 @@ def main(argv=None) -> int:
     torch.save(trainer.model.state_dict(), os.path.join(options.out, f"weights-rank{RANK}.pt"))
     with open(os.path.join(options.out, f"history-rank{RANK}.json"), "w") as out:
         json.dump(trainer.state.log_history, out)
+    if torch.distributed.is_initialized():
+        # As the docs say: the DDP model goes first, then its gloo group. The interpreter's
+        # teardown would free the model after the group, which aborts a rank now and then
+        # ("terminate called without an active exception", seen in a full suite run).
+        del trainer
+        gc.collect()
+        torch.distributed.destroy_process_group()
     return 0
 
 
