@@ -6,7 +6,8 @@ prepared by the ``Accelerator``), the job of ``tests/hf_trainer_job.py`` (the sa
 resumes as Accelerate documents: ``--how skip`` loads the newest ``save_state`` folder and skips
 the epoch's trained batches with ``skip_first_batches``; ``--how stateful`` uses
 ``DataLoaderConfiguration(use_stateful_dataloader=True)``, whose loader state ``save_state``
-keeps. Both with ``use_seedable_sampler=True``, Accelerate's setting for a reproducible order. Every trained batch goes to ``OUT/batches-rank0.jsonl``; final weights to
+keeps. Both with ``use_seedable_sampler=True``, Accelerate's setting for a reproducible order.
+Every trained batch goes to ``OUT/batches-rank0.jsonl``; final weights to
 ``OUT/weights-rank0.pt``. ``--kill-at STEP`` SIGKILLs the process after step STEP.
 
 ``first-step``: ``--phase make`` trains ``--at`` steps of a large epoch (``--n`` samples, each
@@ -23,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -105,10 +107,10 @@ class CostlyStream(torch.utils.data.IterableDataset):
     def __init__(self, n: int, cost: float) -> None:
         self.n, self.cost = n, cost
 
-    def read_range(self, start: int, stop: int):
+    def read_range(self, start: int, stop: int) -> Iterator[dict]:
         return (sample(i, self.cost) for i in range(start, min(stop, self.n)))
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[dict]:
         return self.read_range(0, self.n)
 
 

@@ -491,6 +491,64 @@ def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str,
     ]
 
 
+def plot_hf_resume(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    data = payload["data"]
+    fig, (left, right) = new_figure(
+        payload,
+        "transformers and Accelerate SIGKILLed mid-epoch and resumed: stock vs unbroken.hf",
+        ncols=2,
+        width=12.0,
+    )
+    found = data["exactness"]
+    systems = list(dict.fromkeys(key.split("|")[0] for key in found))
+    workers = list(dict.fromkeys(key.split("|")[1] for key in found))
+    colors = ["torch", "torch skip indices", "torchdata", "unbroken"]
+    series: list[Series] = [
+        (
+            name,
+            colors[i % len(colors)],
+            [found[f"{name}|{w}"]["same_augmentations"] for w in workers],
+            [],
+        )
+        for i, name in enumerate(systems)
+    ]
+    bars(left, [f"num_workers={w}" for w in workers], series, lambda v: f"{v:.0f}")
+    places = next(iter(found.values()))["places"]
+    left.axhline(places, color="#333333", linewidth=0.8, linestyle="--")
+    left.set_ylabel(
+        f"resumed samples whose augmentation equals\nthe uninterrupted run's (of {places})"
+    )
+    equal = [n for n in systems if all(found[f"{n}|{w}"]["weights_equal"] for w in workers)]
+    left.set_title(
+        f"final weights bit-equal after the resume: {', '.join(equal) or 'none'}", fontsize=9
+    )
+    headroom(left)
+    timed = data["first_step_s"]
+    groups = [f"{key.split('|')[0]}\n{float(key.split('|')[1]):.0%}" for key in timed]
+    series = [
+        (label, color, [timed[key][name] for key in timed], [])
+        for name, label, color in (
+            ("stock", "transformers.Trainer", "torch"),
+            ("unbroken", "unbroken.hf.Trainer", "unbroken"),
+        )
+    ]
+    bars(right, groups, series, lambda v: f"{v:.2f}")
+    right.set_ylabel("seconds from train() to the first step")
+    right.set_xlabel("dataset, and where in the epoch its checkpoint was saved", fontsize=8)
+    right.set_title(
+        f"{payload['args']['n']:,} samples an epoch, {payload['args']['cost_us']:g} us a sample",
+        fontsize=9,
+    )
+    headroom(right)
+    save(fig, payload, out / "hf_resume.png", legend=left, ncol=4)
+    return [
+        (
+            "hf_resume.png",
+            "transformers and Accelerate resumed: augmentations equal, and the time to the first step",
+        )
+    ]
+
+
 def plot_checkpoint_blocking(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
     data = payload["data"]
     med = data["median_s"]
@@ -774,7 +832,7 @@ PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
     "resume_latency": plot_resume_latency,
     "trainer_overhead": plot_trainer_overhead,
     "lightning_resume": plot_lightning_resume,
-    "hf_resume": lambda payload, out: [],  # tables only
+    "hf_resume": plot_hf_resume,
     "checkpoint_blocking": plot_checkpoint_blocking,
     "stream_overhead": plot_stream_overhead,
     "ddp_loader": plot_ddp_loader,
