@@ -29,8 +29,7 @@ import shutil
 import warnings
 from typing import Any
 
-from ..errors import CorruptCheckpoint
-from .seal import UnsealedCheckpointWarning, check, checkpoints, last_sealed, seal
+from .seal import UnsealedCheckpointWarning, prune, resume_point, seal
 
 log = logging.getLogger(__name__)
 PREFIX = "checkpoint"
@@ -57,7 +56,8 @@ def save_state(accelerator: Any, directory: str, step: int, keep: int | None = N
     if _writes(accelerator):
         seal(folder)
         if keep is not None:
-            _prune(directory, step, keep)
+            for removed in prune(directory, keep, step, PREFIX):
+                log.info("removing %s (keep=%d)", removed, keep)
     accelerator.wait_for_everyone()  # no process goes on (or dies) believing an unsealed save
     return folder
 
@@ -77,16 +77,10 @@ def load_state(accelerator: Any, directory: str) -> int:
     with warnings.catch_warnings():
         if not accelerator.is_main_process:  # one warning per job, not one per process
             warnings.simplefilter("ignore", UnsealedCheckpointWarning)
-        path, skipped = last_sealed(directory, PREFIX)
-    if path is None and not skipped:
+        path, skipped = resume_point(directory, PREFIX)
+    if path is None:
         log.info("no checkpoint in %s: training from the start", directory)
         return 0
-    if path is None:
-        said = "".join(f"; skipped {verdict.folder}: {verdict.reason()}" for verdict in skipped)
-        raise CorruptCheckpoint(
-            f"no sealed checkpoint in {directory}{said}. Remove the folders to train from the "
-            "start."
-        )
     accelerator.load_state(path)
     accelerator.wait_for_everyone()  # every process chose and read before any folder goes
     if _writes(accelerator):
@@ -114,17 +108,3 @@ def _refuse_automatic_naming(accelerator: Any) -> None:
             "ProjectConfiguration(automatic_checkpoint_naming=True), and pass keep= to "
             "save_state instead of total_limit."
         )
-
-
-def _prune(directory: str, step: int, keep: int) -> None:
-    """Keep the newest ``keep`` sealed checkpoints up to ``step``; remove the older folders and
-    any unsealed one among them (a save that never finished)."""
-    kept = 0
-    for saved, folder in checkpoints(directory, PREFIX):
-        if saved > step:
-            continue
-        if kept < keep and check(folder, hashes=False).sealed:  # hashed when sealed or loaded
-            kept += 1
-        else:
-            log.info("removing %s (keep=%d)", folder, keep)
-            shutil.rmtree(folder, ignore_errors=True)

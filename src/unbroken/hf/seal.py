@@ -10,7 +10,8 @@ once every file is written, ``seal(folder)`` makes them durable (fsync) and writ
      "files": {"model.safetensors": {"size": 1234, "sha256": "<64 hex digits>"}, ...},
      "sha256": "<of the canonical JSON of the other fields>"}
 
-``check(folder)`` says whether a folder is ``sealed`` (every listed file there, with its size
+``resume_point`` applies it as a resume does (none sealed is an error, no folder a first run),
+and ``prune`` keeps the newest sealed ones. ``check(folder)`` says whether a folder is ``sealed`` (every listed file there, with its size
 and, unless ``hashes=False``, its sha256), ``unsealed`` (no seal: a save that never finished)
 or ``damaged`` (a seal whose files changed or went missing). ``last_sealed(directory)`` is the
 newest ``checkpoint-<step>`` folder that is sealed, with a warning naming each newer one it
@@ -23,9 +24,12 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from ..errors import CorruptCheckpoint
 
 FORMAT = "unbroken.hf.Seal"
 VERSION = 1
@@ -152,6 +156,44 @@ def last_sealed(
         )
         skipped.append(verdict)
     return None, skipped
+
+
+def resume_point(directory: str, prefix: str = "checkpoint") -> tuple[str | None, list[Verdict]]:
+    """``last_sealed``, as a resume uses it: None with nothing skipped means ``directory`` holds
+    no checkpoint folder (a job's first run, which starts from the beginning).
+
+    Raises:
+        CorruptCheckpoint: checkpoint folders exist and none is sealed: training from the start
+            would silently throw them away.
+    """
+    path, skipped = last_sealed(directory, prefix)
+    if path is None and skipped:
+        said = "".join(f"; skipped {verdict.folder}: {verdict.reason()}" for verdict in skipped)
+        raise CorruptCheckpoint(
+            f"no sealed checkpoint in {directory}{said}. Remove the folders to train from the "
+            "start."
+        )
+    return path, skipped
+
+
+def prune(
+    directory: str, keep: int, step: int, prefix: str = "checkpoint", spare: str | None = None
+) -> list[str]:
+    """Keep the newest ``keep`` sealed checkpoints up to ``step``: remove the older folders and
+    any unsealed one among them (a save that never finished), but never ``spare`` (transformers'
+    best checkpoint). Sealed folders are judged by their sizes: each was hashed when sealed.
+    Returns the folders removed."""
+    spared = os.path.realpath(spare) if spare else None
+    kept, removed = 0, []
+    for saved, folder in checkpoints(directory, prefix):
+        if saved > step:
+            continue
+        if kept < keep and check(folder, hashes=False).sealed:
+            kept += 1
+        elif os.path.realpath(folder) != spared:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def _files(folder: str) -> list[str]:

@@ -59,7 +59,7 @@ from ..train.progress import say
 from ..train.ranks import Job
 from . import internals
 from .loader import TrainLoader
-from .seal import check, checkpoints, last_sealed, seal
+from .seal import check, checkpoints, prune, resume_point, seal
 from .state import FORMAT, VERSION, state_file
 
 _PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
@@ -166,16 +166,10 @@ class ExactResumeCallback(TrainerCallback):
         if resume is None or resume is False:
             return None
         if resume is True:
-            path, skipped = last_sealed(args.output_dir, _PREFIX)
-            if path is None and not skipped:  # the job's first run: the same command starts it
+            path, _ = resume_point(args.output_dir, _PREFIX)
+            if path is None:  # the job's first run: the same command starts it
                 say(f"no checkpoint in {args.output_dir}: training from the start")
                 return None
-            if path is None:
-                said = "".join(f"; skipped {v.folder}: {v.reason()}" for v in skipped)
-                raise CorruptCheckpoint(
-                    f"no sealed checkpoint in {args.output_dir}{said}. Remove the folders to "
-                    "train from the start."
-                )
         else:
             path = str(resume)
             verdict = check(path)
@@ -322,12 +316,7 @@ class ExactResumeCallback(TrainerCallback):
         """Keep ``save_total_limit`` sealed checkpoints (and the best); remove the rest."""
         if self._keep is None or self._keep <= 0:
             return
-        best = state.best_model_checkpoint
-        best = os.path.realpath(best) if best else None
-        kept = 0
-        for _, folder in checkpoints(os.path.dirname(newest), _PREFIX):
-            if kept < self._keep and check(folder, hashes=False).sealed:
-                kept += 1
-            elif os.path.realpath(folder) != best:
-                say(f"removing {folder} (save_total_limit={self._keep})")
-                shutil.rmtree(folder, ignore_errors=True)
+        step = state.global_step
+        spare = state.best_model_checkpoint
+        for folder in prune(os.path.dirname(newest), self._keep, step, _PREFIX, spare):
+            say(f"removing {folder} (save_total_limit={self._keep})")
