@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -136,18 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(options.out, exist_ok=True)
     train(options)
     return 0
-
-
-def run_in_child(argv: list[str], log: str) -> None:
-    """The job in a process forked from the tests' forkserver, which imported Accelerate once;
-    output to ``log``; DataLoader workers fork, as from a shell."""
-    multiprocessing.set_start_method("fork", force=True)
-    with open(log, "ab") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -248,20 +247,6 @@ def main(argv=None) -> int:
         gc.collect()
         torch.distributed.destroy_process_group()
     return 0
-
-
-def run_in_child(argv: list[str], log: str) -> None:
-    """The job in a process forked from a server that imported transformers once (the tests'
-    ``multiprocessing`` forkserver): its output goes to ``log``; it ends with the job's status.
-    Its DataLoader workers fork, as they would in a job started from a shell (a forkserver's
-    children would start them through the server, with every dataset pickled)."""
-    multiprocessing.set_start_method("fork", force=True)
-    with open(log, "ab") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    sys.exit(main(argv))
 
 
 if __name__ == "__main__":

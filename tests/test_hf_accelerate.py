@@ -12,7 +12,6 @@ forkserver that imported Accelerate once; torchrun runs the 3-rank jobs.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from unbroken.errors import CorruptCheckpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import forked  # noqa: E402
 import hf_accelerate_job  # noqa: E402
 
 N, BATCH, EPOCHS, SEED = (hf_accelerate_job.N, hf_accelerate_job.BATCH, 3, 7)
@@ -37,36 +37,13 @@ STEPS = N // BATCH  # per epoch, on one process
 
 @pytest.fixture(scope="module")
 def job():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["accelerate", "unbroken.hf.accelerate"])
-
-    def run(out: str, *args: str, expect: int | None = 0) -> int:
-        process = context.Process(
-            target=hf_accelerate_job.run_in_child, args=(["--out", out, *args], out + ".log")
-        )
-        process.start()
-        process.join(120)
-        assert process.exitcode is not None, f"the job in {out} hangs"
-        if expect is not None:
-            assert process.exitcode == expect, read(out + ".log")[-3000:]
-        return process.exitcode
-
-    return run
+    return forked.jobs(hf_accelerate_job.main)
 
 
 @pytest.fixture(scope="module")
 def reference(job, tmp_path_factory):
     """Uninterrupted runs, one per configuration, made once."""
-    made: dict[tuple[str, ...], str] = {}
-
-    def get(*config: str) -> str:
-        if config not in made:
-            out = str(tmp_path_factory.mktemp("reference") / "run")
-            job(out, *config)
-            made[config] = out
-        return made[config]
-
-    return get
+    return forked.made_once(job, tmp_path_factory)
 
 
 def read(path: str) -> str:

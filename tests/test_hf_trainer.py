@@ -11,7 +11,6 @@ torchrun runs the 3-rank jobs.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -29,6 +28,7 @@ from unbroken.preemption import EXIT_CODE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import forked  # noqa: E402
 import hf_trainer_job  # noqa: E402
 
 N, BATCH = hf_trainer_job.N, 8
@@ -36,37 +36,13 @@ N, BATCH = hf_trainer_job.N, 8
 
 @pytest.fixture(scope="module")
 def job():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["unbroken.hf.trainer"])  # transformers, once
-
-    def run(out: str, *args: str, expect: int | None = 0) -> int:
-        process = context.Process(
-            target=hf_trainer_job.run_in_child,
-            args=(["--out", out, *args], os.path.join(out + ".log")),
-        )
-        process.start()
-        process.join(120)
-        assert process.exitcode is not None, f"the job in {out} hangs"
-        if expect is not None:
-            assert process.exitcode == expect, open(out + ".log").read()[-3000:]
-        return process.exitcode
-
-    return run
+    return forked.jobs(hf_trainer_job.main)
 
 
 @pytest.fixture(scope="module")
 def reference(job, tmp_path_factory):
     """Uninterrupted runs, one per configuration, made once."""
-    made: dict[tuple[str, ...], str] = {}
-
-    def get(*config: str) -> str:
-        if config not in made:
-            out = str(tmp_path_factory.mktemp("reference") / "run")
-            job(out, *config)
-            made[config] = out
-        return made[config]
-
-    return get
+    return forked.made_once(job, tmp_path_factory)
 
 
 def records(out: str, rank: int = 0) -> dict[int, list[dict]]:
