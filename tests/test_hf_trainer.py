@@ -233,3 +233,16 @@ def test_an_untested_transformers_is_refused_unless_asked(monkeypatch):
         warnings.simplefilter("always")
         internals.check_version()
     assert "5.99.0" in str(caught[0].message)
+
+
+def test_the_hf_extra_pins_the_tested_transformers_versions():
+    """The `[hf]` extra installs only what internals.TESTED accepts (a fresh install took a
+    newer, untested transformers when the pin was open-ended)."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["hf"]
+    (pin,) = [r for r in extra if r.startswith("transformers")]
+    (low, high) = internals.TESTED
+    assert pin == f"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"

@@ -38,7 +38,7 @@ import torch
 import transformers
 import transformers.trainer
 
-TESTED = ((5, 23), (5, 23))  # the first and last transformers minor versions tested
+TESTED = ((5, 23), (5, 24))  # the first and last transformers minor versions tested
 _NAMES = ("_remove_unused_columns", "_get_collator_with_removed_columns", "_train_batch_size")
 _LOOP_NAMES = ("_tr_loss", "_globalstep_last_logged")
 
@@ -59,9 +59,10 @@ def check_version() -> None:
         return
     message = (
         f"unbroken.hf was tested with transformers {low[0]}.{low[1]} to {high[0]}.{high[1]}, "
-        f"and {transformers.__version__} is installed. It reads two of the Trainer's private "
-        "attributes (unbroken/hf/internals.py), which another version may have changed. Install "
-        f"a tested version (pip install 'transformers>={low[0]}.{low[1]},<={high[0]}.{high[1]}.99'), "
+        f"and {transformers.__version__} is installed. It reads private attributes of the Trainer "
+        "and replaces one name in transformers.trainer (unbroken/hf/internals.py), which another "
+        "version may have changed. Install a tested version (pip install "
+        f"'transformers>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}'), "
         "or set UNBROKEN_HF_UNTESTED=1 to try this one and compare a resumed run with an "
         "uninterrupted one."
     )
