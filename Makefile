@@ -90,6 +90,14 @@ bench-quick: $(STAMP)
 bench-stream: $(STAMP)
 	$(PY) benchmarks/stream_peers.py
 
+# Goodput of a 1,000- and a 16,384-GPU job at Llama 3's failure rate, simulated (seconds): fixed,
+# auto and just-in-time saves. With bench_output/goodput_ranks.json (the 3-rank goodput runs), also
+# with their measured costs, and their failures replayed against their measured goodput.
+.PHONY: bench-goodput-sim
+bench-goodput-sim: $(STAMP)
+	f=bench_output/goodput_ranks.json; \
+	$(PY) benchmarks/goodput_sim.py $$(test -f $$f && echo --measured $$f --check $$f) $(BENCH_FLAGS)
+
 # Mutation testing of the core modules with mutmut (slow: see TESTING.md). Configured in
 # pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken.data.shuffle*"` runs one module,
 # MUTATE_CHILDREN sets the parallel workers. PYTHONPATH makes the tests' subprocesses import the

@@ -1,0 +1,397 @@
+"""Goodput at scale, simulated: a data-parallel job under failures with three checkpoint policies,
+fed with save, restart and step costs (assumed defaults, or measured by ``--measured FILE``).
+
+**The model** (a discrete-event simulation, seeded and deterministic). A job of ``--gpus`` ranks
+trains ``work`` seconds of failure-free compute, in steps of ``step`` seconds. Failures of the
+whole job arrive as a Poisson process of rate ``gpus / gpu_mtbf`` (any one rank's failure stops
+the synchronous job). A periodic save starts every ``interval`` seconds of wall clock, counted
+from one save's start to the next's, as ``unbroken.Trainer`` counts them: at the first step
+boundary after ``interval - save`` seconds of training; it stalls training ``save`` seconds. A
+failure loses the work since the last committed save (a failure inside a save loses that save
+too), then costs a ``restart`` (process start, rendezvous, load, first step); a failure inside a
+restart starts it again. The policies:
+
+- ``fixed T``: a periodic save every ``T`` seconds (``--intervals``).
+- ``auto``: periodic, the interval from ``unbroken.train.schedule.daly_interval`` (the library's
+  own, bounded function) of the save cost and the job's true mean time between failures, what
+  ``checkpoint_every_seconds="auto"`` converges to once it has seen failures.
+- ``jit``: ``auto``'s periodic saves, and on each failure the survivors write the state as of the
+  last completed step (``jit_save`` seconds), so a failure loses at most the step in flight. The
+  JIT save fails with probability ``p_jit_fail``, or when a second failure strikes during it;
+  the job then falls back to the last committed save. Nothing new since it: no JIT save.
+
+Every policy sees the same failure times in a replica (common random numbers), so differences
+between policies are not noise between traces. The job's first start is not counted (the same
+for every policy); goodput = work / wall time. Scenario ``llama3``: the per-GPU MTBF of Meta's
+Llama 3 405B run (419 unexpected interruptions in 54 days on 16,384 GPUs), 30 days of work on
+1,000 and 16,384 GPUs. ``--check FILE`` replays the failure times of small real runs
+(``bench_output/goodput_ranks.json``, 3 ranks under torchrun) with their measured costs and sets
+the predicted goodput beside the measured one.
+
+Pure Python and numpy; unbroken (and so torch) is imported only for ``daly_interval``. The
+default run (1,000 replicas, 2 x 4 policies) takes about 4 s; ``--quick`` (50) about 2 s.
+
+    .venv/bin/python benchmarks/goodput_sim.py
+    .venv/bin/python benchmarks/goodput_sim.py --quick
+    .venv/bin/python benchmarks/goodput_sim.py --measured bench_output/goodput_ranks.json \\
+        --check bench_output/goodput_ranks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Results, add_json_option, table
+
+from unbroken.train import schedule  # daly_interval, looked up at each call
+
+LLAMA3_GPU_MTBF = 16384 * 54 * 86400 / 419  # seconds: Llama 3 405B, 419 failures, 54 days
+DAY = 86400.0
+PARTS = ("train", "saves", "jit", "restart")  # where wall time goes; train includes lost work
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Costs:
+    step: float  # seconds of one optimizer step
+    save: float  # seconds a periodic save stalls training
+    jit_save: float  # seconds the survivors take to write the state after a failure
+    restart: float  # seconds from a failure's end to the first step trained again
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    interval: float | None  # from a periodic save's start to the next's; None: no periodic save
+    jit: bool = False
+    p_jit_fail: float = 0.0
+
+
+@dataclass(frozen=True)
+class Failure:
+    time: float  # seconds of wall clock since the job's start
+    phase: str  # what it struck: "train", "save", "jit" or "restart"
+    lost: float  # seconds of training it lost (0 outside training and saves)
+    steps: int  # steps trained again because of it (the step in flight counts)
+
+
+@dataclass
+class Outcome:
+    work: float
+    wall: float = 0.0
+    spent: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    failures: list[Failure] = field(default_factory=list)
+    saves: int = 0  # periodic saves committed
+    ignored: int = 0  # failure times after the job ended (a replayed trace)
+
+    @property
+    def goodput(self) -> float:
+        return self.work / self.wall
+
+
+class Poisson:
+    """Failure times with exponential gaps of mean ``1 / rate``, drawn in blocks."""
+
+    def __init__(self, rate: float, rng: np.random.Generator) -> None:
+        self.rate, self.rng, self.last = rate, rng, 0.0
+        self.times: list[float] = []
+
+    def peek(self) -> float:
+        if self.rate <= 0:
+            return math.inf
+        if not self.times:
+            gaps = self.rng.exponential(1.0 / self.rate, 64)
+            self.times = list(reversed((self.last + np.cumsum(gaps)).tolist()))
+        return self.times[-1]
+
+    def pop(self) -> float:
+        self.last = self.peek()
+        self.times.pop()
+        return self.last
+
+
+class Trace:
+    """Given failure times (a real run's), in order."""
+
+    def __init__(self, times: list[float]) -> None:
+        self.times, self.next = sorted(times), 0
+
+    def peek(self) -> float:
+        return self.times[self.next] if self.next < len(self.times) else math.inf
+
+    def pop(self) -> float:
+        self.next += 1
+        return self.times[self.next - 1]
+
+
+def simulate(
+    work: float, costs: Costs, policy: Policy, failures: Poisson | Trace, coin: np.random.Generator
+) -> Outcome:
+    """One job of ``work`` seconds (rounded to whole steps) under ``failures``; ``coin`` decides
+    which JIT saves fail. Returns where the wall time went and what each failure lost."""
+    step, n = costs.step, max(1, round(work / costs.step))
+    out = Outcome(work=n * step)
+    seg = (
+        n
+        if policy.interval is None
+        else max(1, math.ceil((policy.interval - costs.save) / step - EPS))
+    )
+    t, committed = 0.0, 0  # committed: steps in the last committed checkpoint
+    while True:
+        # A session from `committed`: `seg` steps, a save, ..., the last steps (no save after).
+        remaining = n - committed
+        cycles = math.ceil(remaining / seg) - 1  # periodic saves before the end
+        train_s, cycle_s = seg * step, seg * step + costs.save
+        duration = remaining * step + cycles * costs.save
+        f = failures.peek()
+        if f >= t + duration:
+            out.spent["train"] += remaining * step
+            out.spent["saves"] += cycles * costs.save
+            out.saves += cycles
+            out.wall = t + duration
+            if isinstance(failures, Trace):
+                out.ignored = len(failures.times) - failures.next
+            return out
+        failures.pop()
+        d = f - t
+        i = min(int(d // cycle_s), cycles)  # the cycle struck; its saves before it committed
+        r = d - i * cycle_s
+        base = committed + i * seg
+        in_save = r >= train_s and i < cycles
+        out.spent["train"] += i * train_s + min(r, train_s)
+        out.spent["saves"] += i * costs.save + (r - train_s if in_save else 0.0)
+        out.saves += i
+        done = base + seg if in_save else base + int((r + EPS) // step)  # steps completed
+        progress = (base + seg) * step if in_save else base * step + r  # training time reached
+        t, committed, later = f, base, None
+        if policy.jit and done > base:  # the survivors write the last completed step's state
+            g = failures.peek()
+            if g < t + costs.jit_save:  # a second failure kills the JIT save
+                out.spent["jit"] += g - t
+                t = failures.pop()
+                later = Failure(t, "jit", 0.0, 0)
+            else:
+                out.spent["jit"] += costs.jit_save
+                t += costs.jit_save
+                if coin.random() >= policy.p_jit_fail:
+                    committed = done
+        lost = max(0.0, progress - committed * step)
+        phase = "save" if in_save else "train"
+        out.failures.append(Failure(f, phase, lost, math.ceil(lost / step - EPS)))
+        if later is not None:
+            out.failures.append(later)
+        while True:  # the restart, started again by each failure that strikes it
+            g = failures.peek()
+            if g >= t + costs.restart:
+                out.spent["restart"] += costs.restart
+                t += costs.restart
+                break
+            out.spent["restart"] += g - t
+            t = failures.pop()
+            out.failures.append(Failure(t, "restart", 0.0, 0))
+        if len(out.failures) > 10**6:
+            raise RuntimeError(
+                f"{policy.name}: over a million failures before {work:.0f} s of work finished "
+                f"(restart {costs.restart} s against failures this frequent): lower the rate"
+            )
+
+
+def policies(
+    intervals: list[float], costs: Costs, job_mtbf: float, p_jit_fail: float
+) -> list[Policy]:
+    """``fixed`` at each interval, ``auto`` (the library's Daly interval) and ``jit``."""
+    auto = schedule.daly_interval(costs.save, job_mtbf)
+    fixed = [Policy(f"fixed {t:g} s", t) for t in intervals]
+    return [*fixed, Policy("auto", auto), Policy("jit", auto, jit=True, p_jit_fail=p_jit_fail)]
+
+
+def replicate(
+    work: float, costs: Costs, policy: Policy, rate: float, replicas: int, seed: int
+) -> dict[str, Any]:
+    """``replicas`` seeded jobs: goodput's mean, the 95% interval of the mean and of the jobs,
+    and the hours per job of each part of the wall time."""
+    goodput, failures = np.empty(replicas), np.empty(replicas)
+    hours = dict.fromkeys([*PARTS, "lost"], 0.0)
+    for k in range(replicas):
+        # The failure times depend on (seed, k) only: every policy sees the same ones.
+        trace = Poisson(rate, np.random.default_rng([seed, k, 0]))
+        out = simulate(work, costs, policy, trace, np.random.default_rng([seed, k, 1]))
+        goodput[k], failures[k] = out.goodput, len(out.failures)
+        for part in PARTS:
+            hours[part] += out.spent[part] / 3600 / replicas
+        hours["lost"] += sum(x.lost for x in out.failures) / 3600 / replicas
+    half = 1.96 * goodput.std(ddof=1) / math.sqrt(replicas) if replicas > 1 else math.nan
+    return {
+        "policy": policy.name,
+        "interval_s": policy.interval,
+        "failures": float(failures.mean()),
+        "goodput": float(goodput.mean()),
+        "mean_ci95": [float(goodput.mean() - half), float(goodput.mean() + half)],
+        "jobs_95": [float(x) for x in np.percentile(goodput, [2.5, 97.5])],
+        "hours": hours,
+    }
+
+
+def scenario_rows(args: argparse.Namespace, costs: Costs, label: str) -> list[dict[str, Any]]:
+    rows = []
+    for gpus in args.gpus:
+        job_mtbf = args.gpu_mtbf / gpus
+        for policy in policies(args.intervals, costs, job_mtbf, args.p_jit_fail):
+            row = replicate(
+                args.work_days * DAY, costs, policy, 1 / job_mtbf, args.replicas, args.seed
+            )
+            rows.append({"costs": label, "gpus": gpus, "job_mtbf_h": job_mtbf / 3600, **row})
+    return rows
+
+
+def scenario_table(rows: list[dict[str, Any]]) -> str:
+    header = ["GPUs", "MTBF (h)", "policy", "interval (s)", "failures", "goodput",
+              "95% CI", "95% of jobs", "saves (h)", "lost (h)", "JIT (h)", "restarts (h)"]  # fmt: skip
+    body = []
+    for r in rows:
+        h = r["hours"]
+        body.append([
+            f"{r['gpus']:,}", f"{r['job_mtbf_h']:.1f}", r["policy"], f"{r['interval_s']:.0f}",
+            f"{r['failures']:.1f}", f"{r['goodput']:.4f}",
+            "{:.4f}-{:.4f}".format(*r["mean_ci95"]), "{:.4f}-{:.4f}".format(*r["jobs_95"]),
+            f"{h['saves']:.1f}", f"{h['lost']:.1f}", f"{h['jit']:.1f}", f"{h['restart']:.1f}",
+        ])  # fmt: skip
+    return table(header, body, left=3)
+
+
+def read_ranks(path: Path) -> tuple[Costs, list[dict[str, Any]]]:
+    """The measured costs and runs of ``path`` (the 3-rank benchmark's JSON), checked field by
+    field: a wrong one is named with what was found and what is expected."""
+    where = f"{path} (written by the 3-rank torchrun goodput benchmark)"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"cannot read {where}: {error}; run that benchmark first") from None
+
+    def number(value: Any, name: str, allow_none: bool = False) -> Any:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+        if ok or (allow_none and value is None):
+            return value
+        raise SystemExit(f"{where}: {name} is {value!r}; expected a number >= 0")
+
+    measured = data.get("measured") if isinstance(data, dict) else None
+    if not isinstance(measured, dict):
+        raise SystemExit(f"{where}: no 'measured' object; expected step/save/jit_save/restart")
+    costs = Costs(*(number(measured.get(f"{k}_seconds"), f"measured.{k}_seconds")
+                    for k in ("step", "save", "jit_save", "restart")))  # fmt: skip
+    if costs.step <= 0:
+        raise SystemExit(f"{where}: measured.step_seconds is 0; expected a step's seconds")
+    runs = data.get("runs")
+    if not isinstance(runs, list) or not runs:
+        raise SystemExit(f"{where}: 'runs' is {runs!r}; expected a non-empty list of runs")
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict) or run.get("policy") not in ("periodic", "jit"):
+            found = run.get("policy") if isinstance(run, dict) else run
+            raise SystemExit(
+                f"{where}: runs[{i}].policy is {found!r}; expected 'periodic' or 'jit'"
+            )
+        number(run.get("interval_seconds"), f"runs[{i}].interval_seconds", allow_none=True)
+        number(run.get("work_seconds"), f"runs[{i}].work_seconds")
+        number(run.get("goodput"), f"runs[{i}].goodput")
+        times = run.get("failure_times")
+        if not isinstance(times, list):
+            raise SystemExit(f"{where}: runs[{i}].failure_times is {times!r}; expected a list")
+        for j, t in enumerate(times):
+            number(t, f"runs[{i}].failure_times[{j}]")
+    return costs, runs
+
+
+def check(path: Path) -> tuple[list[dict[str, Any]], str, Costs]:
+    """Each real run's failure times replayed through the model with the measured costs."""
+    costs, runs = read_ranks(path)
+    rows = []
+    for i, run in enumerate(runs):
+        policy = Policy(run["policy"], run["interval_seconds"], jit=run["policy"] == "jit")
+        out = simulate(
+            run["work_seconds"],
+            costs,
+            policy,
+            Trace(run["failure_times"]),
+            np.random.default_rng(0),
+        )
+        rows.append({
+            "run": i, "policy": run["policy"], "interval_s": run["interval_seconds"],
+            "failures": len(run["failure_times"]), "replayed": len(out.failures),
+            "measured": run["goodput"], "predicted": out.goodput,
+            "steps_measured": run.get("steps_recomputed"),
+            "steps_predicted": [x.steps for x in out.failures],
+        })  # fmt: skip
+    header = ["run", "policy", "interval (s)", "failures (replayed)", "measured", "predicted",
+              "predicted - measured", "steps recomputed (measured)", "(predicted)"]  # fmt: skip
+    body = [[
+        str(r["run"]), r["policy"], "none" if r["interval_s"] is None else f"{r['interval_s']:g}",
+        f"{r['failures']} ({r['replayed']})", f"{r['measured']:.3f}", f"{r['predicted']:.3f}",
+        f"{r['predicted'] - r['measured']:+.3f}",
+        " ".join(map(str, r["steps_measured"] or [])) or "-",
+        " ".join(map(str, r["steps_predicted"])) or "-",
+    ] for r in rows]  # fmt: skip
+    return rows, table(header, body, left=2), costs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", choices=["llama3"], default="llama3")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1000, 16384])
+    parser.add_argument("--gpu-mtbf", type=float, default=LLAMA3_GPU_MTBF,
+                        help="seconds between failures of one GPU (default: Llama 3's, "
+                        "16,384 GPUs x 54 days / 419 interruptions = %(default).4g)")  # fmt: skip
+    parser.add_argument("--work-days", type=float, default=30.0, help="failure-free compute")
+    parser.add_argument("--intervals", type=float, nargs="+", default=[300.0, 1800.0],
+                        help="fixed policies' seconds from one save's start to the next's")  # fmt: skip
+    # Assumed orders of magnitude, not measured: the Llama 3 report gives the failure rate, not
+    # these. A blocking save of a replicated state to a shared file system takes seconds to a
+    # minute; a restart (scheduler, process start, NCCL rendezvous, load, first step) minutes.
+    parser.add_argument("--save", type=float, default=20.0, help="assumed: blocking save stall, s")
+    parser.add_argument("--restart", type=float, default=300.0, help="assumed: restart, s")
+    parser.add_argument("--step", type=float, default=2.0, help="assumed: one optimizer step, s")
+    parser.add_argument("--jit-save", type=float, default=20.0,
+                        help="assumed: the survivors' save after a failure, s (the periodic one's)")  # fmt: skip
+    parser.add_argument("--p-jit-fail", type=float, default=0.0, help="a JIT save's failure chance")
+    parser.add_argument("--replicas", type=int, default=None, help="jobs per row (default 1000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--measured", type=Path, help="also a table with FILE's measured costs")
+    parser.add_argument("--check", type=Path, help="replay FILE's real runs (goodput_ranks.json)")
+    parser.add_argument("--quick", action="store_true", help="50 replicas: seconds")
+    add_json_option(parser, "goodput_sim")
+    args = parser.parse_args(argv)
+    if args.replicas is None:
+        args.replicas = 50 if args.quick else 1000
+    if args.replicas < 2 or not 0 <= args.p_jit_fail <= 1:
+        parser.error("--replicas must be >= 2 and --p-jit-fail in [0, 1]")
+    results = Results("goodput_sim", args.json, args)
+    results.notes.append("assumed costs are orders of magnitude, not measurements")
+    assumed = Costs(args.step, args.save, args.jit_save, args.restart)
+    runs = [("assumed", assumed)]
+    if args.measured is not None:
+        runs.append(("measured", read_ranks(args.measured)[0]))
+    for label, costs in runs:
+        rows = scenario_rows(args, costs, label)
+        results.data.setdefault("scenario", []).extend(rows)
+        title = (f"{args.work_days:g} days of work at Llama 3's failure rate, {label} costs: step "
+                 f"{costs.step:g} s, save {costs.save:g} s, JIT save {costs.jit_save:g} s, "
+                 f"restart {costs.restart:g} s; {args.replicas} jobs per row")  # fmt: skip
+        print(f"\n{title}\n\n" + results.table(title, scenario_table(rows)), flush=True)
+    if args.check is not None:
+        rows, markdown, costs = check(args.check)
+        results.data["check"] = {"costs": costs.__dict__, "runs": rows}
+        title = f"Replayed real runs ({args.check}): goodput measured vs predicted"
+        print(f"\n{title}\n\n" + results.table(title, markdown), flush=True)
+    results.write()
+
+
+if __name__ == "__main__":
+    main()
