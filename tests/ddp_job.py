@@ -12,6 +12,10 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   that tick, once. ``check_every``: the Trainer's ``preemption_check_every``.
 - ``slow_exit``: {"rank": r, "seconds": s}: after a preemption checkpoint, that rank takes
   that long to exit.
+- ``stop``: {"rank": r, "at": tick}: that rank SIGSTOPs itself after that tick, once (a hung
+  rank); ``pg_timeout``: the process group's timeout in seconds (gloo's default: 30 min).
+- ``metrics``: false leaves the torchmetrics accuracy out (the state a survivor cannot know);
+  ``jit``: the Trainer's ``just_in_time``; ``log_every``: the Trainer's (default 1).
 - ``plain``: the model unwrapped (one process continuing a job of several).
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
 
@@ -20,6 +24,7 @@ batch: epoch, tick, ids, loss) and each epoch's logged mean loss to ``epochs.ran
 rank 0 writes the final weights to ``RUN_DIR/final.pt``.
 """
 
+import datetime
 import faulthandler
 import gc
 import json
@@ -42,7 +47,10 @@ N, FEATURES, CLASSES = 240, 12, 4
 
 torch.set_num_threads(1)
 faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stuck job says where
-unbroken.distributed.init_process_group("gloo")
+timeout = OPTIONS.get("pg_timeout")
+unbroken.distributed.init_process_group(
+    "gloo", timeout=datetime.timedelta(seconds=timeout) if timeout else None
+)
 RANK, WORLD = dist.get_rank(), dist.get_world_size()
 
 
@@ -87,12 +95,15 @@ class Chaos:
 
     def on_train_batch_end(self, trainer, logs):
         tick = trainer.progress.ticks
-        line = [trainer.progress.epoch, tick, trainer.last_ids, logs["train/loss"]]
+        line = [trainer.progress.epoch, tick, trainer.last_ids, logs.get("train/loss")]
         self.seen.write(json.dumps(line) + "\n")
         self.seen.flush()
         kill = OPTIONS.get("kill")
         if kill and kill["rank"] == RANK and tick in kill["at"] and once(f"kill-{tick}"):
             os.kill(os.getpid(), signal.SIGKILL)
+        stop = OPTIONS.get("stop")
+        if stop and stop["rank"] == RANK and tick == stop["at"] and once(f"stop-{tick}"):
+            os.kill(os.getpid(), signal.SIGSTOP)
         signals = OPTIONS.get("signal", [])
         for sig in signals if isinstance(signals, list) else [signals]:
             if sig["rank"] == RANK and tick == sig["at"] and once(f"signal-{RANK}"):
@@ -157,23 +168,26 @@ trainer = unbroken.Trainer(
     checkpoint_every_seconds=None,
     progress_bar=False,
     tensorboard=False,
-    log_every=1,  # Chaos records each batch's loss from `logs`
+    log_every=OPTIONS.get("log_every", 1),  # Chaos records each batch's loss from `logs`
     callbacks=[Chaos()],
     preemption_check_every=OPTIONS.get("check_every", 1),
+    just_in_time=OPTIONS.get("jit"),
 )
+metrics = {"acc": accuracy} if OPTIONS.get("metrics", True) else None
 
 
 def training_step(model, batch):
     x, y, ids = batch
     trainer.last_ids = ids.tolist()
     logits = model(x)
-    accuracy.update(logits.detach(), y)
+    if metrics:
+        accuracy.update(logits.detach(), y)
     return torch.nn.functional.cross_entropy(logits, y)
 
 
 try:
     logs = trainer.fit(
-        model, optimizer, loader, training_step=training_step, train_metrics={"acc": accuracy}
+        model, optimizer, loader, training_step=training_step, train_metrics=metrics
     )
 finally:
     time.sleep(getattr(trainer, "slow_exit", 0))  # on_preempted, with slow_exit

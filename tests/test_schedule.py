@@ -106,7 +106,7 @@ def test_auto_measures_first_then_assumes_hours_then_learns_from_failures(
 ):
     monkeypatch.setattr(schedule, "_now", lambda: 100.0)
     fresh = AutoInterval(_history(tmp_path, []), lambda: False, decide=True)
-    assert fresh.interval == FIRST_SECONDS
+    assert fresh.interval == FIRST_SECONDS == MIN_SECONDS  # after its first steps, not a minute
     fresh.measured(0.5)
     assert fresh.interval == pytest.approx(daly_interval(0.5, PRIOR_MTBF))
     assert 110 < fresh.interval < 130  # sqrt(2 x 0.5 x 4 h) = 120 s
@@ -122,11 +122,11 @@ def test_auto_measures_first_then_assumes_hours_then_learns_from_failures(
     assert failures == 3
     assert learned.interval == pytest.approx(daly_interval(0.4, lived / 3))
     assert "3 failures" in capfd.readouterr().err
-    # Killed before any save: the first is due after a quarter of M, not a minute.
+    # Killed before any save: the first is due after the first steps again.
     unsaved = [_session(i * 8.0, i * 8.0) for i in range(4)]
     monkeypatch.setattr(schedule, "_now", lambda: 32.0)
     hurried = AutoInterval(_history(tmp_path, unsaved), lambda: False, decide=True)
-    assert hurried.interval == pytest.approx(MIN_SECONDS)  # 32 s / 4 failures / 4 = 2 s
+    assert hurried.interval == pytest.approx(MIN_SECONDS)
 
 
 def _said(capfd):
@@ -145,7 +145,7 @@ def test_the_interval_is_printed_when_chosen_and_when_it_changes_not_at_every_sa
     for cost in [0.015, 0.011, 0.008, 0.009, 0.010, 0.008, 0.009] * 3:
         auto.measured(cost)
     first, measured = _said(capfd)
-    assert "60.0 s (auto: the first save measures its cost)" in first
+    assert "2.0 s (auto: the first save measures its cost)" in first
     assert f"interval {daly_interval(0.015, PRIOR_MTBF):.1f} s (auto: " in measured
     assert auto.interval < daly_interval(0.015, PRIOR_MTBF) / 1.25  # moved, quietly
     for _ in range(3):  # a slower disk: saves cost five times as much

@@ -206,7 +206,7 @@ def test_a_crash_loses_at_most_the_wall_clock_interval(tmp_path, monkeypatch, in
             keep=100,
         )
     # Training batch 20 is tick 25 (epoch 0 had 5 validation batches): ~9 batches are 600 s;
-    # auto saves after every 70-s batch (its first save: after a minute).
+    # auto saves after every 70-s batch (its first save: after 2 s).
     ticks = sorted(int(p.name.split("-")[1]) for p in (crashed / "checkpoints").glob("step-*"))
     if interval == "auto":
         assert ticks == list(range(1, 25)), ticks

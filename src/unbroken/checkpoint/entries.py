@@ -275,7 +275,9 @@ def _digest(storage: Storage, path: str) -> Digest:
 
 __all__ = [
     "ABSENT",
+    "EACH_RANK",
     "KINDS",
+    "REPLICATED",
     "SKIP",
     "Kind",
     "Part",

@@ -63,7 +63,18 @@ from ..distributed.reduction import is_exact, warn_inexact
 from ..errors import CorruptCheckpoint, RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
-from .entries import ABSENT, Kind, LocalCopy, Part, Reading, check_loadable, kind_in, kind_of
+from .entries import (
+    ABSENT,
+    EACH_RANK,
+    REPLICATED,
+    Kind,
+    LocalCopy,
+    Part,
+    Reading,
+    check_loadable,
+    kind_in,
+    kind_of,
+)
 from .group import Ranks, attempt
 from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
 from .objects import REMOTE_TIMEOUT, storage_for
@@ -195,6 +206,46 @@ class Checkpointer:
             )
         return final
 
+    def save_alone(self, step: int, state: dict[str, Any], parts: dict[str, list[Any]]) -> str:
+        """Write checkpoint ``step`` of the whole job from this one process, with no collective:
+        what a survivor saves when another rank died (``train.jit``). ``state``: the replicated
+        entries (objects or values, as ``save`` takes them); ``parts``: the value of each
+        ``PerRank`` entry for every rank, in rank order (their number is the job's world size).
+        Only right where the state is replicated: a ``Sharded`` entry's shards died with their
+        rank and are refused. A background save in flight is not waited for (it waits on the
+        rank that died, and fails). Sealed, committed and rotated as ``save``'s; returns the
+        checkpoint's directory."""
+        if not is_int(step) or step < 0:
+            raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
+        sizes = {len(values) for values in parts.values()}
+        if len(sizes) != 1 or not sizes.pop() >= 1:
+            raise ValueError(
+                "save_alone needs one value per rank for every PerRank entry, as many for each; "
+                f"got { ({name: len(values) for name, values in parts.items()}) }"
+            )
+        if sharded := [name for name, entry in state.items() if isinstance(entry, Sharded)]:
+            raise ValueError(
+                f"save_alone cannot write {sharded}: a Sharded entry's shards live on every rank, "
+                "and those of a rank that died are gone; save it with save() from every rank"
+            )
+        _check_names({**state, **parts}, "save_alone")
+        replicated = {
+            name: REPLICATED.prepare(entry, name, blocking=True) for name, entry in state.items()
+        }
+        per_rank = {
+            name: [EACH_RANK.prepare(value, name, blocking=True) for value in values]
+            for name, values in parts.items()
+        }
+        shapes = {
+            name: [[list(p.shape) for p in group["params"]] for group in entry.param_groups]
+            for name, entry in state.items()
+            if isinstance(entry, torch.optim.Optimizer)
+        }
+        final = join(self._root, layout.final_name(step))
+        order = {name: index for index, name in enumerate({**state, **parts})}
+        self._writing.write_alone(step, final, replicated, per_rank, shapes, order)
+        return final
+
     def _prepare(
         self, state: dict[str, Any], blocking: bool
     ) -> tuple[dict[str, tuple[Kind, Any]], dict[str, ParamShapes]]:
@@ -224,6 +275,11 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def forget_background(self) -> None:
+        """Stop waiting for the background save in flight, if any: a rank it needs died, so it
+        can only fail (its thread ends when its collective does). ``close`` then returns."""
+        self._pending = None
 
     def close(self) -> None:
         self.wait()

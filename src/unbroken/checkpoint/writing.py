@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from . import layout
-from .entries import KINDS, THROUGH_DCP, Kind, Part
+from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
 from .group import Ranks, attempt
 from .manifest import MANIFEST, EntrySpec, ParamShapes, seal
 from .space import FULL, disk_full
@@ -74,6 +74,37 @@ class Writing:
                 ) from error
             raise
 
+    def write_alone(
+        self,
+        step: int,
+        final: str,
+        replicated: dict[str, Any],
+        parts: dict[str, list[Any]],
+        shapes: dict[str, ParamShapes],
+        order: dict[str, int],
+    ) -> None:
+        """One process writes every rank's files (``Checkpointer.save_alone``): the replicated
+        entries as rank 0, each ``parts`` entry's value for rank r as rank r's file; then the
+        seal and the commit, as ``write`` does, with no collective."""
+        tmp = None
+        try:
+            tmp = self._open(step)
+            world_size = len(next(iter(parts.values()), [None]))
+            written = []
+            for rank in range(world_size):
+                mine: dict[str, tuple[Kind, Any]] = {
+                    name: (EACH_RANK, values[rank]) for name, values in parts.items()
+                }
+                if rank == 0:
+                    mine.update({name: (REPLICATED, value) for name, value in replicated.items()})
+                written.append(self._write_files(tmp, mine, order, rank))
+            self._seal(step, tmp, final, written, shapes)
+            self._drop_old(step)
+        except BaseException:
+            if tmp is not None and not _committed(self.storage, tmp):
+                self.storage.remove_tree(tmp)
+            raise
+
     def _open(self, step: int) -> str:
         """Rank 0: the new checkpoint's temporary directory, after cleaning up."""
         storage, root = self.storage, self.root
@@ -100,12 +131,18 @@ class Writing:
             )
 
     def _write_files(
-        self, tmp: str, mine: dict[str, tuple[Kind, Any]], order: dict[str, int]
+        self,
+        tmp: str,
+        mine: dict[str, tuple[Kind, Any]],
+        order: dict[str, int],
+        rank: int | None = None,
     ) -> Written:
-        """This rank's files, written and fsynced in ``tmp``, numbered by their ``order`` in the
-        state (so an entry every rank writes has the same number on every rank). DCP's entries
-        first: its collectives must not wait for a rank that failed on another file."""
-        rank, storage, group = self.ranks.rank, self.storage, self.ranks.group
+        """This rank's files (or ``rank``'s, written by another), written and fsynced in ``tmp``,
+        numbered by their ``order`` in the state (so an entry every rank writes has the same
+        number on every rank). DCP's entries first: its collectives must not wait for a rank
+        that failed on another file."""
+        storage, group = self.storage, self.ranks.group
+        rank = self.ranks.rank if rank is None else rank
         by_order = sorted(mine.items(), key=lambda item: order[item[0]])
         by_order.sort(key=lambda item: item[1][0] is not THROUGH_DCP)  # stable: order kept
         return {

@@ -113,7 +113,7 @@ class TrainerOptions:
       save, at the next batch boundary; ``None`` turns it off. ``"auto"`` (default): the
       interval that wastes the least time, from the measured cost of this run's saves and the
       failures its run directory has seen (Young/Daly; ``train.schedule``): a fresh run saves
-      after a minute to measure, then about every ``sqrt(2 x cost x 4 hours)`` until a failure is
+      after its first 2 s to measure, then about every ``sqrt(2 x cost x 4 hours)`` until a failure is
       seen, bounded to [2 s, 30 min]; printed when first chosen and when it changes (by 1.5x
       or in its reasons). ``checkpoint_every_steps``: also
       save every this many optimizer steps (default ``None``). A preemption signal and the end
@@ -149,6 +149,13 @@ class TrainerOptions:
       on the store (an upload, a download, a listing, the lease's renewal) may go without
       progress before it fails (default 60). A periodic save that fails so is reported and
       training goes on; a resume fails, naming the store.
+    - ``just_in_time``: under ``torchrun``, when a rank dies (or stops answering for the
+      process group's timeout), one survivor saves the whole job as of the last completed
+      optimizer step, and torchrun's restart resumes from it: a failure costs the step in
+      flight (``train.jit``). ``None`` (default): wherever a survivor can know every rank's
+      state (DDP, no torchmetrics states, an ``unbroken.DataLoader`` over a map-style dataset,
+      ``preemption_check_every=1``), else off with a message; ``True``: required (``fit``
+      raises, naming what prevents it); ``False``: off.
     - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
       bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
       nothing and says so once if the model is on CUDA; ``False`` changes nothing.
@@ -211,6 +218,12 @@ class TrainerOptions:
         "a run directory in object storage: how long an unknown holder's lease is waited for "
         "(a holder known dead, on this host or an earlier torchrun attempt, is not)",
         _seconds,
+    )
+    just_in_time: bool | None = _option(
+        None,
+        "under torchrun, when a rank dies a survivor saves the job as of the last step; None: "
+        "wherever the state allows, True: required, False: off",
+        _flag_or_none,
     )
     remote_timeout: float = _option(
         60.0,

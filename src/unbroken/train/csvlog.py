@@ -50,9 +50,18 @@ class CSVLog:
         if fresh:
             self._file.write(HEADER)
             self._file.flush()
+        # The bytes logged so far (what ``state_dict`` records), counted as they are written:
+        # the ranks' agreements carry it every batch, without a flush or a seek.
+        self.size = self.path.stat().st_size
 
     def log(self, step: int, epoch: int, phase: str, name: str, value: float) -> None:
-        self._file.write(f"{step},{epoch},{phase},{name},{float(value)!r}\n")
+        line = f"{step},{epoch},{phase},{name},{float(value)!r}\n"
+        self._file.write(line)
+        self.size += len(line.encode())
+
+    def flush_buffer(self) -> None:
+        """Hand what was logged to the OS (no fsync): it outlives this process, not the machine."""
+        self._file.flush()
 
     def flush(self) -> None:
         self._file.flush()
@@ -95,6 +104,7 @@ class CSVLog:
             )
         self._file.truncate(size)  # rows logged after the checkpoint are logged again on resume
         self._file.seek(size)
+        self.size = size
 
     @staticmethod
     def read(path: str | os.PathLike) -> list[dict]:
@@ -156,6 +166,7 @@ class RunLog:
         self.write = write
         self.board: Any = None
         self.latest = latest
+        self.rows = 0  # values logged, on every rank (rank 0 writes them): ``train.jit`` counts
 
     def open_board(self, purge_from: int) -> None:
         if self.write:
@@ -176,6 +187,7 @@ class RunLog:
             if self.csv is not None:
                 self.csv.log(step, epoch, phase, name, number)
             self.latest[f"{phase}/{name}"] = number
+            self.rows += 1
             if self.board is not None:
                 self.board.add_scalar(f"{phase}/{name}", number, global_step=tick)
 

@@ -154,6 +154,11 @@ class Progress:
         self.epoch_batches = self.val_batches = 0
 
     def state_dict(self) -> ProgressState:
+        return self.state_with(self.loss.value())
+
+    def state_with(self, loss_sum: float) -> ProgressState:
+        """The state, with ``loss_sum`` as the phase's running loss (another rank's, known from
+        the ranks' agreements: what a survivor saves for a rank that died)."""
         return ProgressState(
             epoch=self.epoch,
             batches=self.batches,
@@ -164,7 +169,7 @@ class Progress:
             ticks=self.ticks,
             count=self.count,
             phase=self.phase,
-            loss_sum=self.loss.value(),
+            loss_sum=loss_sum,
             config=cast(TrainerConfig, dict(self.config)),
         )
 
@@ -225,10 +230,11 @@ def _mismatch(field: str, saved: Any, current: Any) -> StateMismatch:
     )
 
 
-def say(message: str) -> None:
+def say(message: str, every_rank: bool = False) -> None:
     """Print a line about the run's course (resumed, preempted) for the job's log; in a
-    data-parallel job, rank 0's only (every rank would print the same)."""
-    if not World.current().first:
+    data-parallel job, rank 0's only (every rank would print the same), unless ``every_rank``
+    (what one rank alone knows, such as a save for a rank that died)."""
+    if not (every_rank or World.current().first):
         return
     # stderr, flushed, not a logger: it must reach a batch job's log file as it happens.
     print(f"unbroken: {message}", file=sys.stderr, flush=True)

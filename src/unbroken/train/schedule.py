@@ -13,8 +13,8 @@ restart's cost nor how long a background save takes to reach the disk changes th
   training loop was held, the wait for the previous save included; for a background save also
   the time its writing took from the training batches that ran beside it (their time above the
   median batch without a save in flight). A resumed run starts from the cost its run directory's
-  history recorded; a fresh one saves first after ``FIRST_SECONDS`` to measure it (after a
-  quarter of ``M`` if that is shorter: a run whose processes die before they save must learn).
+  history recorded; a fresh one saves first after ``FIRST_SECONDS`` (2 s: its first steps) to
+  measure it.
 - ``M``, observed in the run directory's history (``history.json``, ``History``: one record per
   process that trained there: when it started, when it last saved, how it ended). A process
   that ended without saying so (SIGKILL, a crash, a lost machine) is a failure; it lived from
@@ -53,7 +53,9 @@ from .ranks import Job
 from .rundir import RunDirectory
 
 MIN_SECONDS, MAX_SECONDS = 2.0, 1800.0  # the bounds of an automatic interval
-FIRST_SECONDS = 60.0  # a fresh run's first automatic save, which measures the cost of saving
+# A fresh run's first automatic save, which measures the cost of saving: after its first steps,
+# so that a young run's first failure does not lose everything it trained (it was 60 s).
+FIRST_SECONDS = MIN_SECONDS
 PRIOR_MTBF = 4 * 3600.0  # the mean time between failures assumed before one is seen
 COST_WINDOW = 5  # the saves whose median is the cost
 SAY_FACTOR = 1.5  # a new interval this far from the last printed is printed
@@ -276,8 +278,7 @@ class AutoInterval:
         self.history.saved(self.costs[-1], self.interval)
 
     def _first(self) -> float:
-        failures, lived = self.history.failures()
-        first = min(FIRST_SECONDS, max(MIN_SECONDS, lived / failures / 4 if failures else math.inf))
+        first = FIRST_SECONDS
         self._said = (first, ("first save",))
         say(f"checkpoint interval {first:.1f} s (auto: the first save measures its cost)")
         return first

@@ -49,7 +49,8 @@ from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, r
 from .config import TrainerOptions
 from .csvlog import RunLog
 from .determinism import determinism
-from .globalrng import seed_everything
+from .globalrng import TRAIN, VAL, seed_everything, seed_step
+from .jit import JustInTime
 from .options import call_hooks, check_loaders, hooks
 from .progress import Progress, bar, say
 from .ranks import Job, exit_if_preempted
@@ -77,7 +78,8 @@ class Trainer:
     ``checkpoint_every_seconds``, ``checkpoint_every_steps``, ``keep``, ``async_save``,
     ``accumulate``, ``clip_grad_norm``, ``scheduler_interval``, ``callbacks``, ``log_every``,
     ``progress_bar``, ``tensorboard``, ``signals``, ``preemption_check_every``,
-    ``checkpoint_timeout``, ``deterministic``, ``lease_seconds``, ``remote_timeout``; or
+    ``checkpoint_timeout``, ``deterministic``, ``lease_seconds``, ``remote_timeout``,
+    ``just_in_time``; or
     ``options``, all of them as one
     ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
     read them).
@@ -108,6 +110,7 @@ class Trainer:
         checkpoint_timeout: float = 600.0,
         lease_seconds: float = 30.0,
         remote_timeout: float = 60.0,
+        just_in_time: bool | None = None,
         options: TrainerOptions | None = None,
     ) -> None:
         self.startup = Startup()  # first: the time to the first step, by phase
@@ -230,29 +233,53 @@ class Trainer:
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
             self.schedule = SaveSchedule.of_run(self.options, self.run, self.checkpointer, self.job)
+            self.jit = JustInTime(
+                self.options.just_in_time,
+                self.job,
+                progress,
+                self.entries,
+                self.checkpointer,
+                self.run,
+                self.run_log,
+                self.options.preemption_check_every,
+            )
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
-            while progress.epoch < self.options.max_epochs and not self._max_steps_reached():
-                if progress.phase == "train":
-                    self._train_epoch(train_loader)
-                    progress.phase = "val" if val_loader is not None else "end"
-                if progress.phase == "val" and val_loader is not None:
-                    self._validate(val_loader)
-                    progress.phase = "end"
-                call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
-                progress.next_epoch()
-            self._save()
+            try:
+                self._epochs(train_loader, val_loader)
+            except Exception as error:
+                self.jit.on_failure(error)  # a rank died: a survivor saves the last step
+                raise
             self.schedule.history.end("finished")
         finally:
             self.checkpointer.close()
             self.run_log.close()
 
+    def _epochs(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
+        progress, jit = self.progress, self.jit
+        jit.take()
+        while progress.epoch < self.options.max_epochs and not self._max_steps_reached():
+            if progress.phase == "train":
+                self._train_epoch(train_loader)
+                progress.phase = "val" if val_loader is not None else "end"
+                jit.take()
+            if progress.phase == "val" and val_loader is not None:
+                self._validate(val_loader)
+                progress.phase = "end"
+                jit.take()
+            call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
+            progress.next_epoch()
+            jit.take()
+        self._save()
+
     def _train_epoch(self, loader: Iterable) -> None:
         progress, model, log_every = self.progress, self.model, self.options.log_every
+        seed, rank, jit = self.options.seed, self.job.rank, self.jit
         model.train()
         if progress.epoch_batches == 0:
             reset_metrics(self.train_metrics)
             progress.start_phase()
+            jit.phase_started()
         on_batch_end = hooks(
             self.options.callbacks, "on_train_batch_end"
         )  # looked up once, not per batch
@@ -261,12 +288,15 @@ class Trainer:
         ) as batches:
             for batch in batches:
                 self.startup.first_batch()
+                if progress.micro == 0:  # a step's randomness: derived, never saved (globalrng)
+                    seed_step(seed, TRAIN, progress.epoch, progress.steps, rank)
                 output = self.training_step(model, batch)
                 loss = step_loss(output)
                 # Dividing by 1 would add a no-op node to the graph: skip it.
                 scaled = loss / self.options.accumulate if self.options.accumulate > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 progress.batch_done(loss)  # adds the loss to the epoch's sum, without a sync
+                self._agree(loss)  # before the step: its model changes run no collective
                 if progress.micro == self.options.accumulate:
                     self._optimizer_step()
                 # The one place a batch's values reach the host: a sync on a GPU, so only on
@@ -276,17 +306,22 @@ class Trainer:
                     batches.show(self.logs["train/loss"])
                 for hook in on_batch_end:
                     hook(self, self.logs)
+                if progress.micro == 0:
+                    jit.take()
                 if self._max_steps_reached():
                     break
                 self._after_batch()
         if progress.micro:  # an epoch's last, incomplete accumulation window still counts
             self._optimizer_step()
+            jit.take()
         epoch_loss = self.job.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.train_metrics)})
         if self.scheduler is not None and self.options.scheduler_interval == "epoch":
+            jit.changing()
             self.scheduler.step()
 
     def _optimizer_step(self) -> None:
+        self.jit.changing()
         per_step = self.scheduler if self.options.scheduler_interval == "step" else None
         optimizer_step(
             self.model,
@@ -302,11 +337,13 @@ class Trainer:
     @torch.no_grad()
     def _validate(self, loader: Iterable) -> None:
         progress, model, step = self.progress, self.model, self.validation_step
+        rank = self.job.rank
         assert step is not None  # fit() sets one whenever there is a val_loader
         model.eval()
         if progress.val_batches == 0:
             reset_metrics(self.val_metrics)
             progress.start_phase()
+            self.jit.phase_started()
         call_hooks(self.options.callbacks, "on_validation_start", self)
         on_batch_end, log_every = (
             hooks(self.options.callbacks, "on_validation_batch_end"),
@@ -315,29 +352,49 @@ class Trainer:
         with bar(self.options.progress_bar and self.job.first, loader, progress, "val") as batches:
             for batch in batches:
                 self.startup.first_batch()
+                seed_step(self.options.seed, VAL, progress.epoch, progress.val_batches, rank)
                 output = step(model, batch)
-                progress.val_batch_done(step_loss(output))
+                loss = step_loss(output)
+                progress.val_batch_done(loss)
+                self._agree(loss)
                 if progress.val_batches % log_every == 0:  # as in training: the one host read
                     self.log(step_values(output), "val")
                     batches.show(self.logs["val/loss"])
                 for hook in on_batch_end:
                     hook(self, self.logs)
+                self.jit.take()
                 self._after_batch()
         epoch_loss = self.job.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.val_metrics)}, "val")
         call_hooks(self.options.callbacks, "on_validation_end", self, self.logs)
         model.train()
 
+    def _agree(self, loss: torch.Tensor) -> None:
+        """With just-in-time saves, the ranks agree right after the backward, before the
+        optimizer step (whose changes to the model then run no collective that could fail),
+        on what ``_after_batch`` acts on; the agreement also carries each rank's loss."""
+        if self.jit.enabled:
+            preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
+            self._due = self.jit.agree(preempted, time_due, loss)
+
+    def _decide(self) -> tuple[bool, bool]:
+        """Whether a preemption signal came, and whether a wall-clock save is due: under
+        torch.distributed, what any rank knows, agreed every ``preemption_check_every``
+        batches (or, with just-in-time saves, by ``_agree``)."""
+        if self.jit.enabled:
+            return self._due
+        preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
+        if self.job.distributed:  # act only on what every rank knows, at the same batch
+            if self.progress.ticks % self.options.preemption_check_every:
+                return False, False
+            preempted, time_due = self.job.any_of(preempted, time_due)
+        return preempted, time_due
+
     def _after_batch(self) -> None:
         """A step boundary: save if a preemption signal came (then exit) or if it is time."""
         self.startup.first_step(self.resumed)
         progress, received = self.progress, self.preemption.received
-        preempted, time_due = received is not None, self.schedule.by_time()
-        if self.job.distributed:  # act only on what every rank knows, at the same batch
-            if progress.ticks % self.options.preemption_check_every:
-                preempted = time_due = False
-            else:
-                preempted, time_due = self.job.any_of(preempted, time_due)
+        preempted, time_due = self._decide()
         if preempted:
             self._save(blocking=True)
             seconds = self.preemption.seconds_since_signal()

@@ -1,0 +1,319 @@
+"""Just-in-time saves: when a rank of a data-parallel job dies, a survivor saves the job.
+
+In a DDP job every rank holds the whole replicated state: the model, the optimizer, the
+scheduler, the loader's global position, the loop's counters. What differs between ranks is
+derived or agreed on, so a survivor can write the checkpoint of a rank that died:
+
+- the process RNGs are seeded before each optimizer step's first batch (and each validation
+  batch) from the seed, the phase, the epoch, the step and the rank (``globalrng.seed_step``);
+- each rank's running loss reaches every rank in the per-batch agreement (``agree``: one
+  ``all_gather`` of four numbers a rank: the preemption flag, the wall-clock flag, the batch's
+  loss and the CSV log's size on rank 0), which replaces the all-reduce of two flags;
+- the loader's state is the same on every rank (``unbroken.DataLoader`` over a map-style
+  dataset: a global position).
+
+``take`` records, at every place a checkpoint can be resumed from with derived RNGs (after an
+optimizer step, after each validation batch, at a phase's end), what changes between two such
+places: the loop's counters, the loaders' states, the stateful callbacks' states and the log's
+size. The model, optimizer, scheduler and scaler change only inside an optimizer step, which
+runs no collective: so when a collective fails (a peer died: "Connection reset by peer"; or
+stopped answering: the process group's timeout; or a checkpoint save lost a rank), the live
+objects and the last record describe the same moment, the last completed step.
+
+``on_failure`` then elects one survivor through torchrun's store (the agent serves it and
+outlives the attempt: a compare-and-set on a key of this attempt) and that one writes the
+checkpoint of the whole job from its own memory (``Checkpointer.save_alone``: no collective,
+sealed and committed as every checkpoint). The others wait for its commit (at most
+``WAIT_SECONDS``), and every survivor raises the error that stopped it, so torchrun restarts the
+group, which resumes from the new checkpoint: the work lost is the step in flight.
+
+Off (``off_because``) where a survivor cannot know the state of a rank that died: a model
+sharded by FSDP2, torchmetrics states (each rank's own updates), a loader whose state is per
+rank, agreements less often than every batch, no torchrun agent. A run directory in object
+storage is saved for only by rank 0 (the others cannot upload its log). Costs: one record per
+optimizer step (~10 us: the loader's state, a few ints), the agreement's gather instead of an
+all-reduce (the same one round trip), one ``TCPStore`` connection per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.manager import Checkpointer
+from ..checkpoint.per_rank import PerRank, unwrap
+from ..data.loader import DataLoader
+from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, PROGRESS, RNG, is_sharded
+from .csvlog import CSVLog, RunLog
+from .globalrng import GlobalRNG
+from .progress import Progress, ProgressState, say
+from .ranks import Job
+from .rundir import METRICS, RunDirectory
+
+WAIT_SECONDS = 25.0  # how long a survivor waits for the elected one's commit (torchrun: 30 s)
+
+
+@dataclass
+class Record:
+    """What changes between two places a job can be resumed from with derived RNGs."""
+
+    ticks: int
+    progress: ProgressState  # its loss_sum is a placeholder: each rank's is in ``sums``
+    sums: list[float]  # each rank's running loss of the phase
+    states: dict[str, Any]  # the loaders' and stateful callbacks' states, by entry name
+    log_bytes: int | None  # rank 0's CSV log size; None until an agreement brings it
+    base_bytes: int | None  # rank 0's log size at the last agreement before the record ...
+    rows: int  # ... and the rows logged since then (the same on every rank)
+
+
+class JustInTime:
+    """The Trainer's just-in-time saves (see the module). ``enabled`` is False in one process
+    and wherever ``off_because`` gives a reason; then every method does nothing."""
+
+    def __init__(
+        self,
+        wanted: bool | None,
+        job: Job,
+        progress: Progress,
+        entries: dict[str, Any],
+        checkpointer: Checkpointer,
+        run: RunDirectory,
+        run_log: RunLog,
+        check_every: int,
+    ) -> None:
+        self.job, self.progress, self.entries = job, progress, entries
+        self.checkpointer, self.run, self.run_log = checkpointer, run, run_log
+        self.log: CSVLog | None = run_log.csv  # rank 0's
+        # At the last agreement: rank 0's log size, and the rows logged (by every rank's count).
+        self.agreed: tuple[int, int] | None = None
+        self.enabled = False
+        self.record: Record | None = None
+        self.consistent = False  # the live objects are as the record says
+        self.sums: list[float] = []
+        if not job.distributed or wanted is False:
+            return
+        reason = off_because(entries, check_every)
+        if reason is not None:
+            if wanted:
+                raise ValueError(f"Trainer(just_in_time=True) cannot save for a rank: {reason}")
+            say(f"just-in-time saves are off: {reason}; periodic checkpoints only")
+            return
+        self.enabled = True
+        self.store = _attempt_store()
+        self.device = job.device
+        # Each rank's running loss as restored (a collective, once): the agreements add to it.
+        mine = torch.tensor([progress.loss.value()], dtype=torch.float64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(job.world_size)]
+        dist.all_gather(gathered, mine)
+        self.sums = [float(t.item()) for t in gathered]
+
+    def phase_started(self) -> None:
+        """A phase's running losses start from zero, as ``Progress.start_phase`` does."""
+        self.sums = [0.0] * len(self.sums)
+
+    def agree(self, preempted: bool, time_due: bool, loss: torch.Tensor) -> tuple[bool, bool]:
+        """Every rank's flags, loss and (rank 0's) log size, gathered: whether any rank was
+        preempted or is due a wall-clock save; each rank's loss is added to its sum."""
+        size = self.log.size if self.log is not None else 0
+        head = torch.tensor([preempted, time_due, size], dtype=torch.float64, device=self.device)
+        mine = torch.cat([head, loss.detach().reshape(1).to(self.device, torch.float64)])
+        gathered = [torch.empty_like(mine) for _ in range(self.job.world_size)]
+        dist.all_gather(gathered, mine)
+        rows = torch.stack(gathered).tolist()
+        for rank, row in enumerate(rows):
+            self.sums[rank] += row[3]
+        self.agreed = (int(rows[0][2]), self.run_log.rows)
+        record = self.record
+        if record is not None and record.log_bytes is None:
+            record.log_bytes = int(rows[0][2])  # rank 0 logs nothing between a record and this
+        return any(row[0] for row in rows), any(row[1] for row in rows)
+
+    def take(self) -> None:
+        """Record the loop at a place it can be resumed from (see the module)."""
+        if not self.enabled:
+            return
+        states = {}
+        for name, entry in self.entries.items():
+            obj = unwrap(entry)
+            if isinstance(obj, DataLoader):
+                states[name] = obj.state_dict()
+            elif name.startswith(f"{CALLBACK}."):
+                states[name] = copy.deepcopy(obj.state_dict())
+        log_bytes = None
+        if self.log is not None:
+            self.log.flush_buffer()  # the file holds what the record says, should rank 0 die
+            log_bytes = self.log.size
+        base, rows = self.agreed if self.agreed is not None else (None, 0)
+        self.record = Record(
+            self.progress.ticks,
+            self.progress.state_with(0.0),
+            list(self.sums),
+            states,
+            log_bytes,
+            base,
+            self.run_log.rows - rows,
+        )
+        self.consistent = True
+
+    def changing(self) -> None:
+        """An optimizer or scheduler step begins: the live objects leave the record behind."""
+        self.consistent = False
+
+    def on_failure(self, error: BaseException) -> None:
+        """A collective failed (or anything else raised in the loop): save the job as of the
+        record, if it is still what the live objects hold and newer than the last checkpoint."""
+        record, failed = self.record, time.perf_counter()
+        if not self.enabled or record is None:
+            return
+        if not self.consistent:
+            say(
+                f"no just-in-time save: {type(error).__name__} came inside an optimizer step",
+                every_rank=True,
+            )
+            return
+        if record.ticks in (0, self.progress.saved_at):
+            return  # nothing trained since the last checkpoint
+        rank = self.job.rank
+        if self.run.remote and rank != 0:
+            return  # only rank 0 can upload the run's log; the periodic checkpoint stays
+        self.checkpointer.forget_background()  # it waits on the rank that died
+        try:
+            writer = int(self.store.compare_set("writer", "", str(rank)))
+            if writer != rank:
+                self._wait_for(writer)
+                return
+            try:
+                path = self._save(record)
+            except LogUnknown as unknown:
+                self.store.set("committed", "")
+                say(f"no just-in-time save: {unknown}", every_rank=True)
+                return
+            self.store.set("committed", path)
+        except Exception as failure:  # the previous checkpoint stays; the original error goes on
+            say(
+                f"just-in-time save failed on rank {rank}: {type(failure).__name__}: {failure}",
+                every_rank=True,
+            )
+            return
+        say(
+            f"rank {rank} saved {self.progress_text(record)} for the job, just in time: {path}, "
+            f"{time.perf_counter() - failed:.3f} s after {type(error).__name__}: "
+            f"{str(error)[:200]}",
+            every_rank=True,
+        )
+
+    def _wait_for(self, writer: int) -> None:
+        try:
+            self.store.wait(["committed"], timedelta(seconds=WAIT_SECONDS))
+            saved = self.store.get("committed").decode()
+            if saved:
+                say(f"rank {writer} saved the job just in time: {saved}")
+        except Exception as error:
+            say(f"rank {writer} was to save the job just in time and did not ({error})", True)
+
+    def _save(self, record: Record) -> str:
+        replicated: dict[str, Any] = {}
+        parts: dict[str, list[Any]] = {}
+        world = self.job.world_size
+        progress = [{**record.progress, "loss_sum": record.sums[rank]} for rank in range(world)]
+        for name, entry in self.entries.items():
+            if name == LOG:
+                continue  # below: the record's size, whichever rank saves
+            if name == PROGRESS:
+                parts[name] = progress
+            elif name == RNG:  # any: the RNGs are seeded before the next batch
+                parts[name] = [GlobalRNG().state_dict()] * world
+            elif name in record.states:
+                value = record.states[name]
+                if isinstance(entry, PerRank):
+                    parts[name] = [value] * world
+                else:
+                    replicated[name] = value
+            elif name == GRADIENTS:  # none at a step boundary
+                model = unwrap(entry).model
+                replicated[name] = {param: None for param, _ in model.named_parameters()}
+            elif isinstance(entry, PerRank):
+                raise AssertionError(f"no record of the per-rank entry {name!r}")
+            else:
+                replicated[name] = entry  # the model, optimizer, scheduler, scaler: as they are
+        replicated[LOG] = {"bytes": self._log_bytes(record)}
+        return self.checkpointer.save_alone(record.ticks, replicated, parts)
+
+    def _log_bytes(self, record: Record) -> int:
+        """Rank 0's log size at the record: its own, or what the next agreement brought; if
+        rank 0 died before that, read from the file (see ``logged_through``)."""
+        if record.log_bytes is not None:
+            if self.log is not None and self.log.publish is not None:
+                self.log.publish(record.log_bytes)  # a run directory in object storage
+            return record.log_bytes
+        if record.base_bytes is None:
+            raise LogUnknown("no agreement since the run started brought rank 0's log size")
+        return logged_through(self.run.local / METRICS, record.base_bytes, record.rows)
+
+    def progress_text(self, record: Record) -> str:
+        saved = Progress(config=self.progress.config)
+        saved.load_state_dict({**record.progress, "loss_sum": 0.0})
+        return saved.where()
+
+
+class LogUnknown(RuntimeError):
+    """What rank 0 logged up to the record cannot be told: no just-in-time save."""
+
+
+def logged_through(path: Any, base: int, rows: int) -> int:
+    """The size of rank 0's log at a record, read from the file after rank 0 died: ``base``
+    bytes at the last agreement, then ``rows`` more rows logged before the record (every rank
+    counts them). Rank 0 flushes its log at each record and logs nothing between a record and
+    the next agreement: so the file holds exactly ``rows`` whole rows after ``base`` if rank 0
+    reached the record, and fewer if it died before (its rows were in its buffer: lost)."""
+    with open(path, "rb") as file:
+        file.seek(base)
+        after = file.read()
+    found = after.count(b"\n")
+    if found != rows or (after and not after.endswith(b"\n")):
+        raise LogUnknown(
+            f"rank 0 died before its log's {rows} row(s) of the last step reached the file "
+            f"({found} whole row(s) found): the step's log cannot be saved"
+        )
+    return base + len(after)
+
+
+def off_because(entries: dict[str, Any], check_every: int) -> str | None:
+    """Why a survivor cannot save for a rank that died, or None if it can."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return "the job was not started by torchrun, whose agent's store elects the saver"
+    model = entries.get("model")
+    if isinstance(model, torch.nn.Module) and is_sharded(model) or "model" not in entries:
+        return "the model is sharded (FSDP2): a rank's shards die with it"
+    if any(name.startswith(f"{METRIC}.") for name in entries):
+        return "torchmetrics states are per rank (each rank's own updates)"
+    if check_every != 1:
+        return "preemption_check_every > 1: the ranks' losses are agreed on every batch only"
+    for name, entry in entries.items():
+        obj = unwrap(entry)
+        if isinstance(entry, PerRank) and name.endswith("loader"):
+            if not isinstance(obj, DataLoader) or obj.state_dict().get("source") is not None:
+                return (
+                    f"{name} keeps a state of its own on each rank (a map-style dataset in an "
+                    "unbroken.DataLoader has one global position)"
+                )
+    return None
+
+
+def _attempt_store() -> Any:
+    """torchrun's agent store, scoped to this restart attempt (its keys: this attempt's saver)."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,  # the agent serves it
+        timeout=timedelta(seconds=WAIT_SECONDS + 5),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"unbroken/attempt-{attempt}/jit", store)
