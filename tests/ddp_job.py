@@ -14,6 +14,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   that long to exit.
 - ``stop``: {"rank": r, "at": tick}: that rank SIGSTOPs itself after that tick, once (a hung
   rank); ``pg_timeout``: the process group's timeout in seconds (gloo's default: 30 min).
+- ``val``: true adds a validation loader (48 samples) and step; ``kill_in_step``: see
+  ``kill_in_step`` below; ``kill``'s ``rank`` may be a list (ranks dying at once).
 - ``metrics``: false leaves the torchmetrics accuracy out (the state a survivor cannot know);
   ``jit``: the Trainer's ``just_in_time``; ``log_every``: the Trainer's (default 1).
 - ``plain``: the model unwrapped (one process continuing a job of several).
@@ -57,17 +59,33 @@ RANK, WORLD = dist.get_rank(), dist.get_world_size()
 class Samples(torch.utils.data.Dataset):
     """Fixed features and labels; each sample gets its own noise (its seed is derived)."""
 
-    def __init__(self):
+    def __init__(self, n=N):
         generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(N, FEATURES, generator=generator)
-        self.y = torch.randint(0, CLASSES, (N,), generator=generator)
+        self.x = torch.randn(n, FEATURES, generator=generator)
+        self.y = torch.randint(0, CLASSES, (n,), generator=generator)
 
     def __len__(self):
-        return N
+        return len(self.y)
 
     def __getitem__(self, index):
         noise = 0.1 * torch.randn(FEATURES, generator=unbroken.sample_rng())
         return self.x[index] + noise, self.y[index], index
+
+
+def _ranks(option):
+    rank = option["rank"]
+    return rank if isinstance(rank, list) else [rank]
+
+
+def kill_in_step(phase):
+    """``kill_in_step``: [{"rank": r, "at": tick, "phase": "train"|"val"}, ...]: that rank
+    SIGKILLs itself inside the step that makes that tick, before its forward: the other ranks
+    are left waiting in a collective of that step."""
+    tick = trainer.progress.ticks + 1
+    for kill in OPTIONS.get("kill_in_step", []):
+        if kill["phase"] == phase and kill["rank"] == RANK and kill["at"] == tick:
+            if once(f"kill-in-step-{tick}"):
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def once(name):
@@ -88,7 +106,7 @@ class Chaos:
 
     def on_epoch_end(self, trainer, logs):
         with open(RUN / f"epochs.rank{RANK}.jsonl", "a") as out:
-            out.write(json.dumps([trainer.progress.epoch, logs["train/epoch_loss"]]) + "\n")
+            out.write(json.dumps([trainer.progress.epoch, logs.get("train/epoch_loss")]) + "\n")
 
     def __init__(self):
         self.seen = open(RUN / f"seen.rank{RANK}.jsonl", "a")
@@ -99,7 +117,7 @@ class Chaos:
         self.seen.write(json.dumps(line) + "\n")
         self.seen.flush()
         kill = OPTIONS.get("kill")
-        if kill and kill["rank"] == RANK and tick in kill["at"] and once(f"kill-{tick}"):
+        if kill and RANK in _ranks(kill) and tick in kill["at"] and once(f"kill-{RANK}-{tick}"):
             os.kill(os.getpid(), signal.SIGKILL)
         stop = OPTIONS.get("stop")
         if stop and stop["rank"] == RANK and tick == stop["at"] and once(f"stop-{tick}"):
@@ -177,6 +195,7 @@ metrics = {"acc": accuracy} if OPTIONS.get("metrics", True) else None
 
 
 def training_step(model, batch):
+    kill_in_step("train")
     x, y, ids = batch
     trainer.last_ids = ids.tolist()
     logits = model(x)
@@ -185,9 +204,22 @@ def training_step(model, batch):
     return torch.nn.functional.cross_entropy(logits, y)
 
 
+def validation_step(model, batch):
+    kill_in_step("val")
+    x, y, _ = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+val = OPTIONS.get("val") and unbroken.DataLoader(Samples(48), batch_size=4, seed=11)
 try:
     logs = trainer.fit(
-        model, optimizer, loader, training_step=training_step, train_metrics=metrics
+        model,
+        optimizer,
+        loader,
+        val or None,
+        training_step=training_step,
+        validation_step=validation_step if val else None,
+        train_metrics=metrics,
     )
 finally:
     time.sleep(getattr(trainer, "slow_exit", 0))  # on_preempted, with slow_exit

@@ -77,6 +77,8 @@ def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ddp") / "reference"
     output = torchrun(run)
     assert "starting fresh on 3 ranks" in output
+    # A survivor cannot know another rank's torchmetrics state: no just-in-time saves here.
+    assert "just-in-time saves are off: torchmetrics states are per rank" in output
     return run
 
 

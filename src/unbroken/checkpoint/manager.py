@@ -29,22 +29,18 @@ never load different steps. The ranks must see one directory (checked when the C
 is made: ``DirectoryNotShared``); a rank that died or does not arrive becomes a
 ``RankFailure`` after ``timeout`` seconds (``group``).
 
-The parts: ``layout`` (the names above, and cleaning up after killed writers), ``entries``
-(one class per kind of entry: replicated, per rank, through DCP; each prepares, writes,
-describes and reads its own), ``writing`` (the write path, every rank together),
-``weights_only`` (what save refuses), ``storage`` (the operations on where checkpoints live,
-as the protocol ``Storage``: hashed, fsynced writes, listing, ``commit``), ``space`` (disk-full
-errors), ``manifest`` (the seal and its schema; reading a checkpoint), ``group`` (the ranks and
-how they agree), ``per_rank`` (``PerRank`` entries, and what a job on another number of ranks
-loads), ``background`` (saves with ``blocking=False``), ``restore`` (in place, and
-``Restored``). The Checkpointer touches storage only through its ``Storage``
-(``LocalStorage`` unless given one), so another backend is one new class.
+The parts: ``layout`` (names; cleaning up after killed writers), ``entries`` (one class per
+kind: replicated, per rank, through DCP), ``writing`` (the write path), ``weights_only`` (what
+save refuses), ``storage`` (the protocol ``Storage``: hashed, fsynced writes, listing,
+``commit``), ``space`` (disk-full errors), ``manifest`` (the seal, its schema, reading),
+``group`` (how ranks agree), ``per_rank`` (what a job on another number of ranks loads),
+``background`` (``blocking=False``), ``restore``. Storage is reached only through a
+``Storage`` (``LocalStorage`` unless given one): another backend is one new class.
 
-Costs: a blocking save writes each byte once, hashing it on the way (sha256 runs at about
-1 GB/s on one core), plus one fsync per file and two per directory. ``blocking=False`` blocks
-only while the state is copied to CPU memory (one extra copy of every tensor held until the
-write ends) and writes in a background thread. ``load_latest`` reads each file twice (the hash,
-then ``torch.load``; the second read comes from the page cache).
+Costs: a blocking save writes each byte once, hashing it on the way (sha256: ~1 GB/s a core),
+one fsync per file and two per directory. ``blocking=False`` blocks while the state is copied
+to CPU memory (held until the write ends). ``load_latest`` reads each file twice (the hash,
+then ``torch.load`` from the page cache).
 """
 
 from __future__ import annotations
@@ -63,18 +59,7 @@ from ..distributed.reduction import is_exact, warn_inexact
 from ..errors import CorruptCheckpoint, RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
-from .entries import (
-    ABSENT,
-    EACH_RANK,
-    REPLICATED,
-    Kind,
-    LocalCopy,
-    Part,
-    Reading,
-    check_loadable,
-    kind_in,
-    kind_of,
-)
+from .entries import ABSENT, Kind, LocalCopy, Part, Reading, check_loadable, kind_in, kind_of
 from .group import Ranks, attempt
 from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
 from .objects import REMOTE_TIMEOUT, storage_for
@@ -207,43 +192,15 @@ class Checkpointer:
         return final
 
     def save_alone(self, step: int, state: dict[str, Any], parts: dict[str, list[Any]]) -> str:
-        """Write checkpoint ``step`` of the whole job from this one process, with no collective:
-        what a survivor saves when another rank died (``train.jit``). ``state``: the replicated
-        entries (objects or values, as ``save`` takes them); ``parts``: the value of each
-        ``PerRank`` entry for every rank, in rank order (their number is the job's world size).
-        Only right where the state is replicated: a ``Sharded`` entry's shards died with their
-        rank and are refused. A background save in flight is not waited for (it waits on the
-        rank that died, and fails). Sealed, committed and rotated as ``save``'s; returns the
-        checkpoint's directory."""
+        """Write checkpoint ``step`` of the whole job from this process alone, no collective: a
+        survivor's save for a rank that died (``train.jit``). ``state``: the replicated entries;
+        ``parts``: each ``PerRank`` entry's value for every rank, in rank order. No ``Sharded``
+        entry; a background save in flight is not waited for. Sealed and rotated as ``save``'s."""
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
-        sizes = {len(values) for values in parts.values()}
-        if len(sizes) != 1 or not sizes.pop() >= 1:
-            raise ValueError(
-                "save_alone needs one value per rank for every PerRank entry, as many for each; "
-                f"got { ({name: len(values) for name, values in parts.items()}) }"
-            )
-        if sharded := [name for name, entry in state.items() if isinstance(entry, Sharded)]:
-            raise ValueError(
-                f"save_alone cannot write {sharded}: a Sharded entry's shards live on every rank, "
-                "and those of a rank that died are gone; save it with save() from every rank"
-            )
         _check_names({**state, **parts}, "save_alone")
-        replicated = {
-            name: REPLICATED.prepare(entry, name, blocking=True) for name, entry in state.items()
-        }
-        per_rank = {
-            name: [EACH_RANK.prepare(value, name, blocking=True) for value in values]
-            for name, values in parts.items()
-        }
-        shapes = {
-            name: [[list(p.shape) for p in group["params"]] for group in entry.param_groups]
-            for name, entry in state.items()
-            if isinstance(entry, torch.optim.Optimizer)
-        }
         final = join(self._root, layout.final_name(step))
-        order = {name: index for index, name in enumerate({**state, **parts})}
-        self._writing.write_alone(step, final, replicated, per_rank, shapes, order)
+        self._writing.write_alone(step, final, state, parts)
         return final
 
     def _prepare(
@@ -277,8 +234,7 @@ class Checkpointer:
             pending.result()
 
     def forget_background(self) -> None:
-        """Stop waiting for the background save in flight, if any: a rank it needs died, so it
-        can only fail (its thread ends when its collective does). ``close`` then returns."""
+        """Drop the background save in flight: a rank it needs died (``close`` then returns)."""
         self._pending = None
 
     def close(self) -> None:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
+
 from . import layout
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
 from .group import Ranks, attempt
 from .manifest import MANIFEST, EntrySpec, ParamShapes, seal
+from .sharded import Sharded
 from .space import FULL, disk_full
 from .storage import Digest, Storage, basename, join
 
@@ -75,29 +78,42 @@ class Writing:
             raise
 
     def write_alone(
-        self,
-        step: int,
-        final: str,
-        replicated: dict[str, Any],
-        parts: dict[str, list[Any]],
-        shapes: dict[str, ParamShapes],
-        order: dict[str, int],
+        self, step: int, final: str, state: dict[str, Any], parts: dict[str, list[Any]]
     ) -> None:
         """One process writes every rank's files (``Checkpointer.save_alone``): the replicated
         entries as rank 0, each ``parts`` entry's value for rank r as rank r's file; then the
         seal and the commit, as ``write`` does, with no collective."""
+        sizes = {len(values) for values in parts.values()}
+        if len(sizes) != 1 or not sizes.pop() >= 1:
+            lengths = {name: len(values) for name, values in parts.items()}
+            raise ValueError(f"save_alone needs one value per rank for every entry, got {lengths}")
+        if sharded := [name for name, entry in state.items() if isinstance(entry, Sharded)]:
+            raise ValueError(
+                f"save_alone cannot write {sharded}: a Sharded entry's shards live on every rank, "
+                "and those of a rank that died are gone; save it with save() from every rank"
+            )
+        mine: dict[str, tuple[Kind, Any]] = {
+            name: (REPLICATED, REPLICATED.prepare(entry, name, True))
+            for name, entry in state.items()
+        }
+        shapes = {
+            name: [[list(p.shape) for p in group["params"]] for group in entry.param_groups]
+            for name, entry in state.items()
+            if isinstance(entry, torch.optim.Optimizer)
+        }
+        order = {name: index for index, name in enumerate({**state, **parts})}
         tmp = None
         try:
             tmp = self._open(step)
-            world_size = len(next(iter(parts.values()), [None]))
             written = []
-            for rank in range(world_size):
-                mine: dict[str, tuple[Kind, Any]] = {
-                    name: (EACH_RANK, values[rank]) for name, values in parts.items()
+            for rank in range(len(next(iter(parts.values())))):
+                theirs: dict[str, tuple[Kind, Any]] = {
+                    name: (EACH_RANK, EACH_RANK.prepare(values[rank], name, True))
+                    for name, values in parts.items()
                 }
-                if rank == 0:
-                    mine.update({name: (REPLICATED, value) for name, value in replicated.items()})
-                written.append(self._write_files(tmp, mine, order, rank))
+                written.append(
+                    self._write_files(tmp, {**theirs, **mine} if rank == 0 else theirs, order, rank)
+                )
             self._seal(step, tmp, final, written, shapes)
             self._drop_old(step)
         except BaseException:

@@ -174,7 +174,8 @@ class JustInTime:
             return
         if not self.consistent:
             say(
-                f"no just-in-time save: {type(error).__name__} came inside an optimizer step",
+                f"no just-in-time save: {type(error).__name__} came between an optimizer step "
+                "and the loop's record of it",
                 every_rank=True,
             )
             return

@@ -18,6 +18,8 @@ needs (CUDA for NCCL). Cost: one all-reduce of two ints, ~50-100 us on gloo over
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -72,3 +74,34 @@ def exit_if_preempted(job: Job, preemption: Preemption) -> None:
             f"exiting with {EXIT_CODE} to be requeued"
         )
         exit_to_be_requeued()
+
+
+class Boundary:
+    """What the loop acts on after a batch (``decide``): whether a preemption signal came, and
+    whether a wall-clock save is due (``schedule``). Under torch.distributed, what any rank
+    knows, agreed every ``check_every`` batches; with just-in-time saves (``jit``), agreed
+    right after every backward instead (``agree``), before the optimizer step, whose changes to
+    the model then run no collective that could fail, in a gather that carries each rank's
+    loss."""
+
+    def __init__(
+        self, job: Job, preemption: Preemption, schedule: Any, jit: Any, check_every: int
+    ) -> None:
+        self.job, self.preemption, self.schedule = job, preemption, schedule
+        self.jit, self.check_every = jit, check_every
+        self.agreed = (False, False)
+
+    def agree(self, loss: torch.Tensor) -> None:
+        if self.jit.enabled:
+            preempted = self.preemption.received is not None
+            self.agreed = self.jit.agree(preempted, self.schedule.by_time(), loss)
+
+    def decide(self, ticks: int) -> tuple[bool, bool]:
+        if self.jit.enabled:
+            return self.agreed
+        preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
+        if self.job.distributed:  # act only on what every rank knows, at the same batch
+            if ticks % self.check_every:
+                return False, False
+            preempted, time_due = self.job.any_of(preempted, time_due)
+        return preempted, time_due

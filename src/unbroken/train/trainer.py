@@ -23,6 +23,11 @@ job (``Checkpointer``: rank 0 writes what is replicated, every rank its ``PerRan
 ranks agree on preemption signals and wall-clock checkpoints before acting on them (``ranks``),
 and rank 0 alone writes the CSV log, TensorBoard and the progress bar; logged epoch losses are
 means over the ranks, torchmetrics sync their states at ``compute()``.
+When a rank dies or hangs, a survivor saves the whole job as of the last completed step
+(``jit``), so torchrun's restart loses at most the step in flight: before each optimizer step's
+first batch the process RNGs are seeded from (seed, phase, epoch, step, rank) (``globalrng``),
+and with just-in-time saves the ranks agree right after the backward, before the optimizer
+step, on a gather that also carries each rank's loss.
 
 Units: ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps (with
 ``accumulate=k``, one step per k training batches), as Lightning's ``max_steps`` and
@@ -34,7 +39,6 @@ at every place a checkpoint can be taken.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,8 +47,7 @@ import torch
 
 from ..checkpoint.manager import Checkpointer
 from ..distributed.reduction import ensure_exact
-from ..errors import RemoteUnavailable
-from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
+from ..preemption import DEFAULT_SIGNALS, Preemption
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
 from .config import TrainerOptions
 from .csvlog import RunLog
@@ -52,9 +55,10 @@ from .determinism import determinism
 from .globalrng import TRAIN, VAL, seed_everything, seed_step
 from .jit import JustInTime
 from .options import call_hooks, check_loaders, hooks
-from .progress import Progress, bar, say
-from .ranks import Job, exit_if_preempted
+from .progress import Progress, bar
+from .ranks import Boundary, Job, exit_if_preempted
 from .rundir import RunDirectory
+from .saves import exit_preempted, save
 from .schedule import SaveSchedule
 from .startup import Startup
 from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
@@ -73,15 +77,8 @@ class Trainer:
     process ends): a local path, or a URL in object storage (``s3://bucket/runs/exp1``, with
     ``storage_options`` for its filesystem: endpoint, credentials), from which a job restarted
     on another machine resumes (``train.rundir``; its lock is a lease, ``lease_seconds``); then,
-    keyword-only, the options, each described in
-    ``help(unbroken.train.TrainerOptions)``: ``max_epochs``, ``max_steps``, ``seed``,
-    ``checkpoint_every_seconds``, ``checkpoint_every_steps``, ``keep``, ``async_save``,
-    ``accumulate``, ``clip_grad_norm``, ``scheduler_interval``, ``callbacks``, ``log_every``,
-    ``progress_bar``, ``tensorboard``, ``signals``, ``preemption_check_every``,
-    ``checkpoint_timeout``, ``deterministic``, ``lease_seconds``, ``remote_timeout``,
-    ``just_in_time``; or
-    ``options``, all of them as one
-    ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
+    keyword-only, the options below, each described in ``help(unbroken.train.TrainerOptions)``;
+    or ``options``, all of them as one ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
     read them).
     """
 
@@ -243,6 +240,13 @@ class Trainer:
                 self.run_log,
                 self.options.preemption_check_every,
             )
+            self.boundary = Boundary(
+                self.job,
+                self.preemption,
+                self.schedule,
+                self.jit,
+                self.options.preemption_check_every,
+            )
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             try:
@@ -270,7 +274,7 @@ class Trainer:
             call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
             progress.next_epoch()
             jit.take()
-        self._save()
+        save(self)
 
     def _train_epoch(self, loader: Iterable) -> None:
         progress, model, log_every = self.progress, self.model, self.options.log_every
@@ -296,7 +300,7 @@ class Trainer:
                 scaled = loss / self.options.accumulate if self.options.accumulate > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 progress.batch_done(loss)  # adds the loss to the epoch's sum, without a sync
-                self._agree(loss)  # before the step: its model changes run no collective
+                self.boundary.agree(loss)  # with just-in-time saves: before the step
                 if progress.micro == self.options.accumulate:
                     self._optimizer_step()
                 # The one place a batch's values reach the host: a sync on a GPU, so only on
@@ -356,7 +360,7 @@ class Trainer:
                 output = step(model, batch)
                 loss = step_loss(output)
                 progress.val_batch_done(loss)
-                self._agree(loss)
+                self.boundary.agree(loss)
                 if progress.val_batches % log_every == 0:  # as in training: the one host read
                     self.log(step_values(output), "val")
                     batches.show(self.logs["val/loss"])
@@ -369,78 +373,15 @@ class Trainer:
         call_hooks(self.options.callbacks, "on_validation_end", self, self.logs)
         model.train()
 
-    def _agree(self, loss: torch.Tensor) -> None:
-        """With just-in-time saves, the ranks agree right after the backward, before the
-        optimizer step (whose changes to the model then run no collective that could fail),
-        on what ``_after_batch`` acts on; the agreement also carries each rank's loss."""
-        if self.jit.enabled:
-            preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
-            self._due = self.jit.agree(preempted, time_due, loss)
-
-    def _decide(self) -> tuple[bool, bool]:
-        """Whether a preemption signal came, and whether a wall-clock save is due: under
-        torch.distributed, what any rank knows, agreed every ``preemption_check_every``
-        batches (or, with just-in-time saves, by ``_agree``)."""
-        if self.jit.enabled:
-            return self._due
-        preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
-        if self.job.distributed:  # act only on what every rank knows, at the same batch
-            if self.progress.ticks % self.options.preemption_check_every:
-                return False, False
-            preempted, time_due = self.job.any_of(preempted, time_due)
-        return preempted, time_due
-
     def _after_batch(self) -> None:
         """A step boundary: save if a preemption signal came (then exit) or if it is time."""
         self.startup.first_step(self.resumed)
-        progress, received = self.progress, self.preemption.received
-        preempted, time_due = self._decide()
+        preempted, time_due = self.boundary.decide(self.progress.ticks)
         if preempted:
-            self._save(blocking=True)
-            seconds = self.preemption.seconds_since_signal()
-            heard = (
-                f"{received.name} received; checkpoint at {progress.where()} committed "
-                f"{seconds:.3f} s after the signal"
-                if received is not None
-                else f"a preemption signal reached another rank; checkpoint at "
-                f"{progress.where()} committed"
-            )
-            self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
-            self.schedule.history.end("preempted")
-            say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
-            call_hooks(self.options.callbacks, "on_preempted", self, seconds)
-            exit_to_be_requeued()
-        if time_due or self.schedule.by_steps(progress):
-            self._save(blocking=not self.options.async_save, periodic=True)
-
-    def _save(self, blocking: bool = True, periodic: bool = False) -> None:
-        # A periodic save that cannot reach object storage (RemoteUnavailable: after its
-        # retries, or a store that did not answer within remote_timeout) does not stop
-        # training: it is reported and the next one tries again; so does a background save
-        # (always periodic) before any save. One process only: under torch.distributed the
-        # ranks raise together (the job restarts).
-        tolerate = periodic and not self.job.distributed
-        started = time.perf_counter()  # what the save holds training for: the wait included
-        try:
-            self.checkpointer.wait()  # the background save before it: it may have failed
-        except RemoteUnavailable as error:
-            if self.job.distributed:
-                raise
-            say(f"the background checkpoint failed ({error}); training goes on")
-        if self.progress.ticks == self.progress.saved_at:
-            return  # nothing happened since the last checkpoint
-        self.schedule.saved()
-        call_hooks(self.options.callbacks, "on_save_start", self)
-        try:
-            self.run_log.flush_board()
-            self.checkpointer.save(self.progress.ticks, self.entries, blocking=blocking)
-        except RemoteUnavailable as error:
-            if not tolerate:
-                raise
-            say(f"checkpoint at {self.progress.where()} failed ({error}); training goes on")
-            return
-        self.progress.saved_at = self.progress.ticks
-        self.schedule.measured(time.perf_counter() - started)
+            save(self, blocking=True)
+            exit_preempted(self)
+        if time_due or self.schedule.by_steps(self.progress):
+            save(self, blocking=not self.options.async_save, periodic=True)
 
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps

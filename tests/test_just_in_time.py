@@ -1,0 +1,212 @@
+"""Just-in-time saves (``train.jit``): when a rank of a torchrun job dies or hangs, a survivor
+saves the whole job as of the last completed step, and the restarted job ends bit for bit as
+the uninterrupted one, having lost at most the step in flight.
+
+The job is tests/ddp_job.py on 3 ranks (gloo, CPU) without its torchmetrics accuracy (a
+survivor cannot know another rank's metric state), with a validation loader and a log row every
+5 batches. Epoch 0 is ticks 1-20 (training) and 21-24 (validation), epoch 1 ticks 25-44 and
+45-48; a periodic checkpoint every 5 optimizer steps (ticks 5, 10, 15, 20, 29, 34, 39, 44).
+The unit tests below check the parts: the per-step seeds, the survivor's save of every rank's
+files, the log size read after rank 0 died, and when just-in-time saves are off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import unbroken
+from unbroken.checkpoint import Checkpointer, PerRank, Sharded
+from unbroken.train import jit
+from unbroken.train.globalrng import TRAIN, VAL, seed_step
+
+HERE = Path(__file__).parent
+JOB = HERE / "ddp_job.py"
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+BASE = {"metrics": False, "log_every": 5, "val": True}
+
+
+def torchrun(run, options, restarts=0):
+    result = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc-per-node=3", f"--max-restarts={restarts}"]
+        + [str(JOB), str(run), json.dumps({**BASE, **options})],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    return output
+
+
+def assert_same_run(run, reference):
+    ours = torch.load(run / "final.pt", weights_only=True)
+    theirs = torch.load(reference / "final.pt", weights_only=True)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+    assert (run / "metrics.csv").read_bytes() == (reference / "metrics.csv").read_bytes()
+
+
+def resumed_ticks(output):
+    return [int(t) for t in re.findall(r"resumed from checkpoint \S+/step-(\d+)", output)]
+
+
+def saved_just_in_time(output):
+    return sorted({int(t) for t in re.findall(r"just in time: \S+/step-(\d+)", output)})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("jit") / "reference"
+    output = torchrun(run, {})
+    assert "just-in-time saves are off" not in output
+    return run
+
+
+def test_ranks_killed_anywhere_cost_at_most_the_step_in_flight(reference, tmp_path):
+    """Five failures, each resumed from the last completed step or the checkpoint before it:
+
+    - ranks 0 and 2 killed at once after tick 8: rank 1 alone is elected and saves, but it is
+      killed in that save (its 10th file write): the previous checkpoint (tick 5) stays whole;
+    - rank 1 killed inside validation batch 3 (tick 23): saved at tick 22;
+    - rank 2 killed inside training tick 30, the others waiting in its all-reduce: the last step
+      (tick 29) is the periodic checkpoint already written, so nothing is saved again;
+    - ranks 0 (the log's writer) and 2 killed after tick 38: saved at tick 38, the log's size
+      read from the file rank 0 left.
+    """
+    run = tmp_path / "run"
+    options = {
+        "kill": {"rank": [0, 2], "at": [8, 38]},
+        "kill_in_step": [
+            {"rank": 2, "phase": "train", "at": 30},
+            {"rank": 1, "phase": "val", "at": 23},
+        ],
+        "kill_in_save": {"rank": 1, "write": 10},
+    }
+    output = torchrun(run, options, restarts=5)
+    assert output.count("exitcode: -9") == 4, output[-3000:]
+    assert resumed_ticks(output) == [5, 22, 29, 38], output[-3000:]
+    assert saved_just_in_time(output) == [22, 38], output[-3000:]
+    assert_same_run(run, reference)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_hung_rank_becomes_a_save_after_the_process_groups_timeout(reference, tmp_path):
+    # Rank 1 SIGSTOPs itself after tick 9; the others' next collective times out after 5 s,
+    # one of them saves tick 9, and torchrun kills the stopped rank and restarts the group.
+    run = tmp_path / "run"
+    output = torchrun(run, {"stop": {"rank": 1, "at": 9}, "pg_timeout": 5}, restarts=1)
+    assert saved_just_in_time(output) == [9], output[-3000:]
+    assert resumed_ticks(output) == [9], output[-3000:]
+    assert "Timed out" in output
+    assert_same_run(run, reference)
+
+
+# -- the parts, in one process ---------------------------------------------------------------
+
+
+def test_a_step_seeds_every_generator_from_the_seed_phase_epoch_step_and_rank():
+    def draws():
+        return torch.rand(2), np.random.rand(), random.random()
+
+    seed_step(3, TRAIN, 1, 7, 2)
+    first = draws()
+    seed_step(3, TRAIN, 1, 7, 2)
+    again = draws()
+    assert torch.equal(first[0], again[0]) and first[1:] == again[1:]
+    for other in [(4, TRAIN, 1, 7, 2), (3, VAL, 1, 7, 2), (3, TRAIN, 2, 7, 2), (3, TRAIN, 1, 8, 2)]:
+        seed_step(*other)
+        assert not torch.equal(draws()[0], first[0]), other
+    seed_step(3, TRAIN, 1, 7, 1)
+    assert draws()[1:] != first[1:]
+
+
+def test_the_trainer_seeds_each_optimizer_steps_first_batch(tmp_path):
+    """What a training step draws is what ``seed_step`` gives for (seed, epoch, step, rank 0):
+    computed here without the Trainer; with accumulate=2 a window's second batch goes on from
+    its first."""
+    drawn = []
+
+    def training_step(model, batch):
+        drawn.append(torch.rand(1).item())
+        return model(batch[0]).sum()
+
+    model = torch.nn.Linear(3, 1)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 3))
+    loader = unbroken.DataLoader(data, batch_size=2, seed=1)
+    trainer = unbroken.Trainer(
+        tmp_path, max_epochs=2, seed=5, accumulate=2, progress_bar=False, tensorboard=False
+    )
+    trainer.fit(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), loader, training_step=training_step
+    )
+    expected = []
+    for epoch in range(2):
+        for step in range(3 * epoch, 3 * epoch + 3):
+            seed_step(5, TRAIN, epoch, step, 0)
+            expected += [torch.rand(1).item(), torch.rand(1).item()]
+    assert drawn == expected
+
+
+def test_one_process_saves_every_ranks_files_and_each_rank_loads_its_own(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    checkpointer = Checkpointer(tmp_path)
+    parts = {"progress": [{"rank": r} for r in range(3)]}
+    path = checkpointer.save_alone(7, {"model": model, "log": {"bytes": 40}}, parts)
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    assert manifest["world_size"] == 3 and manifest["step"] == 7
+    files = manifest["entries"]["progress"]["ranks"]
+    assert [torch.load(Path(path) / f, weights_only=True) for f in files] == parts["progress"]
+    # One process loading a 3-rank checkpoint gets the parts resized (here: rank 0's).
+    state = {"model": torch.nn.Linear(2, 2), "progress": PerRank({}, resize="rank0")}
+    restored = checkpointer.load_latest(state)
+    assert restored is not None and restored.world_size == 3
+    assert torch.equal(state["model"].weight, model.weight)
+
+
+def test_save_alone_refuses_shards_and_ragged_parts(tmp_path):
+    checkpointer = Checkpointer(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="shards"):
+        checkpointer.save_alone(1, {"model": Sharded(model, optimizer)}, {"p": [1, 2]})
+    with pytest.raises(ValueError, match="one value per rank"):
+        checkpointer.save_alone(1, {}, {"a": [1, 2], "b": [1]})
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_log_size_of_a_dead_rank_0_is_read_only_when_its_rows_are_whole(tmp_path):
+    log = tmp_path / "metrics.csv"
+    log.write_bytes(b"header\nrow 1\nrow 2\n")
+    base = len(b"header\n")
+    assert jit.logged_through(log, base, 2) == log.stat().st_size
+    with pytest.raises(jit.LogUnknown, match="2 row"):
+        jit.logged_through(log, base + len(b"row 1\n"), 2)  # one row never reached the file
+    log.write_bytes(b"header\nrow 1\nro")
+    with pytest.raises(jit.LogUnknown):
+        jit.logged_through(log, base, 1)  # a row cut short
+    assert jit.logged_through(log, base + len(b"row 1\nro"), 0) == log.stat().st_size
+
+
+def test_just_in_time_saves_are_off_where_a_survivor_cannot_know_a_rank(monkeypatch):
+    loader = unbroken.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4)), batch_size=2)
+    entries = {"model": torch.nn.Linear(1, 1), "train_loader": PerRank(loader, resize="rank0")}
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert "torchrun" in jit.off_because(entries, 1)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert jit.off_because(entries, 1) is None
+    assert "preemption_check_every" in jit.off_because(entries, 2)
+    assert "torchmetrics" in jit.off_because({**entries, "metric.train.acc": object()}, 1)
+    per_rank = PerRank([1, 2], resize="rank0")  # not an unbroken.DataLoader
+    assert "train_loader" in jit.off_because({**entries, "train_loader": per_rank}, 1)
