@@ -9,7 +9,7 @@ STAMP := $(VENV)/.unbroken-installed
 # What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
 DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
-.PHONY: test demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
+.PHONY: test test-fast demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The development tier (TESTING.md): no test that starts processes of its own, no torchrun,
+# S3 server, Lightning or transformers.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not distributed and not s3 and not lightning and not hf"
 
 demo: $(DEMO_STAMP)
 	$(PY) demo/train_digits.py

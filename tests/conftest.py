@@ -5,6 +5,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -81,3 +82,36 @@ def reseal(checkpoint: Path, file: str | None = None, **changes) -> None:
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     manifest["sha256"] = hashlib.sha256(canonical).hexdigest()
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+# Test tiers (TESTING.md): `make test` runs every test; `make test-fast` deselects these markers.
+# Assigned here, by what a test needs, so a new test lands in its tier without a decorator.
+_KINDS = {
+    "distributed": ("test_distributed_", "test_exact_reduction", "test_just_in_time", "test_lease"),
+    "lightning": ("test_lightning",),
+    "hf": ("test_hf_", "test_huggingface", "test_cli_hf"),
+}
+# Tests that start processes of their own (a killed run, workers, torchrun) or train for seconds.
+_SLOW_MODULES = (
+    "test_trainer_signals",
+    "test_streaming_faults",
+    "test_restart_cost",
+    "test_readme",
+)
+_SLOW_WORDS = re.compile(
+    r"kill|sigterm|signal|torchrun|process_group|worker|preempt|restart|subprocess|interrupt"
+    r"|resumes_bit|bit_for_bit|end_bit|demo|tmpfs|disk",
+    re.IGNORECASE,
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        for marker, prefixes in _KINDS.items():
+            if module.startswith(prefixes):
+                item.add_marker(marker)
+        if "s3" in getattr(item, "fixturenames", ()):
+            item.add_marker("s3")
+        if module.startswith(_SLOW_MODULES) or _SLOW_WORDS.search(item.name):
+            item.add_marker("slow")

@@ -27,6 +27,7 @@ from torch import nn
 
 import unbroken
 from unbroken import cli
+from unbroken._units import human
 from unbroken.checkpoint import MANIFEST, Checkpointer
 from unbroken.cli import scan
 from unbroken.errors import StateMismatch
@@ -641,7 +642,7 @@ def test_usage_errors_are_exit_2(capsys):
 
 def test_human_sizes():
     sizes = (0, 1023, 1024, 1536, 1000 * 1024, 5 * 2**20, 3 * 2**30, 2**50)
-    assert [cli.human(n) for n in sizes] == [
+    assert [human(n) for n in sizes] == [
         "0 B",
         "1023 B",
         "1.0 KiB",

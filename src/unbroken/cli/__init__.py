@@ -99,11 +99,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .._units import human
-from .report import report, table, text
-from .scan import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, UsageError, check, loaders
+from .report import report, text
+from .scan import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, UsageError
 
-__all__ = ["check", "human", "loaders", "main", "report", "table", "text"]
+__all__ = ["main"]  # the console script; the rest is internal
 
 
 # ------------------------------------------------------------------------------- the command

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 
 import torch
+
+from .._log import logger
 
 CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
 
@@ -26,12 +27,10 @@ CUBLAS = "CUBLAS_WORKSPACE_CONFIG"
 def determinism(wanted: bool | None, model: torch.nn.Module) -> Iterator[None]:
     if not wanted:
         if wanted is None and any(p.is_cuda for p in model.parameters()):
-            print(
-                "unbroken: the model is on CUDA and Trainer(deterministic=None): CUDA kernels "
+            logger.info(
+                "the model is on CUDA and Trainer(deterministic=None): CUDA kernels "
                 "may vary from run to run, so a resumed run may differ from an uninterrupted "
-                "one in the last bits; pass deterministic=True for bit-exact resume",
-                file=sys.stderr,
-                flush=True,
+                "one in the last bits; pass deterministic=True for bit-exact resume"
             )
         yield
         return
@@ -44,11 +43,9 @@ def determinism(wanted: bool | None, model: torch.nn.Module) -> Iterator[None]:
     if CUBLAS not in os.environ:
         if torch.cuda.is_initialized():
             # cuBLAS reads it when a handle is created; handles made already keep their setting.
-            print(
-                f"unbroken: deterministic=True set {CUBLAS}=:4096:8 after CUDA started; set "
-                "it before the first CUDA call (e.g. in the environment) to be sure it holds",
-                file=sys.stderr,
-                flush=True,
+            logger.info(
+                f"deterministic=True set {CUBLAS}=:4096:8 after CUDA started; set "
+                "it before the first CUDA call (e.g. in the environment) to be sure it holds"
             )
         os.environ[CUBLAS] = ":4096:8"
     torch.use_deterministic_algorithms(True)

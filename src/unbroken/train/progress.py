@@ -17,7 +17,6 @@ reaches the host at the end of a phase and in ``state_dict`` (a checkpoint) only
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import Any, TypedDict, cast
 import torch
 
 from .._checks import is_int, is_number
+from .._log import logger
 from ..distributed.world import World
 from ..errors import CorruptState, StateMismatch
 
@@ -234,10 +234,8 @@ def say(message: str, every_rank: bool = False) -> None:
     """Print a line about the run's course (resumed, preempted) for the job's log; in a
     data-parallel job, rank 0's only (every rank would print the same), unless ``every_rank``
     (what one rank alone knows, such as a save for a rank that died)."""
-    if not (every_rank or World.current().first):
-        return
-    # stderr, flushed, not a logger: it must reach a batch job's log file as it happens.
-    print(f"unbroken: {message}", file=sys.stderr, flush=True)
+    if every_rank or World.current().first:
+        logger.info(message)  # by default "unbroken: <message>" on stderr, flushed (``_log``)
 
 
 class _Bar:
