@@ -8,39 +8,25 @@ Layout of ``save(123, {"model": ..., "optimizer": ...})``::
                                                   sha256 and size of every file, its own sha256
     <directory>/.tmp-step-000000123-<pid>-<hex>/  a save in progress, or a killed one: ignored
 
-Everything is written and fsynced inside the hidden ``.tmp-*`` directory, the manifest last, and
-the directory is renamed into place (then its parent fsynced), so a SIGKILL at any instant leaves
-either the previous checkpoints or the new complete one. ``load_latest(state)`` tries
-checkpoints newest step first, skips (with a warning) any whose manifest, sizes, hashes or files
-do not check out, restores the newest good one in place and returns a ``Restored`` (``None`` if
-there is none). Files are read with ``torch.load(weights_only=True)``, which runs no code from
-the file, so ``save`` refuses, naming its key path, any value that such a load could not
-rebuild: what saves, loads.
+Everything is written and fsynced in the hidden ``.tmp-*`` directory, the manifest last; the
+directory is then renamed into place, so a SIGKILL at any instant leaves the previous
+checkpoints or the new complete one. ``load_latest`` tries checkpoints newest first, skips
+(with a warning) any that do not check out, and restores the newest good one in place. Files
+are read with ``torch.load(weights_only=True)``, which runs no code, so ``save`` refuses any
+value such a load could not rebuild: what saves, loads.
 
-Under ``torch.distributed`` (an initialized process group of more than one rank) every call
-is collective, and one checkpoint holds the whole job: each entry of ``state`` is written once,
-by rank 0, except ``PerRank`` entries, of which every rank writes its own part. Rank 0 opens the
-temporary directory, every rank writes and fsyncs its files into it, and only when all report
-their files durable does rank 0 write the manifest (listing every rank's files with their
-sha256) and rename the directory into place; a rank's failure raises on every rank (the others
-get a ``RankFailure``) and commits nothing. ``load_latest`` tries the checkpoints that rank 0
-lists, newest first; one that any rank finds incomplete or corrupt is skipped by all, so ranks
-never load different steps. The ranks must see one directory (checked when the Checkpointer
-is made: ``DirectoryNotShared``); a rank that died or does not arrive becomes a
-``RankFailure`` after ``timeout`` seconds (``group``).
+Under ``torch.distributed`` every call is collective; one checkpoint holds the whole job. Rank 0
+writes each entry once (every rank its ``PerRank`` entries), and the manifest once every rank's
+files are durable. A rank's failure raises on every rank (``group``) and commits nothing; a
+checkpoint any rank finds corrupt is skipped by all, so ranks never load different steps.
 
-The parts: ``layout`` (names; cleaning up after killed writers), ``entries`` (one class per
-kind: replicated, per rank, through DCP), ``writing`` (the write path), ``weights_only`` (what
-save refuses), ``storage`` (the protocol ``Storage``: hashed, fsynced writes, listing,
-``commit``), ``space`` (disk-full errors), ``manifest`` (the seal, its schema, reading),
-``group`` (how ranks agree), ``per_rank`` (what a job on another number of ranks loads),
-``background`` (``blocking=False``), ``restore``. Storage is reached only through a
-``Storage`` (``LocalStorage`` unless given one): another backend is one new class.
+The parts: ``layout`` (names, cleanup), ``entries`` (replicated, per rank, DCP), ``writing``,
+``weights_only``, ``storage`` (the ``Storage`` protocol: another backend is one new class),
+``space``, ``manifest``, ``group`` (how ranks agree), ``per_rank``, ``background``, ``restore``.
 
-Costs: a blocking save writes each byte once, hashing it on the way (sha256: ~1 GB/s a core),
-one fsync per file and two per directory. ``blocking=False`` blocks while the state is copied
-to CPU memory (held until the write ends). ``load_latest`` reads each file twice (the hash,
-then ``torch.load`` from the page cache).
+Costs: a save writes each byte once, hashed on the way (sha256: ~1 GB/s a core), one fsync per
+file, two per directory; ``blocking=False`` blocks while the state is copied to CPU memory.
+``load_latest`` reads each file twice (the hash, then ``torch.load`` from the page cache).
 """
 
 from __future__ import annotations
@@ -80,29 +66,27 @@ Written = dict[str, Part]  # one rank's files, by entry name
 class Checkpointer:
     """Saves and restores ``state`` dicts in ``directory``, keeping the newest ``keep`` saves.
 
-    ``state`` maps str names to objects with ``state_dict``/``load_state_dict`` (modules,
-    optimizers, schedulers, ``GradScaler``, ``unbroken.DataLoader``, yours) or to plain values
-    (dicts, lists, tuples, str, int, float, bool, None, tensors; sets, bytearray and complex
-    where the installed torch loads them), any of them wrapped in ``PerRank`` to be saved by
-    every rank of a ``torch.distributed`` job (rank 0 writes the others).
+    ``state`` maps str names to objects with ``state_dict``/``load_state_dict`` or to plain
+    values (dicts, lists, str, numbers, None, tensors). ``PerRank`` entries are saved by every
+    rank. One job writes to a directory at a time; under ``torch.distributed`` every rank makes
+    the Checkpointer and calls ``save`` and ``load_latest`` together.
 
-    ``directory`` is a local path or a URL in object storage (``s3://bucket/run/ckpt``, any
-    fsspec protocol whose package is installed), with ``storage_options`` for its filesystem
-    (endpoint, credentials; as ``StreamingDataset`` takes them): parts are uploaded first and
-    the manifest last, which commits the checkpoint (``checkpoint.objects``). A URL whose bucket
-    does not exist, whose endpoint does not answer or whose protocol is unknown raises here.
-    ``remote_timeout``: seconds an operation on the store may go without progress before it
-    fails with ``RemoteUnavailable`` (a store that stopped answering; ``retry``); the client's
-    own connect and read timeouts are in ``storage_options`` (S3: ``config_kwargs``).
-    ``storage`` replaces the storage altogether (a ``Storage`` of your own).
+    Args:
+        directory: A local path, or a URL in object storage (``s3://bucket/run/ckpt``, any
+            installed fsspec protocol), where the manifest, uploaded last, commits.
+        keep: How many of the newest checkpoints to keep; at least 2.
+        timeout: Seconds a rank waits for the others before a ``RankFailure``.
+        storage: A ``Storage`` of your own, replacing the storage altogether.
+        storage_options: The fsspec options of a URL's filesystem (endpoint, credentials).
+        remote_timeout: Seconds an operation on the store may go without progress before it
+            fails with ``RemoteUnavailable``.
 
-    One job writes to a directory at a time: before each save, the writer removes what killed
-    writers left behind. Processes that only ``load_latest`` change nothing on disk. Under
-    ``torch.distributed``, every rank makes the Checkpointer (collectively, in the same order
-    as its other collectives) and calls its ``save`` and ``load_latest`` together; ``timeout``
-    (seconds) bounds how long one waits for the others. Raises ``NotADirectoryError`` if
-    ``directory`` is a file (or lies under one), ``DirectoryNotShared`` if the ranks do not
-    see one directory.
+    Raises:
+        ValueError: ``keep`` or ``timeout`` is out of range, or a URL's protocol is unknown.
+        NotADirectoryError: ``directory`` is a file or lies under one.
+        DirectoryNotShared: the ranks do not see one directory.
+        FileNotFoundError: a URL's bucket does not exist.
+        RemoteUnavailable: a URL's endpoint does not answer.
     """
 
     def __init__(
@@ -138,30 +122,35 @@ class Checkpointer:
 
     @property
     def rank(self) -> int:
+        """This process's rank (0 without ``torch.distributed``)."""
         return self._ranks.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks (1 without ``torch.distributed``)."""
         return self._ranks.world_size
 
     def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> str:
-        """Write ``state`` as checkpoint ``step``; returns its final directory.
+        """Write ``state`` as checkpoint ``step``.
 
-        Once the save is committed, ``load_latest`` restores it: a checkpoint of the same step
-        is replaced, and ones with a larger step that ``load_latest`` skipped as corrupt (a run
-        that went back to an earlier checkpoint) are removed, with a warning. Then only the
-        newest ``keep`` remain. A checkpoint of a larger step that was not found damaged is
-        never deleted: the save raises ``ValueError`` naming it, before writing anything.
-        ``blocking=False`` returns once ``state`` is copied to CPU memory and writes in a
-        background thread; the next ``save``, ``wait``, ``load_latest`` or ``close`` waits for
-        it and re-raises what it raised (if none does, the failure is printed to stderr when
-        the interpreter exits). Raises ``ValueError`` naming the key path of a value that
-        ``torch.load(weights_only=True)`` could not rebuild (an int wider than 2039 bits, a
-        meta tensor, ...), before writing anything; ``OSError`` with errno ENOSPC, saying how
-        much is needed and free, if the disk is full, leaving the earlier checkpoints as they
-        were. Under ``torch.distributed``, a failure on any rank raises on every rank (a
-        ``RankFailure`` on the others) and nothing is committed; so do ranks that give
-        different steps or different ``PerRank`` names.
+        A checkpoint of the same step is replaced; larger steps that ``load_latest`` skipped as
+        corrupt are removed, with a warning. Then only the newest ``keep`` remain.
+
+        Args:
+            step: The training step, an int >= 0.
+            state: Names mapped to stateful objects or plain values (see the class).
+            blocking: If False, return once ``state`` is copied to CPU memory and write in a
+                background thread. The next ``save``, ``wait``, ``load_latest`` or ``close``
+                waits for it and re-raises what it raised.
+
+        Returns:
+            The checkpoint's final directory.
+
+        Raises:
+            ValueError: before writing anything: a bad ``step``, a larger step not found
+                damaged, ranks that disagree, or a value ``torch.load(weights_only=True)``
+                could not rebuild (named by its key path).
+            OSError: ENOSPC, saying how much is needed and free; earlier checkpoints stay.
         """
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
@@ -192,10 +181,21 @@ class Checkpointer:
         return final
 
     def save_alone(self, step: int, state: dict[str, Any], parts: dict[str, list[Any]]) -> str:
-        """Write checkpoint ``step`` of the whole job from this process alone, no collective: a
-        survivor's save for a rank that died (``train.jit``). ``state``: the replicated entries;
-        ``parts``: each ``PerRank`` entry's value for every rank, in rank order. No ``Sharded``
-        entry; a background save in flight is not waited for. Sealed and rotated as ``save``'s."""
+        """Write checkpoint ``step`` of the whole job from this process alone, no collective.
+
+        A survivor's save for a rank that died (``train.jit``); no ``Sharded`` entry.
+
+        Args:
+            step: The training step, an int >= 0.
+            state: The replicated entries.
+            parts: Each ``PerRank`` entry's value for every rank, in rank order.
+
+        Returns:
+            The checkpoint's final directory.
+
+        Raises:
+            ValueError: a bad ``step`` or name.
+        """
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
         _check_names({**state, **parts}, "save_alone")
@@ -206,8 +206,7 @@ class Checkpointer:
     def _prepare(
         self, state: dict[str, Any], blocking: bool
     ) -> tuple[dict[str, tuple[Kind, Any]], dict[str, ParamShapes]]:
-        """This rank's copies of what it writes, with their kind (``entries``), and the
-        parameter shapes of each optimizer."""
+        """This rank's copies of what it writes, with their kind, and optimizers' shapes."""
         if self._storage.renames:  # in object storage no file can stand where a prefix goes
             self._check_directory()
         mine: dict[str, tuple[Kind, Any]] = {}
@@ -238,6 +237,7 @@ class Checkpointer:
         self._pending = None
 
     def close(self) -> None:
+        """Wait for the background save, if any; re-raise what it raised."""
         self.wait()
 
     def __enter__(self) -> Checkpointer:
@@ -247,25 +247,27 @@ class Checkpointer:
         self.close()
 
     def load_latest(self, state: dict[str, Any]) -> Restored | None:
-        """Restore ``state`` from the newest valid checkpoint; ``None`` if there is none.
+        """Restore ``state`` from the newest valid checkpoint.
 
-        Objects with ``load_state_dict`` get their entry, in place. The caller's dict itself is
-        not changed: the saved values of its other names (plain values; what is given for them
-        is not used) are in the returned ``Restored``'s ``values``, the entries that ``state``
-        did not name in its ``unrequested``, with the checkpoint's ``step``, ``path`` and
-        ``world_size``. A ``Restored`` is always true, so ``if restored:`` means "resumed".
-        Each invalid checkpoint (truncated, a flipped byte, a malformed manifest, a rank's part
-        missing, ...) is skipped with a warning saying why (the ``CorruptCheckpoint`` it is).
-        A checkpoint that could not be read because the store did not answer is no corrupt
-        one: ``RemoteUnavailable`` is raised (after the retries, or past ``remote_timeout``),
-        naming the directory, and nothing is skipped, restored or deleted.
-        Raises ``StateMismatch`` if the newest valid checkpoint lacks a name of ``state``, does
-        not fit its modules or optimizers (shapes are compared before anything is restored),
-        has another format version, or holds a ``PerRank`` entry saved by another number of
-        ranks whose ``resize`` is ``"refuse"``; ``ValueError`` (of the kind the object raised,
-        if unbroken defines it) if an object rejects its entry; ``NotADirectoryError`` if the
-        directory is a file. Under ``torch.distributed`` every rank restores the same step, and
-        an error on one rank raises on all.
+        Objects with ``load_state_dict`` get their entry, in place. Each invalid checkpoint
+        (truncated, a flipped byte, a rank's part missing) is skipped with a warning saying why.
+
+        Args:
+            state: Names mapped to the objects to restore; plain values' names too (what is
+                given for them is not used).
+
+        Returns:
+            A ``Restored`` (always true: the plain values, the entries ``state`` did not name,
+            ``step``, ``path``, ``world_size``), or ``None`` if there is no valid checkpoint.
+
+        Raises:
+            RemoteUnavailable: the store did not answer (after the retries, or past
+                ``remote_timeout``); nothing was skipped, restored or deleted.
+            StateMismatch: the newest valid checkpoint lacks a name of ``state``, does not fit
+                its modules or optimizers, has another format version, or holds a ``PerRank``
+                entry saved by another number of ranks whose ``resize`` is ``"refuse"``.
+            ValueError: an object rejects its entry (of that object's kind if unbroken's).
+            NotADirectoryError: the directory is a file.
         """
         _check_names(state, "load_latest")
         self.wait()
@@ -346,8 +348,7 @@ class Checkpointer:
     def _read(
         self, where: str, step: int, state: dict[str, Any]
     ) -> tuple[Manifest, dict[str, Any], list[str]]:
-        """What this rank restores from checkpoint ``where``: its manifest, the entries by
-        name, and the ``PerRank`` names whose ``resize`` leaves the object as it is."""
+        """Checkpoint ``where``'s manifest, entries, and the ``PerRank`` names left as they are."""
         ranks = self._ranks
         manifest = read_manifest(self._storage, where, step)
         at = Reading(self._storage, where, manifest, ranks.rank, ranks.world_size)
@@ -364,8 +365,7 @@ class Checkpointer:
         return manifest, saved, skipped
 
     def _check_directory(self) -> None:
-        """Refuse a file where the directory should be: no checkpoint would ever be found in it,
-        and a Trainer would start over from step 0 and rewrite its log."""
+        """Refuse a file where the directory should be (a Trainer would restart from step 0)."""
         storage = self._storage
         if storage.is_directory(self._root):
             return

@@ -93,9 +93,17 @@ def storage_for(
 
 
 class ObjectStorage:
-    """``Storage`` on an fsspec filesystem without rename (see the module): ``retries`` and
-    ``backoff`` of each operation, ``cache`` of local copies (a directory, ``True`` for the
-    default, ``False`` for none), ``timeout``: seconds an operation may go without progress."""
+    """``Storage`` on an fsspec filesystem without rename (see the module).
+
+    Args:
+        url: The store's root, e.g. ``s3://bucket/runs/exp1``.
+        storage_options: The fsspec options of its filesystem (``endpoint_url``, keys...).
+        retries: How many times a failed operation is retried.
+        backoff: The first wait between retries, in seconds; it doubles each time.
+        cache: A directory for local copies of what is read, ``True`` for the default one,
+            ``False`` for none.
+        timeout: Seconds an operation may go without progress before it fails.
+    """
 
     renames = False
     """A checkpoint commits by its manifest, written last (``layout``)."""
@@ -135,6 +143,7 @@ class ObjectStorage:
 
     @property
     def fs(self) -> Any:
+        """The fsspec filesystem, made again in a forked process (``ValueError`` if unknown)."""
         if self._fs is None or self._pid != os.getpid():
             try:
                 self._fs = filesystem(self.url, self.storage_options, self.deadline.seconds)[0]
@@ -158,8 +167,13 @@ class ObjectStorage:
         return path if "://" in path else f"{self.protocol}://{path}"
 
     def check(self) -> None:
-        """Raise now if the store cannot be used: an unknown protocol, an endpoint that does
-        not answer (``RemoteUnavailable``), a bucket (or container) that does not exist."""
+        """Check now that the store can be used.
+
+        Raises:
+            ValueError: fsspec does not know the URL's protocol.
+            RemoteUnavailable: the endpoint does not answer.
+            FileNotFoundError: the bucket (or container) does not exist.
+        """
         bucket = self.fs._strip_protocol(self.url).split("/")[0]
         try:  # not exists(): s3fs says False for an endpoint that does not answer
             self._call("reach", bucket, lambda: self.fs.info(bucket))
@@ -192,8 +206,16 @@ class ObjectStorage:
         ]
 
     def expect(self, path: str, sha256: str, size: int) -> None:
-        """Say what ``path`` holds (from a manifest): if the cache has a copy of that content,
-        checked by its hash, later reads of ``path`` take it from the disk."""
+        """Say what a file holds, from a manifest, so a cached copy can serve its reads.
+
+        If the cache holds that content, checked by its hash, later reads of ``path`` take it
+        from the local disk.
+
+        Args:
+            path: The file in the store.
+            sha256: Its content's sha256 (hex), as the manifest lists it.
+            size: Its size in bytes.
+        """
         self._known.pop(path, None)  # a copy found before may be gone (pruned) or changed
         if self.cache is None:
             return
@@ -283,9 +305,14 @@ class ObjectStorage:
             copy.keep(hashlib.sha256(data).hexdigest())
 
     def prune_cache(self, kept: list[str]) -> None:
-        """Delete the local copies of files that none of the checkpoints ``kept`` lists (by
-        their manifests' sha256s); the rest stay for a restart on this machine. Called by the
-        writer once old checkpoints are dropped."""
+        """Delete the cached copies that no kept checkpoint lists.
+
+        The rest stay for a restart on this machine. The writer calls it once old checkpoints
+        are dropped.
+
+        Args:
+            kept: The kept checkpoints' directories; their manifests' sha256s are kept.
+        """
         if self.cache is None or not os.path.isdir(self.cache):
             return
         listed: set[str] = set()
@@ -318,9 +345,14 @@ class ObjectStorage:
             pass  # as LocalStorage: what cannot be removed stays, and is cleaned up later
 
     def abort_uploads(self, prefix: str) -> None:
-        """Abort the multipart uploads left under ``prefix`` by writers killed mid-upload
-        (invisible, but kept and billed by S3 until aborted). Only where the filesystem can
-        list them (s3fs); call it when no upload of this job is under way there."""
+        """Abort the multipart uploads left by writers killed mid-upload.
+
+        S3 keeps and bills such uploads, unseen, until they are aborted. This works only where
+        the filesystem can list them (s3fs). Call it when no upload of this job is under way.
+
+        Args:
+            prefix: The path under which uploads are aborted.
+        """
         self.fenced()
         lister = getattr(self.fs, "list_multipart_uploads", None)
         if lister is None:

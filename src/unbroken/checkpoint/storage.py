@@ -60,64 +60,148 @@ class Storage(Protocol):
     (``layout``)."""
 
     def exists(self, path: str) -> bool:
-        """Whether anything is at ``path``."""
+        """Whether anything is at ``path``.
+
+        Args:
+            path: A local path or a URI.
+
+        Returns:
+            True if a file or a directory is there.
+        """
         ...
 
     def is_directory(self, path: str) -> bool:
-        """Whether ``path`` is a directory (False if nothing is there)."""
+        """Whether ``path`` is a directory.
+
+        Args:
+            path: A local path or a URI.
+
+        Returns:
+            True for a directory; False for a file or nothing.
+        """
         ...
 
     def list_directory(self, path: str) -> list[Entry]:
-        """The entries of directory ``path``, in no particular order."""
+        """The entries of a directory.
+
+        Args:
+            path: The directory.
+
+        Returns:
+            Its entries, in no particular order.
+        """
         ...
 
     def make_directory(self, path: str) -> None:
-        """Create directory ``path``, whose parent exists; raise if it exists."""
+        """Create one directory.
+
+        Args:
+            path: The new directory. Its parent exists; an existing ``path`` is an error.
+        """
         ...
 
     def make_directories(self, path: str) -> None:
-        """``mkdir -p path``, each new directory's entry made durable in its parent."""
+        """Create a directory and its missing parents, like ``mkdir -p``.
+
+        Args:
+            path: The directory. Each new directory's entry is made durable in its parent.
+        """
         ...
 
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
-        """Create ``path`` (raise if it exists) with what ``fill(file)`` writes, durably."""
+        """Create a file durably with what ``fill(file)`` writes.
+
+        Args:
+            path: The new file; an existing one is an error.
+            fill: Called once with the open binary file; writes its content.
+
+        Returns:
+            The sha256 and size of what was written.
+        """
         ...
 
     def open_read(self, path: str) -> BinaryIO:
-        """``path`` opened for reading bytes; the caller closes it."""
+        """Open a file for reading bytes.
+
+        Args:
+            path: The file.
+
+        Returns:
+            The open file; the caller closes it.
+        """
         ...
 
     def size(self, path: str) -> int:
-        """The size of file ``path`` in bytes."""
+        """The size of a file.
+
+        Args:
+            path: The file.
+
+        Returns:
+            Its size in bytes.
+        """
         ...
 
     def is_link(self, path: str) -> bool:
-        """Whether ``path`` is a symbolic link (False on a store that has none)."""
+        """Whether ``path`` is a symbolic link.
+
+        Args:
+            path: A local path or a URI.
+
+        Returns:
+            True for a link; always False on a store that has none.
+        """
         ...
 
     def rename(self, source: str, target: str) -> None:
-        """Rename ``source`` to ``target`` (a directory too) in one step."""
+        """Rename a file or a directory in one step.
+
+        Args:
+            source: The current path.
+            target: The new path.
+        """
         ...
 
     def remove_tree(self, path: str) -> None:
-        """Remove ``path`` and everything under it, ignoring what cannot be removed."""
+        """Remove a path and everything under it, ignoring what cannot be removed.
+
+        Args:
+            path: The file or directory.
+        """
         ...
 
     def sync_directory(self, path: str) -> None:
-        """Make the entries of directory ``path`` (new files, renames) durable."""
+        """Make a directory's entries (new files, renames) durable.
+
+        Args:
+            path: The directory.
+        """
         ...
 
     def free_space(self, path: str) -> int:
-        """Bytes free for new data on the filesystem holding ``path``."""
+        """The bytes free for new data on the filesystem holding ``path``.
+
+        Args:
+            path: A path on that filesystem.
+
+        Returns:
+            The free bytes.
+        """
         ...
 
     def commit(self, staged: str, target: str, aside: str) -> None:
-        """Make the checkpoint written (manifest last) in directory ``staged`` appear whole at
-        ``target``, replacing one there, durably: after it, ``target`` holds all of it or, if
-        the process died during it, the old one (maybe at ``aside``, a free name, from which
-        ``layout.clean`` puts it back) or nothing; never a mix. A local disk renames the
-        directory; a store without renames was given ``staged == target`` (``layout.stage``)
-        and has nothing left to do: the manifest, written last, committed it."""
+        """Make a staged checkpoint appear whole at ``target``, durably.
+
+        Afterwards ``target`` holds all of the new checkpoint. If the process died during the
+        commit, it holds the old one (maybe at ``aside``, which ``layout.clean`` puts back) or
+        nothing; never a mix. A local disk renames the directory. A store without renames gets
+        ``staged == target`` (``layout.stage``): the manifest, written last, committed it.
+
+        Args:
+            staged: The directory the checkpoint was written in, manifest last.
+            target: Where the checkpoint appears, replacing one there.
+            aside: A free name where the old checkpoint is moved during the swap.
+        """
         ...
 
 

@@ -54,14 +54,15 @@ class _Progress:
 class CombinedLoader(EpochIterable[_Progress]):
     """Iterate a dict or list of resumable loaders together; ``state_dict()`` resumes it exactly.
 
-    - ``loaders``: a dict (``str`` keys) or a list/tuple of iterables with ``state_dict()`` and
-      ``load_state_dict()``, typically ``unbroken.DataLoader``. ``min_size`` and
-      ``max_size_cycle`` also need ``epoch`` and ``set_epoch()`` to end a child's epoch early.
-    - ``mode``: ``"max_size_cycle"`` (default), ``"min_size"``, ``"max_size"`` or ``"sequential"``.
-
     ``iter()`` continues the combined epoch that ``load_state_dict`` restored; otherwise each
     ``iter()`` starts the next combined epoch, also after a ``break``. An ``iter()`` that yielded
     nothing starts nothing.
+
+    Args:
+        loaders: A dict (``str`` keys) or a list/tuple of iterables with ``state_dict()`` and
+            ``load_state_dict()``, typically ``unbroken.DataLoader``. ``min_size`` and
+            ``max_size_cycle`` also need ``epoch`` and ``set_epoch()`` to end a child's epoch early.
+        mode: ``"max_size_cycle"`` (default), ``"min_size"``, ``"max_size"`` or ``"sequential"``.
     """
 
     def __init__(

@@ -119,9 +119,14 @@ class EpochIterable(Generic[P]):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` start ``epoch`` from its first item; whatever was open or
-        restored is dropped (for code that numbers epochs itself, like
-        ``DistributedSampler.set_epoch``, and wrappers that end an epoch early)."""
+        """Make the next ``iter()`` start ``epoch`` from its first item.
+
+        Whatever was open or restored is dropped. For code that numbers epochs itself, like
+        ``DistributedSampler.set_epoch``, and wrappers that end an epoch early.
+
+        Args:
+            epoch: The epoch, an int >= 0.
+        """
         check_epoch(epoch)
         self._move(epoch, self._start_position(None))
 

@@ -87,18 +87,18 @@ class _ItemPosition:
 class Resumable(EpochIterable[_ItemPosition]):
     """An iterable whose position survives a restart.
 
-    - ``make_iterable``: called as ``make_iterable(epoch)`` (or ``make_iterable()`` if it takes
-      no argument) at the start of each epoch, and again to resume one. A re-iterable object
-      (a list, a loader) may be passed instead and is iterated every epoch; a one-shot
-      iterator (a generator object) is refused, since it cannot be made again.
-    - ``name``: stored in the state and checked on load, to tell the states of several
-      streams apart.
-    - ``progress``: show a tqdm bar while a resume skips more than 1000 items (on a terminal).
-
     ``iter()`` continues the epoch ``load_state_dict`` restored and otherwise starts the next
     epoch (the first is 0). As with ``unbroken.DataLoader``, a ``break`` ends the epoch at once
     (a state taken after it starts the next epoch) and an ``iter()`` that yielded nothing
     starts nothing.
+
+    Args:
+        make_iterable: Called as ``make_iterable(epoch)`` (or ``make_iterable()`` if it takes no
+            argument) at the start of each epoch, and again to resume one. A re-iterable object (a
+            list, a loader) may be passed instead and is iterated every epoch; a one-shot iterator
+            (a generator object) is refused, since it cannot be made again.
+        name: Stored in the state and checked on load, to tell the states of several streams apart.
+        progress: Show a tqdm bar while a resume skips more than 1000 items (on a terminal).
     """
 
     def __init__(

@@ -52,36 +52,53 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
     A subclass of torch's DataLoader (``isinstance`` holds) with its attributes (``sampler``,
     ``batch_sampler``, ``collate_fn``, ``generator``, ``prefetch_factor``, ...; ``views``), built
     on a torch DataLoader of its own rather than on torch's ``__init__``. Takes torch's
-    arguments plus keyword-only ``seed`` and ``global_rngs``:
-
-    - ``seed``: the run's data seed (an int in [0, 2**64)). The shuffle order and every
-      sample's randomness derive from it. ``None`` takes ``generator.initial_seed()`` if a
-      ``generator`` is given, else the draw torch's ``RandomSampler`` would make from torch's
-      global generator, made on a copy of it (so ``torch.manual_seed(0)`` reproduces the
-      order, and building a loader changes no later draw; two loaders built with no draw in
-      between get the same seed). On several ranks, rank 0's, broadcast once.
-      ``load_state_dict`` then adopts the saved seed, so a restarted run continues the same
-      order.
-    - ``global_rngs``: which process-global generators are seeded before each batch:
-      any of ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves
-      its seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for
-      ``random``; the README's "Randomness" section) but makes draws from it inside
-      ``__getitem__`` depend on the worker, so they no longer repeat after a resume;
-      ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay exact either way.
-    - ``rank``, ``world_size``: data parallelism (``unbroken.data.sources.sharding``). Taken
-      from the initialized ``torch.distributed`` process group when left out. A map-style
-      dataset in unbroken's own order then gives each rank its share of every global batch of
-      one global order; the state is the global cursor, the same on every rank, and resumes on
-      any number of ranks (without ``seed``, every rank must build its loader: see above). A
-      global-cursor stream with ``len()`` is split too. Other iterable datasets (with their
-      own state, or a Hugging Face stream split by ``split_dataset_by_node``) and user samplers
-      are iterated by each rank on its own (``unbroken.data.sources.ranks``): on more than one rank
-      their state records ``rank`` and ``world_size`` in its fingerprint and resumes only on
-      the rank and world size that saved it (each rank loads its own state); another rank,
-      another world size or a single process's state is refused with a ``StateMismatch``.
+    arguments plus keyword-only ``seed``, ``global_rngs``, ``rank`` and ``world_size``.
 
     ``iter(loader)`` continues the epoch a ``load_state_dict`` restored, and otherwise starts
     the next epoch (the first is epoch 0).
+
+    Args:
+        seed: The run's data seed (an int in [0, 2**64)). The shuffle order and every sample's
+            randomness derive from it. ``None`` takes ``generator.initial_seed()`` if a
+            ``generator`` is given, else the draw torch's ``RandomSampler`` would make from torch's
+            global generator, made on a copy of it (so ``torch.manual_seed(0)`` reproduces the
+            order, and building a loader changes no later draw; two loaders built with no draw in
+            between get the same seed). On several ranks, rank 0's, broadcast once.
+            ``load_state_dict`` then adopts the saved seed, so a restarted run continues the same
+            order.
+        global_rngs: Which process-global generators are seeded before each batch: any of
+            ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves its
+            seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for ``random``;
+            the README's "Randomness" section) but makes draws from it inside ``__getitem__`` depend
+            on the worker, so they no longer repeat after a resume; ``unbroken.sample_rng()`` and
+            ``unbroken.sample_seed()`` stay exact either way.
+        rank: This process's rank, for data parallelism (``unbroken.data.sources.sharding``);
+            from the initialized ``torch.distributed`` process group when left out. A map-style
+            dataset in unbroken's order gives each rank its share of every global batch; the
+            state is the global cursor and resumes on any number of ranks. Other iterable
+            datasets and user samplers are iterated by each rank on its own: their state
+            resumes only on the rank and world size that saved it.
+        world_size: The number of ranks, likewise.
+        dataset: As torch's: a map-style or iterable dataset.
+        batch_size: As torch's.
+        shuffle: As torch's.
+        sampler: As torch's.
+        batch_sampler: As torch's.
+        num_workers: As torch's; a resume may use another number.
+        collate_fn: As torch's.
+        pin_memory: As torch's.
+        drop_last: As torch's.
+        timeout: As torch's.
+        worker_init_fn: As torch's.
+        multiprocessing_context: As torch's.
+        generator: As torch's; its ``initial_seed()`` is the seed when ``seed`` is ``None``.
+        prefetch_factor: As torch's.
+        persistent_workers: As torch's.
+        pin_memory_device: As torch's.
+        in_order: As torch's.
+
+    Raises:
+        ValueError: an argument is invalid or contradicts another, as torch's would say.
     """
 
     _independent = True  # two iterations at once each have their own position (``epochs``)
@@ -234,10 +251,14 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         return Cursor(source=self._source.fresh())
 
     def state_dict(self) -> LoaderState:
-        """What the user has received so far: JSON-serializable (``json.dumps`` works).
+        """What the user has received so far.
 
-        Raises ``ValueError`` naming the key if a sampler's or dataset's own state cannot be
-        saved as JSON (iterating never fails for it).
+        Returns:
+            The state, JSON-serializable (``json.dumps`` works).
+
+        Raises:
+            ValueError: a sampler's or dataset's own state cannot be saved as JSON (named by
+                its key; iterating never fails for it).
         """
         cursor = self._pos
         return self._state(cursor.samples, cursor.batches, cursor.source)
@@ -265,15 +286,18 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter()`` continue right after the last batch the saved loader yielded.
 
-        Raises ``CorruptState`` naming the field if the state is malformed (a field of the wrong
-        type or out of range, counters that describe no position of an epoch, a source of
-        another shape than this loader's source saves); ``StateMismatch`` naming the field, the
-        saved and the current value if it is from another version, or was saved with a
-        different dataset length, seed, batch size, drop_last, shuffle, sampler or (for a
-        per-worker iterable dataset) ``num_workers``, or, for a dataset iterated per rank, on
-        another ``rank`` or ``world_size`` (``ranks``). Both are ``ValueError``s. States of
-        versions 1 and 2 (seeded per sample) are refused with a ``StateMismatch`` that says
-        why (``states``). Nothing changes unless the whole state is valid.
+        Nothing changes unless the whole state is valid.
+
+        Args:
+            state: What ``state_dict()`` returned, maybe through JSON.
+
+        Raises:
+            CorruptState: the state is malformed (a field of the wrong type or out of range,
+                counters that describe no position of an epoch, a source of another shape).
+            StateMismatch: the state is from another version, or was saved with a different
+                dataset length, seed, batch size, drop_last, shuffle, sampler or (per-worker
+                iterable dataset) ``num_workers``, or (a dataset iterated per rank) on another
+                ``rank`` or ``world_size``. It names the field, the saved and current value.
         """
         what = "unbroken.DataLoader"
         reader = StateReader(state, what, LOADER)

@@ -79,16 +79,17 @@ class _WindowPosition:
 class ShuffleBuffer(EpochIterable[_WindowPosition]):
     """A windowed shuffle of ``iterable`` with unbroken's loader protocol.
 
-    - ``iterable``: the upstream. An object with ``state_dict``/``load_state_dict`` and
-      ``__iter__`` where each ``iter()`` is its next epoch (``unbroken.resumable(...)``,
-      ``unbroken.DataLoader``, torchdata's ``StatefulDataLoader``) is used as is, and must
-      have no other consumer; anything else (a list, ``make_iterable(epoch)``) is wrapped in
-      ``unbroken.resumable``.
-    - ``size``: items per window (memory: one window of items).
-    - ``seed``: the shuffle's seed, an int in [0, 2**64); checked on load.
-
     ``iter()`` and epochs work as for ``unbroken.DataLoader``; each ``iter()`` of the buffer
     iterates the upstream once.
+
+    Args:
+        iterable: The upstream. An object with ``state_dict``/``load_state_dict`` and ``__iter__``
+            where each ``iter()`` is its next epoch (``unbroken.resumable(...)``,
+            ``unbroken.DataLoader``, torchdata's ``StatefulDataLoader``) is used as is, and must
+            have no other consumer; anything else (a list, ``make_iterable(epoch)``) is wrapped in
+            ``unbroken.resumable``.
+        size: Items per window (memory: one window of items).
+        seed: The shuffle's seed, an int in [0, 2**64); checked on load.
     """
 
     def __init__(self, iterable: Any, size: int, *, seed: int) -> None:

@@ -102,63 +102,70 @@ def _signals(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class TrainerOptions:
-    """Everything a ``Trainer`` is told, but its directory (``describe()``: each field's doc in
-    one line):
+    """Everything a ``Trainer`` is told, but its directory (``describe()``: each in one line).
 
-    - ``max_epochs``: epochs to train. ``max_steps``: stop after this many optimizer steps.
-      Both may change between a run and its resume.
-    - ``seed``: seeds the process RNGs of a fresh run (model init happens before ``fit``, so
-      seed that yourself). Recorded in checkpoints; must match on resume.
-    - ``checkpoint_every_seconds``: save when this much wall-clock time passed since the last
-      save, at the next batch boundary; ``None`` turns it off. ``"auto"`` (default): the
-      interval that wastes the least time, from the measured cost of this run's saves and the
-      failures its run directory has seen (Young/Daly; ``train.schedule``): a fresh run saves
-      after its first 2 s to measure, then about every ``sqrt(2 x cost x 4 hours)`` until a failure is
-      seen, bounded to [2 s, 30 min]; printed when first chosen and when it changes (by 1.5x
-      or in its reasons). ``checkpoint_every_steps``: also
-      save every this many optimizer steps (default ``None``). A preemption signal and the end
-      of training always save.
-    - ``keep``: committed checkpoints kept (>= 2). ``async_save``: write periodic checkpoints
-      in a background thread (preemption and final saves block).
-    - ``accumulate``: training batches per optimizer step. ``clip_grad_norm``: max gradient
-      norm, or ``None``. ``scheduler_interval``: ``"step"`` or ``"epoch"``. All three shape
-      the computation, are recorded and must match on resume.
-    - ``callbacks``: objects with any of ``on_fit_start``, ``on_train_batch_end``,
-      ``on_optimizer_step`` (after each optimizer step, the epoch's last, partial accumulation
-      window's included: EMA weights, gradient statistics), ``on_validation_start`` and
-      ``on_validation_end`` (around each validation pass, and again when a resumed run goes on
-      inside one: a weight swap for validation must see whether it already swapped, e.g. from
-      its own state), ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``,
-      ``on_preempted``, ``on_fit_end``; those with ``state_dict``/``load_state_dict`` are
-      checkpointed. The ``logs`` the hooks get hold the latest logged value of each name.
-    - ``log_every``: a batch's loss and the other scalars its step returns are logged (CSV,
-      TensorBoard, ``logs``, the progress bar's postfix) on every ``log_every``-th batch of its
-      phase (default 50, as Lightning's ``log_every_n_steps``): only these batches' values are
-      read on the host. Epoch values (``epoch_loss``, metrics) are logged at every phase's end.
-    - ``progress_bar``: a tqdm bar. ``tensorboard``: ``None`` writes TensorBoard events if it
-      is installed, ``True`` requires it, ``False`` never.
-    - ``signals``: the preemption signals (default SIGTERM, SIGUSR1). They are handled from
-      the moment the Trainer is built until ``fit`` returns; one that comes before training
-      starts ends ``fit`` with ``EXIT_CODE`` and saves nothing (nothing new was trained).
-    - ``preemption_check_every``: under ``torch.distributed``, the ranks agree every this many
-      batches whether any rank got a preemption signal or is due a wall-clock checkpoint (one
-      all-reduce of two ints; default 1: every batch). A signal waits for the next agreement.
-      ``checkpoint_timeout``: how long (seconds) a rank waits for the others in a checkpoint
-      save or load, rank 0's writing of the replicated state included (default 600).
-    - ``remote_timeout``: a run directory in object storage: how long (seconds) one operation
-      on the store (an upload, a download, a listing, the lease's renewal) may go without
-      progress before it fails (default 60). A periodic save that fails so is reported and
-      training goes on; a resume fails, naming the store.
-    - ``just_in_time``: under ``torchrun``, when a rank dies (or stops answering for the
-      process group's timeout), one survivor saves the whole job as of the last completed
-      optimizer step, and torchrun's restart resumes from it: a failure costs the step in
-      flight (``train.jit``). ``None`` (default): wherever a survivor can know every rank's
-      state (DDP, no torchmetrics states, an ``unbroken.DataLoader`` over a map-style dataset,
-      ``preemption_check_every=1``), else off with a message; ``True``: required (``fit``
-      raises, naming what prevents it); ``False``: off.
-    - ``deterministic``: ``True`` turns on deterministic kernels during ``fit`` (needed for
-      bit-exact resume on CUDA; the README's "Exactness on a GPU"); ``None`` (default) changes
-      nothing and says so once if the model is on CUDA; ``False`` changes nothing.
+    ``accumulate``, ``clip_grad_norm``, ``scheduler_interval`` and ``seed`` shape the
+    computation: they are recorded in checkpoints and must match on resume. The others may
+    change between a run and its resume. A preemption signal and the end of training always
+    save.
+
+    Args:
+        max_epochs: Epochs to train.
+        max_steps: Stop after this many optimizer steps.
+        seed: Seeds the process RNGs of a fresh run. Model init happens before ``fit``, so seed
+            that yourself.
+        checkpoint_every_seconds: Save when this much wall-clock time passed since the last
+            save, at the next batch boundary; ``None`` turns it off. ``"auto"`` (default): the
+            interval that wastes the least time, from the measured cost of this run's saves and
+            the failures its run directory has seen (Young/Daly; ``train.schedule``). A fresh
+            run saves after its first 2 s to measure, then about every
+            ``sqrt(2 x cost x 4 hours)`` until a failure is seen, bounded to [2 s, 30 min]. The
+            choice is printed when first made and when it changes.
+        checkpoint_every_steps: Also save every this many optimizer steps (default ``None``).
+        keep: Committed checkpoints kept (>= 2).
+        accumulate: Training batches per optimizer step.
+        clip_grad_norm: The largest gradient norm, or ``None``.
+        scheduler_interval: When the scheduler steps: ``"step"`` or ``"epoch"``.
+        callbacks: Objects with any of ``on_fit_start``, ``on_train_batch_end``,
+            ``on_optimizer_step`` (after each optimizer step, the epoch's last partial window
+            included), ``on_validation_start`` and ``on_validation_end`` (around each
+            validation pass, and again when a resumed run goes on inside one),
+            ``on_validation_batch_end``, ``on_epoch_end``, ``on_save_start``, ``on_preempted``,
+            ``on_fit_end``. Those with ``state_dict``/``load_state_dict`` are checkpointed. The
+            ``logs`` the hooks get hold the latest logged value of each name.
+        progress_bar: A tqdm bar.
+        signals: The preemption signals (default SIGTERM, SIGUSR1). They are handled from the
+            moment the Trainer is built until ``fit`` returns. One that comes before training
+            starts ends ``fit`` with ``EXIT_CODE`` and saves nothing.
+        async_save: Write periodic checkpoints in a background thread (preemption and final
+            saves block).
+        tensorboard: ``None`` writes TensorBoard events if it is installed, ``True`` requires
+            it, ``False`` never.
+        log_every: A batch's loss and the other scalars its step returns are logged (CSV,
+            TensorBoard, ``logs``, the progress bar) on every ``log_every``-th batch of its
+            phase (default 50). Only these batches' values are read on the host. Epoch values
+            are logged at every phase's end.
+        deterministic: ``True`` turns on deterministic kernels during ``fit`` (needed for
+            bit-exact resume on CUDA). ``None`` (default) changes nothing and says so once if
+            the model is on CUDA; ``False`` changes nothing.
+        preemption_check_every: Under ``torch.distributed``, the ranks agree every this many
+            batches whether any rank got a preemption signal or is due a wall-clock checkpoint
+            (one all-reduce of two ints; default 1). A signal waits for the next agreement.
+        checkpoint_timeout: Seconds a rank waits for the others in a checkpoint save or load
+            (default 600).
+        lease_seconds: A run directory in object storage: how long an unknown holder's lease
+            is waited for (a holder known dead is not).
+        just_in_time: Under ``torchrun``, when a rank dies (or stops answering), one survivor
+            saves the whole job as of the last completed optimizer step (``train.jit``).
+            ``None`` (default): wherever a survivor can know every rank's state, else off with
+            a message; ``True``: required (``fit`` raises, naming what prevents it); ``False``:
+            off.
+        remote_timeout: A run directory in object storage: seconds one operation on the store
+            may go without progress before it fails (default 60). A periodic save that fails
+            so is reported and training goes on; a resume fails, naming the store.
+
+    Raises:
+        ValueError: an option is out of range or of the wrong type.
     """
 
     max_epochs: int = _option(
@@ -242,7 +249,11 @@ class TrainerOptions:
             option.metadata["check"](option.name, getattr(self, option.name))
 
     def on_resume(self) -> TrainerConfig:
-        """The fields a resumed run must match, as the checkpoint records them."""
+        """The fields a resumed run must match.
+
+        Returns:
+            Those fields by name, as the checkpoint records them.
+        """
         fields = dataclasses.fields(self)
         return cast(
             TrainerConfig,
@@ -251,5 +262,9 @@ class TrainerOptions:
 
     @classmethod
     def describe(cls) -> dict[str, str]:
-        """Each option's doc, by name."""
+        """Each option's doc in one line.
+
+        Returns:
+            The docs, by option name.
+        """
         return {f.name: f.metadata["doc"] for f in dataclasses.fields(cls)}

@@ -1,39 +1,15 @@
 """``Trainer``: a small training loop that a kill at any instant cannot change the result of.
 
-Everything that decides the next step is in the checkpoint (``checkpointing`` lists it).
-Starting the same command again loads the newest valid checkpoint and continues; the finished
-run's weights and logged values are bit for bit those of a run that was never interrupted.
-
-The loop, top to bottom: lock the run directory, restore or seed; for each epoch a training
-phase (forward, backward, every ``accumulate`` batches clip and step), then a validation phase;
-after every batch, check for a preemption signal (save, exit with ``EXIT_CODE``) or a periodic
-checkpoint (every ``checkpoint_every_seconds`` of wall-clock time, by default an interval chosen
-from the measured cost of a save and the failures seen, and every ``checkpoint_every_steps``
-optimizer steps). A checkpoint can be taken inside either phase and resumes there. The way
-to the first step is timed by phase and printed (``startup``).
-
-No host sync per batch: a batch's loss is added to the phase's running sum where it lives
-(``LossSum``: on the host for a CPU loss, on the device otherwise), and its values are read on
-the host only on the batches that are logged, every ``log_every`` (a read on a GPU waits for
-every queued kernel). The sum is read at a phase's end and in a checkpoint.
-
-Under ``torchrun`` (an initialized process group of more than one rank) every rank runs this
-loop on its share of the data, with the user's DDP-wrapped model: checkpoints hold the whole
-job (``Checkpointer``: rank 0 writes what is replicated, every rank its ``PerRank`` parts), the
-ranks agree on preemption signals and wall-clock checkpoints before acting on them (``ranks``),
-and rank 0 alone writes the CSV log, TensorBoard and the progress bar; logged epoch losses are
-means over the ranks, torchmetrics sync their states at ``compute()``.
-When a rank dies or hangs, a survivor saves the whole job as of the last completed step
-(``jit``), so torchrun's restart loses at most the step in flight: before each optimizer step's
-first batch the process RNGs are seeded from (seed, phase, epoch, step, rank) (``globalrng``),
-and with just-in-time saves the ranks agree right after the backward, before the optimizer
-step, on a gather that also carries each rank's loss.
-
-Units: ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps (with
-``accumulate=k``, one step per k training batches), as Lightning's ``max_steps`` and
-``every_n_train_steps`` do. The log's ``step`` column counts batches of its phase. Checkpoint
-directories are numbered by batches seen, training plus validation, the one counter that grows
-at every place a checkpoint can be taken.
+Everything that decides the next step is in the checkpoint (``checkpointing`` lists it). The
+same command, started again, resumes from the newest valid checkpoint, bit for bit. The loop:
+lock the run directory, restore or seed; each epoch, a training then a validation phase; after
+every batch, a preemption signal saves and exits with ``EXIT_CODE``, or a periodic save is due.
+Loss values reach the host only on logged batches (``LossSum``), so there is no sync per batch.
+Under ``torchrun`` every rank runs this loop with a DDP model; the ranks agree on signals and
+saves (``ranks``), rank 0 alone writes the logs, and when a rank dies a survivor saves the job
+as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
+step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
+``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
 """
 
 from __future__ import annotations
@@ -72,14 +48,35 @@ _DEFAULTS = {
 class Trainer:
     """A training loop that resumes bit for bit: ``Trainer("runs/exp1", max_epochs=3).fit(...)``.
 
-    Arguments: ``directory``, the run directory (``checkpoints/``, ``metrics.csv``,
-    ``tensorboard/``), where one process at a time may train (an OS lock, released when the
-    process ends): a local path, or a URL in object storage (``s3://bucket/runs/exp1``, with
-    ``storage_options`` for its filesystem: endpoint, credentials), from which a job restarted
-    on another machine resumes (``train.rundir``; its lock is a lease, ``lease_seconds``); then,
-    keyword-only, the options below, each described in ``help(unbroken.train.TrainerOptions)``;
-    or ``options``, all of them as one ``TrainerOptions``. ``trainer.options`` holds them either way (``trainer.max_epochs`` etc.
-    read them).
+    Args:
+        directory: The run directory, where one process at a time trains: a path or a URL.
+        storage_options: The fsspec options of a URL's filesystem (endpoint, credentials).
+        max_epochs: Epochs to train.
+        max_steps: Stop after this many optimizer steps.
+        seed: Seeds the process RNGs of a fresh run.
+        checkpoint_every_seconds: Wall-clock seconds between saves; ``"auto"`` or ``None``.
+        checkpoint_every_steps: Also save every this many optimizer steps.
+        keep: Committed checkpoints kept (>= 2).
+        accumulate: Training batches per optimizer step.
+        clip_grad_norm: The largest gradient norm, or ``None``.
+        scheduler_interval: When the scheduler steps: ``"step"`` or ``"epoch"``.
+        callbacks: Objects with any of the Trainer's hooks.
+        progress_bar: Show a tqdm bar.
+        signals: The preemption signals.
+        async_save: Write periodic checkpoints in a background thread.
+        tensorboard: TensorBoard events: ``None`` if installed, ``True`` required.
+        log_every: Log a batch's values every this many batches of its phase.
+        deterministic: ``True``: deterministic kernels during ``fit``.
+        preemption_check_every: Batches between the ranks' agreements on signals.
+        checkpoint_timeout: Seconds a rank waits for the others in a save or load.
+        lease_seconds: How long an unknown holder's lease of a remote directory is waited for.
+        remote_timeout: Seconds an operation on the store may go without progress.
+        just_in_time: When a rank dies, a survivor saves the job (``None``: where possible).
+        options: All the options as one ``TrainerOptions`` (documents each in full), instead of
+            the keywords. ``trainer.options`` holds them; ``trainer.max_epochs`` etc. read them.
+
+    Raises:
+        ValueError: an option is invalid, or given both as a keyword and in ``options``.
     """
 
     def __init__(
@@ -113,7 +110,6 @@ class Trainer:
         self.startup = Startup()  # first: the time to the first step, by phase
         given = {name: value for name, value in locals().items() if name in _DEFAULTS}
         self.run = RunDirectory(directory, storage_options)
-        # A local run directory as a Path, a URL as given.
         self.directory: str | Path = self.run.location if self.run.remote else Path(directory)
         # The options, checked (train.config), before anything is installed or locked.
         if options is None:
@@ -128,8 +124,7 @@ class Trainer:
         self.progress = Progress(config=config)
         self.logs: dict[str, float] = {}  # the latest value of everything logged
         self._on_optimizer_step: tuple = ()  # the callbacks' hooks, looked up as fit starts
-        # Handled from now on, so a signal while the model is built or a checkpoint is read
-        # ends the run with EXIT_CODE (to be requeued) instead of killing it.
+        # Handled from now on: a signal before training ends the run with EXIT_CODE.
         self.preemption = Preemption(self.options.signals).install()
 
     def __getattr__(self, name: str) -> Any:
@@ -138,8 +133,6 @@ class Trainer:
         if options is not None and name in _DEFAULTS:
             return getattr(options, name)
         raise AttributeError(f"'Trainer' object has no attribute {name!r}")
-
-    # -- the loop ---------------------------------------------------------------------------
 
     def fit(
         self,
@@ -155,13 +148,23 @@ class Trainer:
         train_metrics: dict[str, Any] | None = None,
         val_metrics: dict[str, Any] | None = None,
     ) -> dict[str, float]:
-        """Train (resuming from the newest checkpoint in ``directory`` if any); return the logs.
+        """Train, resuming from the newest checkpoint in ``directory`` if any.
 
-        ``training_step(model, batch)`` returns the loss, or a dict with ``"loss"`` and other
-        scalars to log; by default ``model.training_step(batch)``. ``validation_step`` likewise
-        returns a loss or a dict (no gradients). ``train_metrics``/``val_metrics`` are
-        torchmetrics metrics your steps update: the Trainer resets them when a phase starts,
-        saves their accumulated state in checkpoints and logs ``compute()`` when it ends.
+        Args:
+            model: The model (DDP-wrapped under ``torchrun``).
+            optimizer: Its optimizer.
+            train_loader: The training batches, an ``unbroken.DataLoader`` or any resumable.
+            val_loader: The validation batches, or ``None``.
+            scheduler: A learning-rate scheduler, or ``None``.
+            scaler: A ``torch.amp.GradScaler``, or ``None``.
+            training_step: ``(model, batch)`` returning the loss, or a dict with ``"loss"`` and
+                other scalars to log; by default ``model.training_step(batch)``.
+            validation_step: Likewise, without gradients.
+            train_metrics: Torchmetrics your steps update: reset, checkpointed, ``compute()``d.
+            val_metrics: The same, for validation.
+
+        Returns:
+            The logs: the latest value of each logged name.
         """
         self.startup.mark("your code from Trainer() to fit()")
         try:
@@ -303,8 +306,7 @@ class Trainer:
                 self.boundary.agree(loss)  # with just-in-time saves: before the step
                 if progress.micro == self.options.accumulate:
                     self._optimizer_step()
-                # The one place a batch's values reach the host: a sync on a GPU, so only on
-                # the batches that are logged.
+                # The one place a batch's values reach the host (a GPU sync): logged ones only.
                 if progress.batches % log_every == 0:
                     self.log(step_values(output), "train")
                     batches.show(self.logs["train/loss"])
@@ -386,12 +388,13 @@ class Trainer:
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
 
-    # -- logging and callbacks --------------------------------------------------------------
-
     def log(self, values: Mapping[str, Any], phase: str = "train") -> None:
-        """Log scalars at the current step of ``phase`` (for callbacks): CSV, TensorBoard,
-        ``logs``. A value may be a one-element tensor: it is read on the host here (on a GPU,
-        a sync: call this every few batches, not every batch)."""
+        """Log scalars at the current step of ``phase`` (for callbacks): CSV, TensorBoard, logs.
+
+        Args:
+            values: Names mapped to numbers or one-element tensors (read on the host: a sync).
+            phase: ``"train"`` or ``"val"``.
+        """
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
         self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
