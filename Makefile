@@ -9,7 +9,7 @@ STAMP := $(VENV)/.unbroken-installed
 # What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
 DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
-.PHONY: test demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
+.PHONY: test docs demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ test: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+
+# The documentation site, strict: a broken link, anchor or API reference fails the build.
+DOCS_STAMP := $(VENV)/.unbroken-docs-installed
+$(DOCS_STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 demo: $(DEMO_STAMP)
 	$(PY) demo/train_digits.py
@@ -110,4 +121,4 @@ mutate: $(STAMP)
 	$(VENV)/bin/mutmut results
 
 clean:
-	rm -rf $(VENV) .venv-peers .pytest_cache .hypothesis demo_output bench_output mutants
+	rm -rf $(VENV) .venv-peers .pytest_cache .hypothesis demo_output bench_output mutants site
