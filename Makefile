@@ -9,7 +9,7 @@ STAMP := $(VENV)/.unbroken-installed
 # What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
 DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
-.PHONY: test test-fast demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
+.PHONY: test test-fast docs demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,17 @@ test: $(STAMP)
 # S3 server, Lightning or transformers.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not distributed and not s3 and not lightning and not hf"
+
+# The documentation site, strict: a broken link, anchor or API reference fails the build.
+DOCS_STAMP := $(VENV)/.unbroken-docs-installed
+$(DOCS_STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 demo: $(DEMO_STAMP)
 	$(PY) demo/train_digits.py
@@ -115,4 +126,4 @@ mutate: $(STAMP)
 	$(VENV)/bin/mutmut results
 
 clean:
-	rm -rf $(VENV) .venv-peers .pytest_cache .hypothesis demo_output bench_output mutants
+	rm -rf $(VENV) .venv-peers .pytest_cache .hypothesis demo_output bench_output mutants site

@@ -356,8 +356,8 @@ def test_a_run_directory_locked_by_another_job_is_refused_on_every_rank(tmp_path
 
 
 def test_the_readme_job_runs_under_torchrun_as_written(tmp_path):
-    readme = (HERE.parent / "README.md").read_text()
-    heading = "### A training job on several ranks"
+    readme = (HERE.parent / "docs" / "guides" / "data-parallel.md").read_text()
+    heading = "## A training job on several ranks"
     block = readme[readme.index(heading) :].split("```python\n", 1)[1].split("\n```", 1)[0]
     (tmp_path / "train.py").write_text(block)
     result = subprocess.run(

@@ -1,4 +1,4 @@
-"""Every code block of the README runs as written, and the data quickstart survives SIGKILL."""
+"""Every python block of the README and the docs runs as written; the data quickstart survives SIGKILL."""
 
 import json
 import os
@@ -45,11 +45,17 @@ def _id(heading: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", heading.lower()).strip("-")
 
 
+# Blocks in these languages run; `bash` and `text` blocks are shown, not run (commands, output,
+# diagrams). Any other language, or a fence without one, would go unnoticed: refused.
+LANGUAGES = {"python", "json", "sh", "bash", "text"}
+
+
 def test_the_readme_has_the_blocks_this_file_tests():
     fences = [line for line in README.read_text().splitlines() if line.startswith("```")]
     languages = {fence[3:] for fence in fences if fence != "```"}
-    assert languages <= {"python", "json", "sh"}, languages  # any other would go untested
-    assert len(PYTHON) >= 5
+    assert languages <= LANGUAGES, languages
+    assert len(PYTHON) >= 1  # the Trainer quickstart
+    assert len(DOC_PYTHON) >= 15
 
 
 DOC_PYTHON = [
@@ -74,7 +80,9 @@ def test_a_python_block_of_the_docs_runs_as_written(page, heading, code, tmp_pat
 def test_the_docs_blocks_are_python_or_shell():
     for page in DOCS:
         fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
-        assert {fence[3:] for fence in fences if fence != "```"} <= {"python", "sh", "json"}, page
+        assert {fence[3:] for fence in fences if fence != "```"} <= LANGUAGES, page
+        opened = [fence for fence in fences[::2] if fence == "```"]
+        assert not opened, f"{page}: a block without a language"
 
 
 def _run_twice(name: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +93,7 @@ def _run_twice(name: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_the_state_format_block_is_what_state_dict_returns():
-    ((heading, block),) = _blocks("json")
+    ((heading, block),) = _blocks("json", README.parent / "docs" / "guides" / "resume-contract.md")
     documented = json.loads(block)
     loader = unbroken.DataLoader(
         torch.utils.data.TensorDataset(torch.arange(50_000.0)),
@@ -103,7 +111,10 @@ def test_the_state_format_block_is_what_state_dict_returns():
 
 def test_the_data_quickstart_resumes_after_sigkills_at_random_moments(tmp_path):
     """The old quickstart's `json.dump(open(..., "w"))` left an empty file in 12 of 15 kills."""
-    code = next(code for heading, code in PYTHON if heading == "Quickstart: only the data")
+    data = README.parent / "docs" / "quickstart" / "data.md"
+    code = next(
+        code for heading, code in _blocks("python", data) if heading == "Quickstart: only the data"
+    )
     script = tmp_path / "quickstart.py"
     script.write_text(code)
     checkpoints = tmp_path / "data-checkpoints"
