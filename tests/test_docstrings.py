@@ -313,13 +313,6 @@ PENDING = {
     "unbroken.testing.S3Server",
     "unbroken.testing.assert_resumes_exactly",
     "unbroken.testing.assert_same",
-    "unbroken.cli.check",
-    "unbroken.cli.human",
-    "unbroken.cli.loaders",
-    "unbroken.cli.main",
-    "unbroken.cli.report",
-    "unbroken.cli.table",
-    "unbroken.cli.text",
 }
 
 
@@ -338,7 +331,7 @@ def test_public_docstring(name, obj):
 
 def test_the_walk_finds_the_public_names():
     found = {name for name, _ in NAMES}
-    assert len(NAMES) >= 50
+    assert len(NAMES) >= 45
     assert {"unbroken.Checkpointer", "unbroken.Trainer", "unbroken.cli.main"} <= found
     assert PENDING <= found, "PENDING names a name that is no longer public"
 

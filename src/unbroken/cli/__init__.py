@@ -155,7 +155,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``unbroken`` command; returns its exit status."""
+    """Run the ``unbroken`` command: ``inspect`` or ``verify`` a checkpoint or run directory.
+
+    Args:
+        argv: The command line without the program name; ``None`` reads ``sys.argv``.
+
+    Returns:
+        The exit status: 0 when every checkpoint checks out, 1 when one is corrupt, 2 for a
+        usage error or a directory that cannot be read.
+    """
     try:
         args = parser().parse_args(argv)
     except SystemExit as stop:  # argparse's usage errors (2) and --help (0)
