@@ -75,15 +75,17 @@ $(HF_STAMP): $(DEMO_STAMP)
 demo-hf: $(HF_STAMP)
 	$(PY) demo/train_hf.py
 
-# Every side-by-side benchmark, in RESULTS.md's order (~75 min on 2 idle cores, goodput.py ~47 of
-# them: 4 failure traces x 9 configurations of a 45-s job, run one at a time; stream_peers.py
-# creates .venv-peers/ once), each writing bench_output/NAME.json; then benchmarks/report.py draws
-# benchmarks/plots/*.png and rewrites the generated section of benchmarks/RESULTS.md. A failing
-# benchmark does not stop the others, but make fails at the end. `make bench-quick`: the same with
-# every script's --quick (~9 min, 3 of them stream_peers.py's, 3.5 goodput.py's; checks the
-# pipeline, its numbers are noise). BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
+# Every side-by-side benchmark, in RESULTS.md's order (~83 min on 2 idle cores, goodput.py ~47 of
+# them: 4 failure traces x 9 configurations of a 45-s job, run one at a time; goodput_ranks.py ~8;
+# stream_peers.py creates .venv-peers/ once), each writing bench_output/NAME.json; then
+# benchmarks/report.py draws benchmarks/plots/*.png and rewrites the generated section of
+# benchmarks/RESULTS.md. A failing benchmark does not stop the others, but make fails at the end.
+# `make bench-quick`: the same with every script's --quick (~12 min, 3 of them stream_peers.py's,
+# 3.5 goodput.py's, 2.5 goodput_ranks.py's; checks the pipeline, its numbers are noise).
+# BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
 BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume hf_resume checkpoint_blocking \
-	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput
+	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput \
+	goodput_ranks
 BENCH_FLAGS ?=
 define run-benchmarks
 @failed=""; for b in $(BENCHMARKS); do \
@@ -105,6 +107,12 @@ bench-quick: $(STAMP)
 # unbroken vs MosaicML Streaming and LitData from a local S3 server (creates .venv-peers/ once).
 bench-stream: $(STAMP)
 	$(PY) benchmarks/stream_peers.py
+
+# A 3-rank torchrun job under 5 SIGKILLs and a SIGSTOP of one rank at a time, periodic saves vs
+# just-in-time saves (~8 min): bench_output/goodput_ranks.json, which bench-goodput-sim reads.
+.PHONY: bench-goodput-ranks
+bench-goodput-ranks: $(STAMP)
+	$(PY) benchmarks/goodput_ranks.py $(BENCH_FLAGS)
 
 # Goodput of a 1,000- and a 16,384-GPU job at Llama 3's failure rate, simulated (seconds): fixed,
 # auto and just-in-time saves. With bench_output/goodput_ranks.json (the 3-rank goodput runs), also

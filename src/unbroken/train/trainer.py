@@ -190,6 +190,8 @@ class Trainer:
                     self.run.close()
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
+            if "jit" in self.__dict__:  # a survivor that saved for the job obeys torchrun now
+                self.jit.obey(self.preemption.received)
         call_hooks(self.options.callbacks, "on_fit_end", self)
         return self.logs
 
