@@ -283,11 +283,6 @@ NAMES = public_names()
 # Public names whose docstrings are not yet restructured into sections: expected to fail, and
 # strictly so, so that a name fixed without being removed from this list fails the suite.
 PENDING = {
-    "unbroken.StreamingDataset",
-    "unbroken.index_parquet",
-    "unbroken.write_shards",
-    "unbroken.streaming.ShardCache",
-    "unbroken.streaming.default_cache_dir",
     "unbroken.lightning.AtomicCheckpointIO",
     "unbroken.lightning.ExactResume",
     "unbroken.hf.ExactResumeMixin",
