@@ -280,18 +280,9 @@ def check(obj: Any, name: str) -> list[str]:
 
 NAMES = public_names()
 
-# Public names whose docstrings are not yet restructured into sections: expected to fail, and
-# strictly so, so that a name fixed without being removed from this list fails the suite.
-PENDING = {
-    "unbroken.lightning.AtomicCheckpointIO",
-    "unbroken.lightning.ExactResume",
-    "unbroken.hf.ExactResumeMixin",
-    "unbroken.hf.Trainer",
-    "unbroken.hf.Verdict",
-    "unbroken.hf.check",
-    "unbroken.hf.last_sealed",
-    "unbroken.hf.seal",
-}
+# Public names whose docstrings are not yet restructured into sections (none now): expected to
+# fail, and strictly so, so that a name fixed without being removed from this set fails the suite.
+PENDING: set[str] = set()
 
 
 @pytest.mark.parametrize(
