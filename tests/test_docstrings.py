@@ -280,40 +280,9 @@ def check(obj: Any, name: str) -> list[str]:
 
 NAMES = public_names()
 
-# Public names whose docstrings are not yet restructured into sections: expected to fail, and
-# strictly so, so that a name fixed without being removed from this list fails the suite.
-PENDING = {
-    "unbroken.CombinedLoader",
-    "unbroken.CorruptState",
-    "unbroken.GlobalRNG",
-    "unbroken.PerRank",
-    "unbroken.Preemption",
-    "unbroken.Resumable",
-    "unbroken.Sharded",
-    "unbroken.ShuffleBuffer",
-    "unbroken.StateMismatch",
-    "unbroken.StreamingDataset",
-    "unbroken.index_parquet",
-    "unbroken.resumable",
-    "unbroken.sample_rng",
-    "unbroken.sample_seed",
-    "unbroken.shuffle_buffer",
-    "unbroken.write_shards",
-    "unbroken.distributed.init_process_group",
-    "unbroken.streaming.ShardCache",
-    "unbroken.streaming.default_cache_dir",
-    "unbroken.lightning.AtomicCheckpointIO",
-    "unbroken.lightning.ExactResume",
-    "unbroken.hf.ExactResumeMixin",
-    "unbroken.hf.Trainer",
-    "unbroken.hf.Verdict",
-    "unbroken.hf.check",
-    "unbroken.hf.last_sealed",
-    "unbroken.hf.seal",
-    "unbroken.testing.S3Server",
-    "unbroken.testing.assert_resumes_exactly",
-    "unbroken.testing.assert_same",
-}
+# Public names whose docstrings are not yet restructured into sections (none now): expected to
+# fail, and strictly so, so that a name fixed without being removed from this set fails the suite.
+PENDING: set[str] = set()
 
 
 @pytest.mark.parametrize(

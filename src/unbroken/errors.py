@@ -45,7 +45,20 @@ __all__ = [
 
 
 class StateMismatch(ValueError):
-    """A saved state was taken with another configuration than the object loading it has."""
+    """A saved state was taken with another configuration than the object loading it has.
+
+    ``field``, ``saved`` and ``current`` are kept as attributes, also across processes.
+
+    Args:
+        what: The object that refuses the state, e.g. ``"unbroken.DataLoader"``. Alone, it is
+            the whole message (how torch re-raises a worker's error).
+        field: The state's field that differs.
+        saved: The field's value in the state.
+        current: The field's value in the object loading it.
+        hint: What to do, in place of "Resume with the same setting, or start a new run."
+        holder: What the object is called in the message (``"loader"``).
+        message: The whole message, in place of the one made from the fields.
+    """
 
     def __init__(
         self,
@@ -76,7 +89,12 @@ class StateMismatch(ValueError):
 
 
 class CorruptState(ValueError):
-    """A state that is malformed or inconsistent: no run of this object saved it as it is."""
+    """A state that is malformed or inconsistent: no run of this object saved it as it is.
+
+    Args:
+        message: What is wrong, naming the field, and what to do.
+        field: The field to blame, when one is; kept as an attribute.
+    """
 
     def __init__(self, message: str, field: str | None = None) -> None:
         self.field = field

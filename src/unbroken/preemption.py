@@ -77,6 +77,9 @@ class Preemption:
     """A context manager that installs flag-setting handlers and restores the previous ones.
 
     ``with Preemption() as preemption: ... if preemption.requested: save(); exit(EXIT_CODE)``
+
+    Args:
+        signals: The signals that request a preemption (SIGTERM and SIGUSR1 by default).
     """
 
     def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
@@ -87,9 +90,15 @@ class Preemption:
 
     @property
     def requested(self) -> bool:
+        """Whether one of the signals came since the handlers were installed."""
         return self.received is not None
 
     def seconds_since_signal(self) -> float:
+        """How long ago the signal came.
+
+        Returns:
+            Seconds since the first signal, or 0.0 if none came.
+        """
         return 0.0 if self.received_at is None else time.monotonic() - self.received_at
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -100,11 +109,21 @@ class Preemption:
 
     @property
     def installed(self) -> bool:
+        """Whether the handlers are installed now."""
         return bool(self._previous)
 
     def install(self) -> Preemption:
-        """Install the handlers (again a no-op while installed); ``uninstall`` puts back the
-        previous ones. ``with Preemption():`` does both."""
+        """Install the handlers; a no-op while they are installed.
+
+        ``uninstall`` puts back the previous ones; ``with Preemption():`` does both.
+
+        Returns:
+            This ``Preemption``.
+
+        Raises:
+            RuntimeError: called outside the main thread (Python installs signal handlers
+                there only); pass ``signals=()`` there instead.
+        """
         if self.installed or not self.signals:
             return self
         if threading.current_thread() is not threading.main_thread():
@@ -132,6 +151,7 @@ class Preemption:
         self._previous.clear()
 
     def uninstall(self) -> None:
+        """Put back the handlers that ``install`` replaced."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         if self._previous and self.signals in _active:

@@ -29,12 +29,23 @@ def assert_resumes_exactly(
     resume_with: Callable[[], Any] | None = None,
     cuts: Iterable[int] | None = None,
 ) -> int:
-    """Raise ``AssertionError`` at the first cut point whose resumed stream differs.
+    """Check that a loader resumed from each saved state continues the uninterrupted stream.
 
-    ``make_loader()`` must build a fresh loader each call (same dataset, seed and settings).
-    ``resume_with()`` builds the loader that resumes (default: ``make_loader``), e.g. with
-    another ``num_workers``. ``cuts`` selects cut points by index into the list of saved
-    states (0 is before the first batch). Returns the number of cut points checked.
+    Args:
+        make_loader: Builds a fresh loader each call (same dataset, seed and settings).
+        epochs: How many epochs the uninterrupted run iterates, at least 1.
+        resume_with: Builds the loader that resumes (default: ``make_loader``), e.g. with
+            another ``num_workers``.
+        cuts: The cut points to check, by index into the saved states (0 is before the first
+            batch); all of them by default.
+
+    Returns:
+        The number of cut points checked.
+
+    Raises:
+        AssertionError: at the first cut point whose resumed stream differs; it names the
+            cut point and the batch.
+        ValueError: ``epochs`` is below 1, or a cut is out of range.
     """
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
@@ -74,7 +85,19 @@ def _record(loader: Any, epochs: int) -> tuple[list, list[tuple[int, str, str]]]
 
 
 def assert_same(got: Any, want: Any, where: str = "value") -> None:
-    """Assert equal structure and values; tensors are compared with ``torch.equal``."""
+    """Assert equal structure and values; tensors are compared with ``torch.equal``.
+
+    Types, dtypes, shapes, dict keys and their order must be equal too.
+
+    Args:
+        got: The value to check: a tensor, a numpy array, a dict, list or tuple of them, or any
+            value comparable with ``==``.
+        want: The expected value.
+        where: How the message names the value; nested parts get ``[key]`` appended.
+
+    Raises:
+        AssertionError: the first difference, naming where it is.
+    """
     if type(got) is not type(want):
         raise AssertionError(f"{where}: type {type(got).__name__} != {type(want).__name__}")
     if isinstance(want, torch.Tensor):
@@ -98,9 +121,11 @@ def assert_same(got: Any, want: Any, where: str = "value") -> None:
 
 
 class S3Server:
-    """A real S3 protocol server on 127.0.0.1 for tests and demos: moto's standalone server
-    (``pip install "moto[server]" s3fs``) in a process of its own, started and stopped by
-    ``with``. Clients talk HTTP to it exactly as to S3, through ``storage_options``::
+    """A real S3 protocol server on 127.0.0.1 for tests and demos.
+
+    It is moto's standalone server (``pip install "moto[server]" s3fs``) in a process of its
+    own, started and stopped by ``with``. Clients talk HTTP to it exactly as to S3, through
+    ``storage_options``::
 
         with S3Server() as s3:
             s3.make_bucket("data")
@@ -108,6 +133,9 @@ class S3Server:
 
     The server runs in its own process group, so a test that signals its own group does not
     stop it, and ``stop()`` (or leaving the ``with``) kills it and anything it started.
+
+    Args:
+        port: The port to listen on; 0 takes a free one when it starts.
     """
 
     def __init__(self, port: int = 0) -> None:
@@ -116,6 +144,7 @@ class S3Server:
 
     @property
     def endpoint(self) -> str:
+        """The server's URL, ``http://127.0.0.1:<port>``."""
         return f"http://127.0.0.1:{self.port}"
 
     @property
@@ -124,6 +153,14 @@ class S3Server:
         return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
 
     def start(self) -> S3Server:
+        """Start the server and wait, up to 60 s, until it answers.
+
+        Returns:
+            This ``S3Server``.
+
+        Raises:
+            RuntimeError: the server did not start (is ``moto[server]`` installed?).
+        """
         import socket
         import subprocess
         import sys
@@ -155,7 +192,14 @@ class S3Server:
                 time.sleep(0.1)
 
     def make_bucket(self, name: str) -> str:
-        """Create bucket ``name`` (if missing); returns ``s3://name``."""
+        """Create a bucket, if it is missing.
+
+        Args:
+            name: The bucket's name.
+
+        Returns:
+            Its URL, ``s3://<name>``.
+        """
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options)
@@ -164,6 +208,7 @@ class S3Server:
         return f"s3://{name}"
 
     def stop(self) -> None:
+        """Kill the server and anything it started; a no-op when it is not running."""
         import os
         import signal
 

@@ -31,7 +31,17 @@ _NAMED = ("refuse", "rank0", "skip")
 
 
 class PerRank:
-    """``PerRank(obj, resize="refuse")``: ``obj`` (stateful or a plain value) saved per rank."""
+    """An entry of a ``Checkpointer``'s state that every rank saves and loads for itself.
+
+    Args:
+        obj: A stateful object or a plain value.
+        resize: What a rank loads when the job resumes on another number of ranks:
+            ``"refuse"``, ``"rank0"``, ``"skip"`` or a function ``resize(parts, rank,
+            world_size)`` (see the module).
+
+    Raises:
+        ValueError: ``obj`` is already a ``PerRank``, or ``resize`` is none of these.
+    """
 
     def __init__(self, obj: Any, resize: str | Resize = "refuse") -> None:
         if isinstance(obj, PerRank):

@@ -36,8 +36,17 @@ METADATA = ".metadata"
 
 
 class Sharded:
-    """``Sharded(model, optimizer)``: one checkpoint entry for a model (FSDP2-sharded or not) and
-    its optimizers, saved and loaded through DCP by every rank together."""
+    """One checkpoint entry for a model and its optimizers, saved through DCP by every rank.
+
+    The model may be FSDP2-sharded or not; a state loads on any number of ranks.
+
+    Args:
+        model: The model, e.g. a ``fully_shard``-ed one.
+        optimizers: Its optimizer, or several.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+    """
 
     def __init__(
         self,
@@ -52,12 +61,22 @@ class Sharded:
         self.optimizers = list(optimizers)
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's part of the state, as DCP's ``get_state_dict`` gives it.
+
+        Returns:
+            ``{"model": ..., "optimizers": ...}``, keyed by parameter name.
+        """
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizers = get_state_dict(self.model, self.optimizers)
         return {"model": model, "optimizers": optimizers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put a state back into the model and optimizers, through DCP's ``set_state_dict``.
+
+        Args:
+            state: What ``state_dict()`` returned, with this rank's shards.
+        """
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(
@@ -68,7 +87,12 @@ class Sharded:
         )
 
     def load(self, directory: str, group: Any) -> None:
-        """This rank's part of the state in ``directory``, in place (collective)."""
+        """Load this rank's part of the state in ``directory``, in place (collective).
+
+        Args:
+            directory: The entry's DCP directory in a checkpoint.
+            group: The process group DCP's collectives run on; ``None`` for one process.
+        """
         import torch.distributed.checkpoint as dcp  # here: ~0.7 s to import
 
         state = self.state_dict()  # DCP loads into the current tensors: their shards, resharded

@@ -63,6 +63,10 @@ class CombinedLoader(EpochIterable[_Progress]):
             ``load_state_dict()``, typically ``unbroken.DataLoader``. ``min_size`` and
             ``max_size_cycle`` also need ``epoch`` and ``set_epoch()`` to end a child's epoch early.
         mode: ``"max_size_cycle"`` (default), ``"min_size"``, ``"max_size"`` or ``"sequential"``.
+
+    Raises:
+        ValueError: an unknown mode, no loader, or one loader passed twice.
+        TypeError: ``loaders`` is not a dict or list, or a dict key is not a ``str``.
     """
 
     def __init__(
@@ -112,8 +116,13 @@ class CombinedLoader(EpochIterable[_Progress]):
         return sum(lengths) if self.mode == "sequential" else max(lengths)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` start combined epoch ``epoch`` from its first batch;
-        children left mid-epoch begin their next epoch, as at the end of a combined epoch."""
+        """Make the next ``iter()`` start combined epoch ``epoch`` from its first batch.
+
+        Children left mid-epoch begin their next epoch, as at the end of a combined epoch.
+
+        Args:
+            epoch: The combined epoch to start, an int >= 0.
+        """
         check_epoch(epoch)
         self._close_epoch(self._pos)
         self._move(epoch, self._start_position(None))
@@ -211,7 +220,11 @@ class CombinedLoader(EpochIterable[_Progress]):
                 # next iter() starts its next epoch by itself, as torch's DataLoader does.
 
     def state_dict(self) -> CombinedState:
-        """The combined batches the user received: JSON if the children's states are."""
+        """The combined batches the user received.
+
+        Returns:
+            The state, holding each child's ``state_dict()``: JSON if the children's states are.
+        """
         pos, n = self._pos, len(self._children)
         return {
             "format": COMBINED.name,
@@ -239,10 +252,18 @@ class CombinedLoader(EpochIterable[_Progress]):
         """Make the next ``iter()`` continue right after the last combined batch the saved loader
         yielded.
 
-        Raises ``CorruptState`` naming the field if the state is malformed, ``StateMismatch`` if
-        it is from another version or was saved with another mode or other loaders; a child's
-        own refusal is passed on, of the same type, with its key in front. The combined position changes only if the whole state loads;
-        children loaded before a failing one get their previous states back.
+        The combined position changes only if the whole state loads. Children loaded before a
+        failing one get their previous states back.
+
+        Args:
+            state: What ``state_dict()`` returned, maybe through JSON.
+
+        Raises:
+            CorruptState: the state is malformed; it names the field.
+            StateMismatch: the state is from another version, or was saved with another mode or
+                other loaders.
+            ValueError: a child refused its own state; its error is passed on, of the same type,
+                with the child's key in front.
         """
         reader = StateReader(state, _WHAT, COMBINED)
         if not same(state["mode"], self.mode):

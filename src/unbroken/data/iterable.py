@@ -60,7 +60,16 @@ def resumable(
     name: str | None = None,
     progress: bool = True,
 ) -> Resumable:
-    """Make ``make_iterable``'s stream resumable: see ``Resumable``."""
+    """Make ``make_iterable``'s stream resumable: see ``Resumable``.
+
+    Args:
+        make_iterable: A function of the epoch that makes its iterable, or a re-iterable object.
+        name: Stored in the state and checked on load, to tell several streams apart.
+        progress: Show a tqdm bar while a resume skips more than 1000 items (on a terminal).
+
+    Returns:
+        The ``Resumable`` wrapping it.
+    """
     return Resumable(make_iterable, name=name, progress=progress)
 
 
@@ -99,6 +108,10 @@ class Resumable(EpochIterable[_ItemPosition]):
             (a generator object) is refused, since it cannot be made again.
         name: Stored in the state and checked on load, to tell the states of several streams apart.
         progress: Show a tqdm bar while a resume skips more than 1000 items (on a terminal).
+
+    Raises:
+        TypeError: ``name`` is not a str, or ``make_iterable`` is a one-shot iterator, not
+            callable, or takes arguments other than the epoch.
     """
 
     def __init__(
@@ -211,10 +224,14 @@ class Resumable(EpochIterable[_ItemPosition]):
             )
 
     def state_dict(self) -> ResumableState:
-        """What the loop has received so far: JSON-serializable (``json.dumps`` works).
+        """What the loop has received so far.
 
-        Raises ``ValueError`` naming the key if the iterable's own state cannot be saved as
-        JSON (tensors and numpy arrays can).
+        Returns:
+            The state, JSON-serializable (``json.dumps`` works).
+
+        Raises:
+            ValueError: the iterable's own state cannot be saved as JSON (named by its key;
+                tensors and numpy arrays can).
         """
         pos = self._pos
         raise_if_unsaveable(pos.inner)
@@ -231,11 +248,17 @@ class Resumable(EpochIterable[_ItemPosition]):
     def load_state_dict(self, state: dict) -> None:
         """Make the next ``iter()`` continue right after the last item the saved stream yielded.
 
-        Raises ``CorruptState`` naming the field if the state is malformed (a field of the wrong
-        type or out of range, counters that contradict each other), ``StateMismatch`` if it is
-        from another format or version, or was saved under another ``name``. Nothing changes unless it is valid.
-        Whether the epoch's iterable can load ``inner`` is known only once it is made, at
-        ``iter()``.
+        Nothing changes unless the state is valid. Whether the epoch's iterable can load
+        ``inner`` is known only once it is made, at ``iter()``.
+
+        Args:
+            state: What ``state_dict()`` returned, maybe through JSON.
+
+        Raises:
+            CorruptState: the state is malformed (a field of the wrong type or out of range,
+                counters that contradict each other). It names the field.
+            StateMismatch: the state is from another format or version, or was saved under
+                another ``name``.
         """
         reader = StateReader(state, self._what, RESUMABLE)
         if not same(state["name"], self.name):

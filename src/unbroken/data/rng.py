@@ -161,7 +161,14 @@ def _current() -> _Current:
 def sample_seed() -> int:
     """The 64-bit seed of the sample being fetched, derived from (seed, epoch, position).
 
-    Call it inside ``__getitem__`` of a dataset loaded by ``unbroken.DataLoader``.
+    Call it inside ``__getitem__`` of a dataset loaded by ``unbroken.DataLoader``, e.g.
+    ``numpy.random.default_rng(unbroken.sample_seed())``.
+
+    Returns:
+        The seed, an int in [0, 2**64): the same for the same sample after any resume.
+
+    Raises:
+        RuntimeError: no ``unbroken.DataLoader`` is fetching a sample in this process.
     """
     current = _current()
     assert current.key is not None
@@ -174,6 +181,12 @@ def sample_rng() -> torch.Generator:
     Seeded on first use for each sample (so samples that don't ask pay nothing); repeated
     calls within one sample return the same generator, continuing its stream. Don't keep it
     across samples: the next sample re-seeds it.
+
+    Returns:
+        The generator, seeded from the sample's (seed, epoch, position).
+
+    Raises:
+        RuntimeError: no ``unbroken.DataLoader`` is fetching a sample in this process.
     """
     current = _current()
     key, position = current.key, current.position

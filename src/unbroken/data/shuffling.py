@@ -58,7 +58,16 @@ _WHAT = "unbroken.shuffle_buffer"
 
 
 def shuffle_buffer(iterable: Any, size: int, *, seed: int) -> ShuffleBuffer:
-    """Shuffle a stream in windows of ``size`` items, resumably: see ``ShuffleBuffer``."""
+    """Shuffle a stream in windows of ``size`` items, resumably: see ``ShuffleBuffer``.
+
+    Args:
+        iterable: The upstream: a stateful loader used as is, or anything ``resumable`` wraps.
+        size: Items per window (memory: one window of items).
+        seed: The shuffle's seed, an int in [0, 2**64); checked on load.
+
+    Returns:
+        The ``ShuffleBuffer``.
+    """
     return ShuffleBuffer(iterable, size, seed=seed)
 
 
@@ -90,6 +99,9 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
             ``unbroken.resumable``.
         size: Items per window (memory: one window of items).
         seed: The shuffle's seed, an int in [0, 2**64); checked on load.
+
+    Raises:
+        ValueError: ``size`` is not an int >= 1, or ``seed`` not an int in [0, 2**64).
     """
 
     def __init__(self, iterable: Any, size: int, *, seed: int) -> None:
@@ -111,8 +123,15 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
         return len(self.upstream)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` start ``epoch`` from its first item (needs the upstream's
-        ``set_epoch``, which ``unbroken.resumable`` and ``unbroken.DataLoader`` have)."""
+        """Make the next ``iter()`` start ``epoch`` from its first item.
+
+        Args:
+            epoch: The epoch to start.
+
+        Raises:
+            TypeError: the upstream has no ``set_epoch`` (``unbroken.resumable`` and
+                ``unbroken.DataLoader`` have one).
+        """
         if not callable(getattr(self.upstream, "set_epoch", None)):
             raise TypeError(
                 f"{_WHAT}.set_epoch needs an upstream with set_epoch(); "
@@ -228,9 +247,13 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
             )
 
     def state_dict(self) -> ShuffleBufferState:
-        """The buffer's position: JSON-serializable, as small as the upstream's state.
+        """The buffer's position.
 
-        Raises ``ValueError`` naming the key if the upstream's state cannot be saved as JSON.
+        Returns:
+            The state, JSON-serializable and as small as the upstream's state.
+
+        Raises:
+            ValueError: the upstream's state cannot be saved as JSON (named by its key).
         """
         pos = self._pos
         upstream = self._upstream_state()
@@ -250,12 +273,17 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
     def load_state_dict(self, state: dict) -> None:
         """Restore the upstream to the current window's start and the position in it.
 
-        Raises ``CorruptState`` naming the field if the state is malformed (a field of the wrong
-        type or out of range; a window that is not where the upstream's state is, when the
-        buffer made the upstream itself), ``StateMismatch`` if it is from another format or
-        version, or was saved with another ``size`` or ``seed``; the upstream checks its own
-        part (its refusal keeps its type). Nothing changes unless
-        the whole state is valid.
+        Nothing changes unless the whole state is valid. The upstream checks its own part,
+        and its refusal keeps its type.
+
+        Args:
+            state: What ``state_dict()`` returned, maybe through JSON.
+
+        Raises:
+            CorruptState: the state is malformed: a field of the wrong type or out of range, or
+                (when the buffer made the upstream) a window apart from the upstream's state.
+            StateMismatch: the state is from another format or version, or was saved with
+                another ``size`` or ``seed``.
         """
         reader = StateReader(state, _WHAT, SHUFFLE_BUFFER)
         for field in ("size", "seed"):

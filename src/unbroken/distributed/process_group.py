@@ -29,8 +29,16 @@ import torch.distributed as dist
 def init_process_group(
     backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any
 ) -> None:
-    """``torch.distributed.init_process_group(backend, timeout=timeout, **kwargs)``; under
-    ``torchrun``, with the agent's store scoped to this restart attempt."""
+    """Torch's ``init_process_group``; under ``torchrun``, its store scoped to this attempt.
+
+    Outside an elastic agent, or given a ``store`` or ``init_method``, it calls torch's
+    unchanged.
+
+    Args:
+        backend: As torch's, e.g. ``"nccl"`` or ``"gloo"``.
+        timeout: As torch's; also the timeout of the agent's store (30 minutes by default).
+        **kwargs: Torch's other arguments; ``rank`` and ``world_size`` default to torchrun's.
+    """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if attempt is None or not agent_store or "store" in kwargs or "init_method" in kwargs:

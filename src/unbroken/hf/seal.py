@@ -47,7 +47,14 @@ class UnsealedCheckpointWarning(UserWarning):
 
 @dataclass
 class Verdict:
-    """What ``check`` found: ``status``, and for a damaged folder what is wrong (``problems``)."""
+    """What ``check`` found about a checkpoint folder.
+
+    Args:
+        folder: The folder checked.
+        status: ``"sealed"``, ``"unsealed"`` (no seal: a save that never finished) or
+            ``"damaged"`` (a seal whose files changed or went missing).
+        problems: For a damaged folder, what is wrong, one line each.
+    """
 
     folder: str
     status: Status
@@ -55,10 +62,15 @@ class Verdict:
 
     @property
     def sealed(self) -> bool:
+        """Whether the folder is sealed, so a resume may use it."""
         return self.status == "sealed"
 
     def reason(self) -> str:
-        """One line saying why the folder cannot be resumed from (empty when it can)."""
+        """Why the folder cannot be resumed from.
+
+        Returns:
+            One line, or an empty string when it can be.
+        """
         if self.status == "unsealed":
             return f"it has no {SEAL}, so its save did not finish"
         if self.status == "damaged":
@@ -70,7 +82,13 @@ def seal(folder: str) -> dict[str, Any]:
     """Make every file under ``folder`` durable and record it in ``unbroken-seal.json``.
 
     Call it once the folder is complete (on every rank's files: after a barrier). A seal
-    already there is replaced. Returns the seal's content.
+    already there is replaced.
+
+    Args:
+        folder: The checkpoint folder.
+
+    Returns:
+        The seal's content: each file's size and sha256.
 
     Raises:
         FileNotFoundError: ``folder`` does not exist.
@@ -97,7 +115,15 @@ def seal(folder: str) -> dict[str, Any]:
 def check(folder: str, hashes: bool = True) -> Verdict:
     """Whether ``folder`` is a checkpoint that ``seal`` completed and that has not changed since.
 
-    ``hashes=False`` checks the seal and the files' sizes only (fast: no file is read).
+    Files added after the seal are not checked: they were not part of the checkpoint.
+
+    Args:
+        folder: The checkpoint folder.
+        hashes: Check each file's sha256; ``False`` checks the seal and the sizes only (fast:
+            no file is read).
+
+    Returns:
+        The verdict: sealed, unsealed or damaged, with what is wrong.
     """
     path = os.path.join(folder, SEAL)
     if not os.path.isfile(path):
@@ -141,9 +167,19 @@ def checkpoints(directory: str, prefix: str = "checkpoint") -> list[tuple[int, s
 def last_sealed(
     directory: str, prefix: str = "checkpoint", hashes: bool = True
 ) -> tuple[str | None, list[Verdict]]:
-    """The newest sealed ``<prefix>-<step>`` folder in ``directory`` (None if there is none),
-    and the verdicts on the newer folders it skipped, each also given as a
-    ``UnsealedCheckpointWarning`` naming the folder and why."""
+    """The newest sealed checkpoint folder, skipping newer ones with a warning.
+
+    Each skipped folder is also given as an ``UnsealedCheckpointWarning`` naming it and why.
+
+    Args:
+        directory: Where the checkpoint folders are.
+        prefix: The folders' names are ``<prefix>-<step>``.
+        hashes: Check each file's sha256, not only its size.
+
+    Returns:
+        The newest sealed folder (``None`` if there is none), and the verdicts on the newer
+        folders it skipped.
+    """
     skipped: list[Verdict] = []
     for _, path in checkpoints(directory, prefix):
         verdict = check(path, hashes=hashes)

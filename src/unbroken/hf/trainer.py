@@ -68,11 +68,17 @@ _PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 class ExactResumeMixin:
     """Exact resume for a ``transformers.Trainer`` (subclass): put it first in the bases.
 
-    Takes the Trainer's arguments, plus keyword-only:
+    Args:
+        *args: The Trainer's positional arguments.
+        signals: The preemption signals (default SIGTERM and SIGUSR1); ``()`` installs none.
+        check_every: On several ranks, agree on a preemption signal every this many optimizer
+            steps (one all-reduce of an int).
+        **kwargs: The Trainer's keyword arguments.
 
-    - ``signals``: the preemption signals (default SIGTERM and SIGUSR1); ``()`` installs none.
-    - ``check_every``: on several ranks, agree on a preemption signal every this many optimizer
-      steps (one all-reduce of an int).
+    Raises:
+        TypeError: the mixin is not before ``transformers.Trainer`` in the bases.
+        RuntimeError: the installed transformers is not a tested version (set
+            ``UNBROKEN_HF_UNTESTED=1`` to be warned instead).
     """
 
     def __init__(
@@ -88,6 +94,15 @@ class ExactResumeMixin:
 
     # The training data.
     def get_train_dataloader(self) -> Any:
+        """Build the training data's ``unbroken.DataLoader`` from the ``TrainingArguments``.
+
+        Returns:
+            The loader, whose position each checkpoint saves.
+
+        Raises:
+            ValueError: there is no ``train_dataset``, or ``train_sampling_strategy`` is not
+                ``"random"`` or ``"sequential"``.
+        """
         trainer: Any = self
         dataset = trainer.train_dataset
         if dataset is None:
@@ -125,6 +140,17 @@ class ExactResumeMixin:
     def train(
         self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
     ) -> Any:
+        """Train as ``transformers.Trainer.train``, resuming from the newest sealed checkpoint.
+
+        Args:
+            resume_from_checkpoint: ``True`` takes the newest sealed checkpoint, or starts from
+                the beginning when there is no checkpoint folder; a path must be sealed.
+            *args: ``transformers.Trainer.train``'s other arguments.
+            **kwargs: Likewise.
+
+        Returns:
+            What ``transformers.Trainer.train`` returns.
+        """
         trainer: Any = self
         if trainer.args.ignore_data_skip:
             say(
@@ -138,7 +164,21 @@ class ExactResumeMixin:
 
 
 class Trainer(ExactResumeMixin, transformers.Trainer):
-    """``transformers.Trainer`` with exact resume (see the module)."""
+    """``transformers.Trainer`` with exact resume (see the module).
+
+    Args:
+        *args: ``transformers.Trainer``'s positional arguments.
+        signals: The preemption signals (default SIGTERM and SIGUSR1); ``()`` installs none.
+        check_every: On several ranks, agree on a preemption signal every this many optimizer
+            steps (one all-reduce of an int).
+        **kwargs: ``transformers.Trainer``'s keyword arguments.
+
+    Raises:
+        TypeError: in a subclass whose bases put ``ExactResumeMixin`` after
+            ``transformers.Trainer`` (the shared constructor checks the order).
+        RuntimeError: the installed transformers is not a tested version (set
+            ``UNBROKEN_HF_UNTESTED=1`` to be warned instead).
+    """
 
 
 class ExactResumeCallback(TrainerCallback):

@@ -15,29 +15,23 @@ the checkpoint. What else a resumed run needs, this callback adds:
   batch (``restart.start_epoch_left_unstarted``), so that the resumed run's own checkpoints
   resume exactly.
 - **The loaders' positions where Lightning drops them**: loaders built before the checkpoint is
-  loaded (``trainer.estimated_stepping_batches`` in ``configure_optimizers``) never get their
-  saved state from Lightning; the callback loads it when training starts. A loader without
-  ``len()`` is one batch ahead of the training step (Lightning prefetches it), so the state
-  saved for it is the state before that batch.
+  loaded (``trainer.estimated_stepping_batches`` in ``configure_optimizers``) get their saved
+  state when training starts. A loader without ``len()`` is a batch ahead of the training step
+  (Lightning prefetches it), so its state is saved as it was before that batch.
 - **Preemption.** SIGTERM and SIGUSR1 (``signals=``) only set a flag (``Preemption``). At the
-  next place Lightning resumes exactly from (``loops.Place``) the ranks agree on it (one
-  all-reduce), ``last.ckpt`` is saved in the ``ModelCheckpoint``'s directory (what
-  ``ckpt_path="last"`` loads) and the process exits with 75 (EX_TEMPFAIL). That place is the
-  end of the training step in which the signal came, except inside a gradient accumulation
-  window (the save waits for the window's optimizer step: at most ``accumulate_grad_batches - 1``
-  more batches), after a batch Lightning validates after (it waits for the validation's end) and
-  at an epoch's last batch (the epoch's end).
+  next place Lightning resumes exactly from (``loops.Place``), the ranks agree (one all-reduce),
+  ``last.ckpt`` is saved where ``ckpt_path="last"`` loads it, and the process exits with 75.
+  That place is the end of the signal's training step, or later: the optimizer step that ends a
+  gradient accumulation window, the end of a validation after the batch, an epoch's end.
 - **DDP on 3 or more ranks**: ``unbroken.distributed.exact_reduce`` registered on the strategy's
   model, so a resumed step sums its gradients as the uninterrupted one did.
 - **Whole checkpoints**: ``AtomicCheckpointIO``, installed unless the Trainer has a checkpoint
   plugin of its own.
-- **Warnings where exactness is out of its hands**: resuming from a checkpoint taken where
-  Lightning does not go on exactly (``loops.Place.problems``: a ``ModelCheckpoint`` saving at an
-  epoch's last batch, or before a validation, or inside an accumulation window), training
-  with a torch ``DataLoader`` (its position is not saved; with workers, a SIGTERM to the process
-  group kills them and the run with them, before anything is saved), and a step that draws from
-  numpy or ``random`` after a resume that moved a loader between 0 and more workers
-  (``draws``).
+- **Warnings where exactness is out of its hands**: a checkpoint saved where Lightning does not
+  go on exactly (``loops.Place.problems``: at an epoch's last batch, before a validation, inside
+  an accumulation window); a torch ``DataLoader`` (its position is not saved, and a SIGTERM to
+  the process group kills its workers before anything is saved); numpy or ``random`` draws
+  after a resume that moved a loader between 0 and more workers (``draws``).
 """
 
 from __future__ import annotations
@@ -69,10 +63,14 @@ _WHAT = "unbroken.lightning.ExactResume"
 class ExactResume(Callback):
     """Makes a Lightning run resumed from a checkpoint continue exactly (see the module).
 
-    - ``signals``: the preemption signals (default SIGTERM and SIGUSR1); ``()`` leaves signal
-      handling to Lightning.
-    - ``check_every``: under ``torch.distributed``, the ranks agree on a preemption signal every
-      this many optimizer steps (one all-reduce of an int); 1 checks every step.
+    Args:
+        signals: The preemption signals (default SIGTERM and SIGUSR1); ``()`` leaves signal
+            handling to Lightning.
+        check_every: Under ``torch.distributed``, the ranks agree on a preemption signal every
+            this many optimizer steps (one all-reduce of an int); 1 checks every step.
+
+    Raises:
+        ValueError: ``check_every`` is not an int >= 1.
     """
 
     def __init__(self, signals: Any = DEFAULT_SIGNALS, check_every: int = 1) -> None:
@@ -96,10 +94,12 @@ class ExactResume(Callback):
 
     @property
     def state_key(self) -> str:
-        return "unbroken.ExactResume"  # one per Trainer: not keyed by its arguments
+        """The checkpoint's key for this callback: one per Trainer, not keyed by its arguments."""
+        return "unbroken.ExactResume"
 
     # Set-up and tear-down.
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """For a fit: keep the trainer, and install ``AtomicCheckpointIO`` over Lightning's."""
         if stage != "fit":
             return
         self._trainer, self._job = trainer, Job()
@@ -107,15 +107,17 @@ class ExactResume(Callback):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning's DDP on 3+ ranks: sums that its bucket rebuild cannot change.
+        """Lightning's DDP on 3+ ranks: register sums that its bucket rebuild cannot change."""
         ensure_exact(trainer.strategy.model, "unbroken.lightning.ExactResume")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Put back the signal handlers; a later ``validate()`` or fit is not this resume."""
         self.preemption.uninstall()
         self._draws = draws.DrawWatch([])  # a later validate() or fit is not this resume
 
     # What the checkpoint holds.
     def state_dict(self) -> dict[str, Any]:
+        """Every rank's generators and metrics (gathered: Lightning saves rank 0's state)."""
         trainer = self._trainer
         mine = {
             "rng": GlobalRNG().state_dict(),
@@ -135,6 +137,7 @@ class ExactResume(Callback):
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        """Warn if saved where Lightning cannot resume exactly; fix prefetched loader states."""
         if not self._place.exact:
             self._warn_once(
                 "save:" + ",".join(self._place.problems()),
@@ -163,9 +166,11 @@ class ExactResume(Callback):
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        """Keep the saved loader states, for loaders Lightning will not restore."""
         self._loader_states = loops.saved_loader_states(checkpoint)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take this rank's generators and metrics, put back when training starts."""
         ranks, place, self._saved_workers = read_state(state_dict)
         job = Job()
         rank, world = job.rank, job.world_size
@@ -190,6 +195,7 @@ class ExactResume(Callback):
 
     # Training starts: put back what Lightning does not.
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Install the preemption handlers and put back what Lightning does not restore."""
         # Over Lightning's own handlers, which it registers after the callbacks' setup: its
         # SIGTERM handler would stop the run before a checkpoint is saved.
         self.preemption.install()
@@ -209,14 +215,11 @@ class ExactResume(Callback):
             self._restore = None
 
     def _load_dropped_loader_states(self, trainer: Trainer, saved: list) -> None:
-        """Lightning loads the saved loader states into the loaders it builds for the fit,
-        except when they were built before the checkpoint was loaded
-        (``estimated_stepping_batches`` read in ``configure_optimizers``) and when the
-        checkpoint was taken at an epoch's end (then a loader's sampler gets the next epoch
-        from ``set_epoch``, but a loader without one starts over at epoch 0). Load them here. An
-        unbroken iterator takes its position at its first batch, so nothing has been drawn,
-        except from a loader without len(), which Lightning's fetcher prefetched a batch of:
-        the fetcher is then made anew, as Lightning does at every epoch's start."""
+        """Load the saved loader states that Lightning leaves unloaded: in loaders built before
+        the checkpoint loaded (``estimated_stepping_batches`` in ``configure_optimizers``), and
+        at an epoch's end (a loader without a sampler's ``set_epoch`` would restart epoch 0).
+        An unbroken iterator takes its position at its first batch, so nothing was drawn, but
+        from a loader without len(), which Lightning's fetcher prefetched: it is made anew."""
         loaders = loops.stateful_training_loaders(trainer)
         if not loops.states_left_unloaded(trainer) or len(loaders) != len(saved):
             return  # Lightning loaded them (or raises on the mismatch itself)
@@ -265,6 +268,7 @@ class ExactResume(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """Note where the run is; after a resume, fix Lightning's epoch counters."""
         self._step_at_batch_start = trainer.global_step
         if self._batches_before_resume == -1:  # the first batch after a resume
             self._batches_before_resume = batch_idx
@@ -276,6 +280,7 @@ class ExactResume(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Note where the run is; save and exit there if preempted and it resumes exactly."""
         self._warn_about_draws(self._draws.end("training"))
         stepped = trainer.global_step != self._step_at_batch_start
         self._place = loops.batch_end_place(trainer, stepped)
@@ -283,16 +288,20 @@ class ExactResume(Callback):
             self._stop_if_preempted(trainer)
 
     def on_validation_batch_start(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        """Watch the batch's random draws (after a change of ``num_workers`` across 0)."""
         self._draws.start()
 
     def on_validation_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
+        """Warn if the batch drew from numpy or ``random`` where that is not exact."""
         self._warn_about_draws(self._draws.end("validation"))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Note that the fit is validating."""
         if not trainer.sanity_checking and trainer.state.fn == "fit":
             self._place = loops.Place("validation", accumulating=self._place.accumulating)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Note where the run is; save and exit there if preempted and it resumes exactly."""
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._place = loops.validation_end_place(trainer, self._place.accumulating)
@@ -300,6 +309,7 @@ class ExactResume(Callback):
             self._stop_if_preempted(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Restart a loader's epoch that Lightning's prefetch would end at once (see below)."""
         self._place = loops.Place("train_epoch_start")
         # Resumed at an epoch's end, Lightning prefetches the next epoch's first batch from a
         # loader without len() while it finishes the old epoch, then starts the new epoch with
@@ -314,6 +324,7 @@ class ExactResume(Callback):
             loader.set_epoch(trainer.current_epoch)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Step plateau schedulers after a resume; save and exit here if preempted."""
         if trainer.fit_loop.restarting:  # the first epoch's end after a resume
             self._first_epoch_end_after_resume(trainer)
         self._place = loops.epoch_end_place(trainer)

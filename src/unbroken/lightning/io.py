@@ -28,10 +28,16 @@ from ..checkpoint.storage import LocalStorage
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's ``TorchCheckpointIO`` whose writes are atomic: a local checkpoint is written
-    to a temporary file beside the target, synced, and renamed over it, so a file under the
-    checkpoint's name is always a whole one; a URL's is uploaded whole or not at all, with
-    retries (``storage_options``: its filesystem's, see the module)."""
+    """Lightning's ``TorchCheckpointIO`` whose writes are atomic.
+
+    A local checkpoint is written to a temporary file beside the target, synced, and renamed
+    over it, so a file under the checkpoint's name is always a whole one. A URL's is uploaded
+    whole or not at all, with retries.
+
+    Args:
+        storage_options: The fsspec options of a URL's filesystem (endpoint, credentials);
+            fsspec's defaults when left out.
+    """
 
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -50,6 +56,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
+        """Write a checkpoint whole or not at all: an atomic rename, or a whole upload."""
         target = os.fspath(path)
         if is_url(target):
             if storage_options is not None:
@@ -81,6 +88,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         storage.sync_directory(directory)  # the rename is durable once the directory is synced
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
+        """Load a checkpoint as Lightning does; a URL's through ``ObjectStorage``, with retries."""
         source = os.fspath(path)
         if not is_url(source):
             return super().load_checkpoint(path, map_location, weights_only)
@@ -91,6 +99,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return torch.load(opened, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint as Lightning does; a URL's through ``ObjectStorage``."""
         target = os.fspath(path)
         if not is_url(target):
             super().remove_checkpoint(path)

@@ -38,7 +38,15 @@ _SUFFIX = ".parquet"
 
 
 class ShardCache:
-    """A directory of verified shards with an optional size limit (bytes)."""
+    """A directory of verified shards with an optional size limit.
+
+    Args:
+        directory: The cache directory, created if missing; ``~`` is expanded.
+        limit: The size limit in bytes of the complete shards, or ``None`` for none.
+
+    Raises:
+        ValueError: ``limit`` is neither an int nor ``None``.
+    """
 
     def __init__(self, directory: str, limit: int | None = None) -> None:
         if limit is not None and (not is_int(limit)):
@@ -61,11 +69,25 @@ class ShardCache:
         return os.path.join(self.directory, f"index-{digest}.json")
 
     def index_copy(self, key: str) -> str:
-        """The path of the copy of a dataset's index kept under ``key``."""
+        """Where the copy of a dataset's index is kept.
+
+        Args:
+            key: The dataset's key: its URL and endpoint.
+
+        Returns:
+            The copy's path (it may not exist).
+        """
         return self._index_path(key)
 
     def cached_index(self, key: str) -> bytes | None:
-        """The copy of a dataset's index kept under ``key`` (its URL and endpoint), if any."""
+        """The copy of a dataset's index, if the cache keeps one.
+
+        Args:
+            key: The dataset's key: its URL and endpoint.
+
+        Returns:
+            The index's bytes, or ``None`` if no copy is kept.
+        """
         try:
             with open(self._index_path(key), "rb") as file:
                 return file.read()
@@ -73,7 +95,12 @@ class ShardCache:
             return None
 
     def keep_index(self, key: str, raw: bytes) -> None:
-        """Keep a copy of a dataset's index (written whole or not at all)."""
+        """Keep a copy of a dataset's index, written whole or not at all.
+
+        Args:
+            key: The dataset's key: its URL and endpoint.
+            raw: The index's bytes.
+        """
         path = self._index_path(key)
         part = f"{path}.part-{os.getpid()}-{threading.get_ident()}"
         with open(part, "wb") as file:
@@ -83,16 +110,35 @@ class ShardCache:
         os.replace(part, path)
 
     def path(self, shard: Shard) -> str:
+        """Where a shard is cached, named by its content.
+
+        Args:
+            shard: The shard's entry in the index.
+
+        Returns:
+            ``<directory>/<checksum>-<bytes>.parquet``.
+        """
         digest = shard.checksum.partition(":")[2][:32]
         return os.path.join(self.directory, f"{digest}-{shard.bytes}{_SUFFIX}")
 
     def get(
         self, shard: Shard, remote: Remote, wanted: Callable[[], bool] | None = None
     ) -> str | None:
-        """The local path of ``shard``, downloaded and verified if it is not cached yet. A
-        prefetch passes ``wanted``: if it says no once the shard's lock is held (the reader
-        got there first, and the cache may have evicted the shard since), nothing is
-        downloaded and the result is None."""
+        """The local path of a shard, downloaded and verified if it is not cached yet.
+
+        Args:
+            shard: The shard's entry in the index.
+            remote: The storage to download it from.
+            wanted: Passed by a prefetch. If it says no once the shard's lock is held (the
+                reader got there first, and the cache may have evicted the shard since),
+                nothing is downloaded.
+
+        Returns:
+            The path, or ``None`` when ``wanted`` said no.
+
+        Raises:
+            CorruptShard: the shard's size or checksum differed from the index twice.
+        """
         final = self.path(shard)
         if _touch(final, shard.bytes):
             return final
@@ -148,7 +194,11 @@ class ShardCache:
                 os.remove(part)
 
     def sweep(self) -> int:
-        """Remove the partial downloads of killed processes; returns how many."""
+        """Remove the partial downloads of killed processes.
+
+        Returns:
+            How many were removed.
+        """
         removed = 0
         # Shards' parts only: an index copy's part (keep_index) has no lock to tell a live
         # writer from a dead one, and is tiny.
@@ -168,7 +218,11 @@ class ShardCache:
         return removed
 
     def shards(self) -> list[tuple[str, int, float]]:
-        """``(path, bytes, last use)`` of every complete shard in the cache."""
+        """The complete shards in the cache.
+
+        Returns:
+            ``(path, bytes, last use)`` of each, the last use as a modification time.
+        """
         out = []
         for path in glob.glob(os.path.join(glob.escape(self.directory), "*" + _SUFFIX)):
             with contextlib.suppress(FileNotFoundError):

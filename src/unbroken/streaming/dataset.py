@@ -64,35 +64,48 @@ def _import_readers() -> None:
 
 
 def default_cache_dir() -> str:
-    """``$UNBROKEN_CACHE`` or ``~/.cache/unbroken/shards``: safe to share between datasets,
-    since shards are cached under their checksum."""
+    """The shard cache a ``StreamingDataset`` uses when given no ``cache_dir``.
+
+    Returns:
+        ``$UNBROKEN_CACHE`` or ``~/.cache/unbroken/shards``. Datasets may share it, since
+        shards are cached under their checksum.
+    """
     return os.environ.get("UNBROKEN_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "unbroken", "shards"
     )
 
 
 class StreamingDataset(torch.utils.data.Dataset):
-    """Rows of the sharded dataset at ``url`` (written by ``write_shards`` or indexed by
-    ``index_parquet``), fetched into a local cache as they are needed.
+    """Rows of a sharded dataset in object storage, fetched into a local cache when needed.
 
-    - ``cache_dir``: the local cache (default ``default_cache_dir()``); ``cache_limit``: its
-      size limit in bytes (default: none). It must hold at least the shards of two windows
-      plus ``prefetch_bytes``, or reading would evict what it is about to read.
-    - ``window_shards``, ``block_groups``: how a shuffled epoch mixes (defaults 4 and 8): each
-      batch draws its rows from one block of ``block_groups`` row groups, drawn at random from
-      the ``window_shards`` shards of a window. Larger mixes better; a larger window needs more
-      cache, a larger block more decoding before the first batch and more memory (each
-      reading process keeps two blocks decoded).
-    - ``prefetch_bytes``, ``prefetch_threads``: how far ahead, in bytes of shards not yet
-      reached, and with how many parallel downloads the loader's future order is fetched.
-    - ``columns``: the columns to read (default all); ``storage_options``: for fsspec (e.g. an
-      S3 ``endpoint_url``, ``key``, ``secret``); ``retries``: attempts after the first for a
-      request that fails to connect, with exponential backoff.
-    - ``refresh_index``: read the index from the storage even if the cache keeps a copy. The
-      copy is taken the first time a cache directory sees the dataset (keyed by URL and
-      endpoint) and used from then on, so a dataset rewritten at the same URL needs
-      ``refresh_index=True`` (or a new URL); shards are cached by checksum, so a refreshed
-      index never reads stale shards.
+    Each batch of a shuffled epoch draws its rows from one block of ``block_groups`` row
+    groups, drawn at random from the ``window_shards`` shards of a window. Larger mixes better.
+    A larger window needs more cache; a larger block needs more decoding before the first batch
+    and more memory (each reading process keeps two blocks decoded).
+
+    Args:
+        url: The dataset, written by ``write_shards`` or indexed by ``index_parquet``.
+        cache_dir: The local cache (default ``default_cache_dir()``).
+        cache_limit: The cache's size limit in bytes (default: none). It must hold the shards
+            of two windows plus ``prefetch_bytes``, or reading would evict what it will read.
+        window_shards: Shards per window of a shuffled epoch (default 4).
+        block_groups: Row groups per block of a shuffled epoch (default 8).
+        prefetch_bytes: How far ahead the loader's future order is fetched, in bytes of shards
+            not yet reached.
+        prefetch_threads: How many downloads run in parallel.
+        columns: The columns to read (default all).
+        storage_options: For fsspec, e.g. an S3 ``endpoint_url``, ``key`` and ``secret``.
+        retries: Attempts after the first for a request that fails to connect, with
+            exponential backoff.
+        refresh_index: Read the index from the storage even if the cache keeps a copy. The
+            copy is taken the first time a cache directory sees the dataset (keyed by URL and
+            endpoint), then used. A dataset rewritten at the same URL needs
+            ``refresh_index=True`` (or a new URL). Shards are cached by checksum, so a
+            refreshed index never reads stale shards.
+
+    Raises:
+        ValueError: a setting is out of range, a column is not in the dataset, or
+            ``cache_limit`` is too small for two windows plus ``prefetch_bytes``.
     """
 
     def __init__(
@@ -253,13 +266,23 @@ class StreamingDataset(torch.utils.data.Dataset):
     # The loader's hooks (``unbroken.data.sources.orders``): the shuffle and the exact prefetch.
 
     def shuffle_order(self, key: int) -> WindowShuffle:
-        """The epoch's shuffled order for ``unbroken.DataLoader(shuffle=True)``."""
+        """The epoch's shuffled order for ``unbroken.DataLoader(shuffle=True)``.
+
+        Args:
+            key: The epoch's key, derived by the loader from its seed and the epoch.
+
+        Returns:
+            The order: shards permuted in windows, row groups in blocks, rows in a block.
+        """
         groups = [s.row_groups for s in self.shards]
         return WindowShuffle(groups, self.window_shards, self.block_groups, key)
 
     def order_fingerprint(self) -> dict[str, Any]:
-        """What a loader's state records of this dataset: resuming needs the same index and
-        the same windows and blocks."""
+        """What a loader's state records of this dataset.
+
+        Returns:
+            The index's digest, ``window_shards`` and ``block_groups``: a resume needs the same.
+        """
         return {
             "index": self.index_digest,
             "window_shards": self.window_shards,
@@ -267,8 +290,15 @@ class StreamingDataset(torch.utils.data.Dataset):
         }
 
     def plan_reads(self, batches: Iterator[list[int]], received: Callable[[], int]) -> Prefetcher:
-        """Start downloading the shards of ``batches`` (the loader's remaining batches of this
-        rank) ahead of ``received()`` (batches received since)."""
+        """Start downloading the shards of the loader's remaining batches, ahead of use.
+
+        Args:
+            batches: The loader's remaining batches of this rank, as lists of indices.
+            received: Returns how many of them were received since.
+
+        Returns:
+            The running ``Prefetcher``.
+        """
 
         def fetch(shard: int, wanted: Callable[[], bool]) -> str | None:
             return self.cache.get(self.shards[shard], self.remote, wanted)
@@ -284,7 +314,15 @@ class StreamingDataset(torch.utils.data.Dataset):
         )
 
     def map(self, fn: Callable[[dict[str, Any]], Any]) -> Mapped:
-        """A dataset of ``fn(row)``, read in this dataset's order and with its prefetch."""
+        """A dataset of ``fn(row)``, read in this dataset's order and with its prefetch.
+
+        Args:
+            fn: Applied to each row (a dict of column values), one sample at a time, so
+                ``sample_seed()`` and ``sample_rng()`` are each sample's.
+
+        Returns:
+            The mapped dataset.
+        """
         return Mapped(self, fn)
 
 

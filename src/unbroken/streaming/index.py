@@ -175,13 +175,27 @@ def write_shards(
     compression: str = "snappy",
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write ``rows`` (dicts of column values) as Parquet shards of about ``shard_bytes`` (in
-    Arrow's in-memory size) to ``url``, then the index; returns the index.
+    """Write rows as Parquet shards to ``url``, then the index.
 
-    Rows are split into row groups of about ``row_group_bytes`` (default: an eighth of a
-    shard): a row group is what a reader decodes at once, a shard what it downloads at once. ``schema`` (a ``pyarrow.Schema``) is
-    inferred from the first rows when left out. Each shard is written to a local temporary
-    file, hashed and uploaded; the index is written last.
+    A row group is what a reader decodes at once, a shard what it downloads at once. Each shard
+    is written to a local temporary file, hashed and uploaded; the index is written last.
+
+    Args:
+        rows: The rows, as dicts of column values.
+        url: Where the dataset goes: a local directory or an fsspec URL (``s3://...``).
+        shard_bytes: The size of a shard, about, in Arrow's in-memory bytes.
+        row_group_bytes: The size of a row group, about (default: an eighth of a shard).
+        schema: A ``pyarrow.Schema``; inferred from the first rows when left out.
+        compression: Parquet's compression codec.
+        storage_options: For fsspec, e.g. an S3 ``endpoint_url``, ``key`` and ``secret``.
+
+    Returns:
+        The index, as written to ``url``.
+
+    Raises:
+        ValueError: the sizes are not ``0 < row_group_bytes <= shard_bytes``, or there are no
+            rows.
+        TypeError: a row is not a dict.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -249,13 +263,25 @@ def write_shards(
 def index_parquet(
     url: str, *, checksums: bool = False, storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Index existing Parquet files below ``url`` (e.g. a Hugging Face dataset exported to
-    Parquet) without rewriting them; returns the index, written to ``url``.
+    """Index existing Parquet files below ``url`` without rewriting them.
 
-    Only each file's footer is read (two small range requests per file): rows, row groups and
-    a checksum of the footer. ``checksums=True`` reads every file through to record a sha256
-    of all of it instead, so that a flipped byte anywhere is caught when it is downloaded. All
+    For instance a Hugging Face dataset exported to Parquet. Only each file's footer is read
+    (two small range requests per file): rows, row groups and a checksum of the footer. All
     files must have the same schema.
+
+    Args:
+        url: The directory of the files: local or an fsspec URL (``s3://...``).
+        checksums: Read every file through to record a sha256 of all of it, so a flipped
+            byte anywhere is caught when it is downloaded.
+        storage_options: For fsspec, e.g. an S3 ``endpoint_url``, ``key`` and ``secret``.
+
+    Returns:
+        The index, as written to ``url``.
+
+    Raises:
+        FileNotFoundError: there is no ``.parquet`` file below ``url``.
+        CorruptShard: a file is not a Parquet file.
+        ValueError: a file has another schema than the first.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq

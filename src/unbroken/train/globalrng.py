@@ -35,6 +35,12 @@ class GlobalRNG:
     """Checkpoint entry for the process-global RNGs: ``{"rng": unbroken.GlobalRNG()}``."""
 
     def state_dict(self) -> dict:
+        """Capture torch's, every initialized CUDA device's, numpy's and ``random``'s generators.
+
+        Returns:
+            Their states as tensors and plain values (``torch.load(weights_only=True)`` reads
+            them).
+        """
         legacy = cast("tuple[str, Any, int, int, float]", np.random.get_state(legacy=True))
         kind, keys, position, has_gauss, cached_gaussian = legacy
         version, words, gauss_next = random.getstate()
@@ -58,6 +64,15 @@ class GlobalRNG:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Put the generators back as ``state_dict()`` captured them.
+
+        Args:
+            state: What ``state_dict()`` returned.
+
+        Raises:
+            CorruptState: the state does not have the expected keys.
+            StateMismatch: it holds another number of CUDA generators than this process sees.
+        """
         expected = {"torch", "numpy", "random", "cuda"}
         if not isinstance(state, dict) or set(state) != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
