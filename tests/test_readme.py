@@ -1,6 +1,7 @@
 """Every python block of the README and the docs runs as written; the data quickstart survives SIGKILL."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -88,8 +89,16 @@ def test_the_docs_blocks_are_python_or_shell():
 def _run_twice(name: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # blocks write runs/, checkpoints/ ... relative to the cwd
     program = compile(code, name, "exec")
-    for _ in range(2):  # the second run finds what the first left, as a restarted job does
-        exec(program, {"__name__": "__readme__"})
+    # A block may configure logging, as a user would: the next tests get the suite's back.
+    root, ours = logging.getLogger(), logging.getLogger("unbroken")
+    saved = list(root.handlers), root.level, ours.level, list(ours.filters)
+    try:
+        for _ in range(2):  # the second run finds what the first left, as a restarted job does
+            exec(program, {"__name__": "__readme__"})
+    finally:
+        root.handlers[:], ours.filters[:] = saved[0], saved[3]
+        root.setLevel(saved[1])
+        ours.setLevel(saved[2])
 
 
 def test_the_state_format_block_is_what_state_dict_returns():
