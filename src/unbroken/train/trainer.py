@@ -235,23 +235,12 @@ class Trainer:
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
             self.schedule = SaveSchedule.of_run(self.options, self.run, self.checkpointer, self.job)
+            every, entries = self.options.preemption_check_every, self.entries
+            job, run, jit_wanted = self.job, self.run, self.options.just_in_time
             self.jit = JustInTime(
-                self.options.just_in_time,
-                self.job,
-                progress,
-                self.entries,
-                self.checkpointer,
-                self.run,
-                self.run_log,
-                self.options.preemption_check_every,
+                jit_wanted, job, progress, entries, self.checkpointer, run, self.run_log, every
             )
-            self.boundary = Boundary(
-                self.job,
-                self.preemption,
-                self.schedule,
-                self.jit,
-                self.options.preemption_check_every,
-            )
+            self.boundary = Boundary(job, self.preemption, self.schedule, self.jit, every)
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             try:
