@@ -47,7 +47,7 @@ from . import layout
 from .background import BackgroundSave
 from .entries import ABSENT, Kind, LocalCopy, Part, Reading, check_loadable, kind_in, kind_of
 from .group import Ranks, attempt
-from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, read_manifest
+from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, param_shapes, read_manifest
 from .objects import REMOTE_TIMEOUT, storage_for
 from .per_rank import SKIP, PerRank, unwrap
 from .restore import Restored, restore
@@ -215,10 +215,8 @@ class Checkpointer:
             kind = kind_of(entry)
             if kind.every_rank or self._ranks.first_rank:  # rank 0 writes the replicated ones
                 mine[name] = (kind, kind.prepare(entry, name, blocking))
-            if isinstance(entry, torch.optim.Optimizer):  # lets load name a changed parameter
-                shapes[name] = [
-                    [list(p.shape) for p in group["params"]] for group in entry.param_groups
-                ]
+            if isinstance(entry, torch.optim.Optimizer):
+                shapes[name] = param_shapes(entry)
         return mine, shapes
 
     @property

@@ -52,6 +52,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 ParamShapes = list[list[list[int]]]  # [parameter group][parameter] -> shape
 
 
+def param_shapes(optimizer: torch.optim.Optimizer) -> ParamShapes:
+    """The shapes of an optimizer's parameters, by group: a load names a changed one."""
+    return [[list(p.shape) for p in group["params"]] for group in optimizer.param_groups]
+
+
 class FileSpec(TypedDict):
     sha256: str
     size: int

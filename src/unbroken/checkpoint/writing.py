@@ -19,7 +19,7 @@ import torch
 from . import layout
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
 from .group import Ranks, attempt
-from .manifest import MANIFEST, EntrySpec, ParamShapes, seal
+from .manifest import MANIFEST, EntrySpec, ParamShapes, param_shapes, seal
 from .sharded import Sharded
 from .space import FULL, disk_full
 from .storage import Digest, Storage, basename, join
@@ -84,7 +84,8 @@ class Writing:
         entries as rank 0, each ``parts`` entry's value for rank r as rank r's file; then the
         seal and the commit, as ``write`` does, with no collective."""
         sizes = {len(values) for values in parts.values()}
-        if len(sizes) != 1 or not sizes.pop() >= 1:
+        world_size = min(sizes, default=0)
+        if len(sizes) != 1 or world_size < 1:
             lengths = {name: len(values) for name, values in parts.items()}
             raise ValueError(f"save_alone needs one value per rank for every entry, got {lengths}")
         if sharded := [name for name, entry in state.items() if isinstance(entry, Sharded)]:
@@ -97,7 +98,7 @@ class Writing:
             for name, entry in state.items()
         }
         shapes = {
-            name: [[list(p.shape) for p in group["params"]] for group in entry.param_groups]
+            name: param_shapes(entry)
             for name, entry in state.items()
             if isinstance(entry, torch.optim.Optimizer)
         }
@@ -106,7 +107,7 @@ class Writing:
         try:
             tmp = self._open(step)
             written = []
-            for rank in range(len(next(iter(parts.values())))):
+            for rank in range(world_size):
                 theirs: dict[str, tuple[Kind, Any]] = {
                     name: (EACH_RANK, EACH_RANK.prepare(values[rank], name, True))
                     for name, values in parts.items()

@@ -40,21 +40,29 @@ def init_process_group(
         **kwargs: Torch's other arguments; ``rank`` and ``world_size`` default to torchrun's.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    if attempt is None or not agent_store or "store" in kwargs or "init_method" in kwargs:
+    if attempt is None or not under_agent() or "store" in kwargs or "init_method" in kwargs:
         dist.init_process_group(backend, timeout=timeout, **kwargs)
         return
+    kwargs.setdefault("rank", int(os.environ["RANK"]))
+    kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+    store = attempt_store(timeout or timedelta(minutes=30))
+    dist.init_process_group(backend, store=store, timeout=timeout, **kwargs)
+
+
+def under_agent() -> bool:
+    """Whether torchrun's elastic agent started this process and serves its store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def attempt_store(timeout: timedelta) -> Any:
+    """The agent's store (``MASTER_ADDR``/``MASTER_PORT``, served by the agent, which outlives
+    the attempts) behind a ``PrefixStore`` named after this restart attempt: the keys written
+    through it are this attempt's alone. Only under ``under_agent()``."""
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,  # the agent serves it
-        timeout=timeout or timedelta(minutes=30),
-    )
-    kwargs.setdefault("rank", int(os.environ["RANK"]))
-    kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"unbroken/attempt-{attempt}", store),
         timeout=timeout,
-        **kwargs,
     )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"unbroken/attempt-{attempt}", store)

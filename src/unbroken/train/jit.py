@@ -54,6 +54,7 @@ import torch.distributed as dist
 from ..checkpoint.manager import Checkpointer
 from ..checkpoint.per_rank import PerRank, unwrap
 from ..data.loader import DataLoader
+from ..distributed.process_group import attempt_store, under_agent
 from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, PROGRESS, RNG, is_sharded
 from .csvlog import CSVLog, RunLog
 from .globalrng import GlobalRNG
@@ -111,7 +112,8 @@ class JustInTime:
             say(f"just-in-time saves are off: {reason}; periodic checkpoints only")
             return
         self.enabled = True
-        self.store = _attempt_store()
+        # This attempt's keys of torchrun's store: who saves, and the commit.
+        self.store = dist.PrefixStore("jit", attempt_store(timedelta(seconds=WAIT_SECONDS + 5)))
         self.device = job.device
         # Each rank's running loss as restored (a collective, once): the agreements add to it.
         mine = torch.tensor([progress.loss.value()], dtype=torch.float64, device=self.device)
@@ -304,7 +306,7 @@ def logged_through(path: Any, base: int, rows: int) -> int:
 
 def off_because(entries: dict[str, Any], check_every: int) -> str | None:
     """Why a survivor cannot save for a rank that died, or None if it can."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    if not under_agent():
         return "the job was not started by torchrun, whose agent's store elects the saver"
     model = entries.get("model")
     if isinstance(model, torch.nn.Module) and is_sharded(model) or "model" not in entries:
@@ -322,15 +324,3 @@ def off_because(entries: dict[str, Any], check_every: int) -> str | None:
                     "unbroken.DataLoader has one global position)"
                 )
     return None
-
-
-def _attempt_store() -> Any:
-    """torchrun's agent store, scoped to this restart attempt (its keys: this attempt's saver)."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,  # the agent serves it
-        timeout=timedelta(seconds=WAIT_SECONDS + 5),
-    )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"unbroken/attempt-{attempt}/jit", store)
