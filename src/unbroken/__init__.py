@@ -44,7 +44,7 @@ from .errors import (
 )
 from .train import EXIT_CODE, GlobalRNG, Preemption, Trainer
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the only place: pyproject.toml reads it (tool.setuptools.dynamic)
 __all__ = [
     "Checkpointer",
     "CombinedLoader",
