@@ -4,6 +4,7 @@ record of its processes; the time to the first step, by phase."""
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -99,6 +100,18 @@ def test_a_history_that_cannot_be_read_is_reported_and_started_anew(tmp_path):
     history.begin(None)
     written = json.loads((tmp_path / "history.json").read_text())
     assert len(written["sessions"]) == 1 and written["sessions"][0]["end"] is None
+
+
+def test_the_history_is_written_durably_beside_nothing_else(tmp_path, monkeypatch):
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd)))
+    history = History(RunDirectory(tmp_path), write=True)
+    history.begin(None)
+    history.end("finished")
+    assert len(synced) == 2 * 2  # each write: the file and its directory (_files.atomic_write)
+    assert os.listdir(tmp_path) == ["history.json"]  # no temporary left
+    assert json.loads((tmp_path / "history.json").read_text())["sessions"][0]["end"] == "finished"
 
 
 def test_auto_measures_first_then_assumes_hours_then_learns_from_failures(

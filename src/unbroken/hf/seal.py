@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .._files import atomic_write, sync_directory
 from ..errors import CorruptCheckpoint
 
 FORMAT = "unbroken.hf.Seal"
@@ -102,13 +103,8 @@ def seal(folder: str) -> dict[str, Any]:
         files[relative] = {"size": os.path.getsize(path), "sha256": _sha256(path, sync=True)}
     content: dict[str, Any] = {"format": FORMAT, "version": VERSION, "files": files}
     content["sha256"] = _digest(content)
-    temporary = os.path.join(folder, _TEMPORARY)
-    with open(temporary, "w", encoding="utf-8") as out:
-        json.dump(content, out, indent=1, sort_keys=True)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temporary, os.path.join(folder, SEAL))
-    _sync_directory(folder)
+    text = json.dumps(content, indent=1, sort_keys=True)
+    atomic_write(os.path.join(folder, SEAL), text.encode(), temporary=_TEMPORARY)
     return content
 
 
@@ -240,7 +236,7 @@ def _files(folder: str) -> list[str]:
         directories.sort()
         linked = [d for d in directories if os.path.islink(os.path.join(root, d))]
         if root != folder:
-            _sync_directory(root)
+            sync_directory(root)
         for name in sorted(names) + linked:
             path = os.path.join(root, name)
             relative = os.path.relpath(path, folder)
@@ -302,12 +298,3 @@ def _sha256(path: str, sync: bool = False) -> str:
         if sync:  # the library that wrote it may not have: a seal vouches for durable bytes
             os.fsync(file.fileno())
     return digest.hexdigest()
-
-
-def _sync_directory(path: str) -> None:
-    if os.name == "posix":
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import transformers
 from transformers import TrainerCallback
 
+from .._files import atomic_write
 from ..data.loader import DataLoader
 from ..distributed.reduction import ensure_exact
 from ..errors import CorruptCheckpoint, StateMismatch
@@ -347,10 +348,7 @@ class ExactResumeCallback(TrainerCallback):
         }
         os.makedirs(folder, exist_ok=True)
         target = os.path.join(folder, state_file(args.process_index))
-        temporary = target + ".tmp"
-        with open(temporary, "w", encoding="utf-8") as out:
-            json.dump(state, out)
-        os.replace(temporary, target)  # seal() makes it durable with the others
+        atomic_write(target, json.dumps(state).encode())
 
     def _rotate(self, newest: str, state: Any) -> None:
         """Keep ``save_total_limit`` sealed checkpoints (and the best); remove the rest."""

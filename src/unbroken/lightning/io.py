@@ -2,8 +2,8 @@
 
 Lightning's ``TorchCheckpointIO`` writes a local checkpoint in place, so a kill during the write
 leaves a truncated ``last.ckpt`` that the next ``ckpt_path="last"`` fails to load. This one
-writes a temporary file beside the target, syncs it and renames it over the old one (then syncs
-the directory, so the rename survives a power loss). Cost: one fsync of the file and one of the
+writes a temporary file beside the target, syncs it and renames it over the old one, then syncs
+the directory, so the rename survives a power loss (``_files.atomic_write``). Cost: one fsync of the file and one of the
 directory per checkpoint.
 
 A URL (``ModelCheckpoint(dirpath="s3://bucket/run/ckpt")``) is written through
@@ -17,12 +17,12 @@ and Lightning's draws-nothing rule holds (botocore's jittered retries are off). 
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from .._files import atomic_write
 from ..checkpoint.objects import ObjectStorage, is_url
 from ..checkpoint.storage import LocalStorage
 
@@ -70,22 +70,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(
                 "AtomicCheckpointIO.save_checkpoint takes no storage_options (a local file)"
             )
-        directory = os.path.dirname(os.path.abspath(target))
-        storage = LocalStorage()  # the Checkpointer's durable directories and syncs
-        storage.make_directories(directory)
-        handle, temporary = tempfile.mkstemp(
-            prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory
-        )
-        try:
-            with os.fdopen(handle, "wb") as file:
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, target)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-        storage.sync_directory(directory)  # the rename is durable once the directory is synced
+        # The Checkpointer's durable directories: each new one's entry synced in its parent.
+        LocalStorage().make_directories(os.path.dirname(os.path.abspath(target)))
+        atomic_write(target, lambda out: torch.save(checkpoint, out))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
         """Load a checkpoint as Lightning does; a URL's through ``ObjectStorage``, with retries."""

@@ -25,11 +25,12 @@ import glob
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from filelock import FileLock
 
 from .._checks import is_int
+from .._files import atomic_write, sync_directory
 from ..errors import CorruptShard
 from .index import Shard, checksum_of
 from .remote import Remote
@@ -101,13 +102,7 @@ class ShardCache:
             key: The dataset's key: its URL and endpoint.
             raw: The index's bytes.
         """
-        path = self._index_path(key)
-        part = f"{path}.part-{os.getpid()}-{threading.get_ident()}"
-        with open(part, "wb") as file:
-            file.write(raw)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(part, path)
+        atomic_write(self._index_path(key), raw)
 
     def path(self, shard: Shard) -> str:
         """Where a shard is cached, named by its content.
@@ -200,8 +195,8 @@ class ShardCache:
             How many were removed.
         """
         removed = 0
-        # Shards' parts only: an index copy's part (keep_index) has no lock to tell a live
-        # writer from a dead one, and is tiny.
+        # Shards' parts only: an index copy's temporary (keep_index's, hidden) has no lock to
+        # tell a live writer from a dead one, and is tiny.
         for part in glob.glob(os.path.join(glob.escape(self.directory), f"*{_SUFFIX}.part-*")):
             final = part.rsplit(".part-", 1)[0]
             lock = FileLock(final + ".lock", thread_local=False)
@@ -234,9 +229,16 @@ class ShardCache:
         """Rename a verified download into place; with a limit, first make room for it by
         evicting least recently used shards, under the cache's lock, so the complete shards
         never exceed the limit, whatever the processes sharing the cache do."""
-        if self.limit is None:
+        with self._room_for(size):
             os.replace(part, final)
-            _fsync_directory(self.directory)
+            sync_directory(self.directory)
+
+    @contextlib.contextmanager
+    def _room_for(self, size: int) -> Iterator[None]:
+        """With a limit, held under the cache's lock: least recently used shards evicted until
+        ``size`` more bytes fit."""
+        if self.limit is None:
+            yield
             return
         with FileLock(os.path.join(self.directory, ".evict.lock"), thread_local=False):
             cached = sorted(self.shards(), key=lambda item: item[2])  # oldest use first
@@ -247,8 +249,7 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
                 total -= bytes_
-            os.replace(part, final)
-            _fsync_directory(self.directory)
+            yield
 
 
 def _touch(path: str, size: int) -> bool:
@@ -261,11 +262,3 @@ def _touch(path: str, size: int) -> bool:
         return os.stat(path).st_size == size
     except FileNotFoundError:
         return False
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

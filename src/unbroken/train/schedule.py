@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import time
 import warnings
@@ -46,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._checks import is_number
+from .._files import atomic_write
 from ..checkpoint.manager import Checkpointer
 from .config import TrainerOptions
 from .progress import Progress, say
@@ -126,10 +126,8 @@ class History:
             return
         sessions = [*self.sessions, self.current][-KEPT_SESSIONS:]
         path = self.run.local / HISTORY
-        temporary = path.with_name(f".{HISTORY}.{os.getpid()}")
         try:
-            temporary.write_text(json.dumps({"version": 1, "sessions": sessions}))
-            os.replace(temporary, path)
+            atomic_write(path, json.dumps({"version": 1, "sessions": sessions}).encode())
             self.run.upload(HISTORY)
         except OSError as error:  # a full disk is reported by the checkpoint, not here
             warnings.warn(f"unbroken.Trainer: cannot write {path}: {error}", stacklevel=3)
