@@ -5,10 +5,16 @@ inside validation."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import get_type_hints
 
 import pytest
 from trainer_job import SignalAt, run
@@ -16,6 +22,8 @@ from trainer_job import SignalAt, run
 import unbroken
 from unbroken.testing import assert_same
 from unbroken.train import TrainerOptions
+from unbroken.train import options as options_module
+from unbroken.train.options import TrainerKeywords
 
 # Each option with a value it refuses, and what its error must say.
 REFUSED = {
@@ -46,11 +54,80 @@ REFUSED = {
 }
 
 
-def test_every_option_is_checked_in_one_place():
-    names = [option.name for option in dataclasses.fields(TrainerOptions)]
-    assert sorted(names) == sorted(REFUSED)  # a new option needs a refused value here
-    assert set(TrainerOptions.describe()) == set(names)
-    assert all(TrainerOptions.describe().values())  # each has its doc
+def _field_docs() -> dict[str, list[str]]:
+    """Each field of ``TrainerOptions`` and the docstrings under it, read from its source."""
+    tree = ast.parse(inspect.getsource(options_module))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainerOptions"]
+    docs: dict[str, list[str]] = {}
+    for statement, after in zip(cls.body, [*cls.body[1:], None]):
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            under = after if isinstance(after, ast.Expr) else None
+            value = getattr(under, "value", None)
+            docs[statement.target.id] = [value.value] if isinstance(value, ast.Constant) else []
+    return docs
+
+
+def test_every_option_has_one_default_one_doc_and_one_check():
+    fields = {option.name: option for option in dataclasses.fields(TrainerOptions)}
+    assert sorted(fields) == sorted(REFUSED)  # a new option needs a refused value here
+    # One doc each, under its field; the class and the Trainer describe none of them.
+    docs = _field_docs()
+    assert list(docs) == list(fields) and all(len(d) == 1 and d[0] for d in docs.values())
+    assert "Args:" not in (TrainerOptions.__doc__ or "")
+    arguments = (unbroken.Trainer.__doc__ or "").split("Args:")[1].split("Raises:")[0]
+    listed = re.findall(r"^ {8}\**(\w+):", arguments, re.MULTILINE)
+    assert listed == ["directory", "options", "storage_options", "keywords"]
+    for name, option in fields.items():  # what a resume must match is said where it is flagged
+        assert ("Must match on resume." in docs[name][0]) == option.metadata["on_resume"], name
+    # One check each: the field's own, which gives the error.
+    for name, (value, message) in REFUSED.items():
+        with pytest.raises(ValueError, match=message):
+            fields[name].metadata["check"](name, value)
+    # One default each: the Trainer's signature declares none.
+    parameters = inspect.signature(unbroken.Trainer).parameters
+    assert not set(parameters) & set(fields)
+
+
+def test_the_trainer_keywords_are_typed_as_the_options():
+    keywords = get_type_hints(TrainerKeywords)
+    assert list(keywords) == [option.name for option in dataclasses.fields(TrainerOptions)]
+    assert keywords == get_type_hints(TrainerOptions)
+    assert not TrainerKeywords.__required_keys__  # options= may stand for all of them
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_the_closest_option(tmp_path):
+    with pytest.raises(TypeError, match=r"'max_epoch' \(did you mean 'max_epochs'\?\)"):
+        unbroken.Trainer(tmp_path / "run", max_epoch=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'zzz': the options are TrainerOptions' fields"):
+        unbroken.Trainer(tmp_path / "run", max_epochs=1, zzz=1)  # type: ignore[call-arg]
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # no handler installed
+
+
+@pytest.mark.slow  # mypy over unbroken and torch: ~15 s with a cold cache
+def test_a_type_checker_checks_the_trainer_keywords(tmp_path):
+    """mypy sees each keyword's type and refuses an unknown one (``Unpack[TrainerKeywords]``)."""
+    pytest.importorskip("mypy")
+    script = tmp_path / "uses.py"
+    script.write_text(
+        "import unbroken\n"
+        "unbroken.Trainer('d', max_epochs='x')\n"
+        "unbroken.Trainer('d', max_epoch=1)\n"
+        "unbroken.Trainer('d', max_epochs=1, callbacks=[object()], signals={15}, keep=3)\n"
+    )
+    root = Path(__file__).parents[1]
+    found = subprocess.run(
+        [sys.executable, "-m", "mypy", "--no-error-summary", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root / "src")},
+        timeout=600,
+    ).stdout
+    errors = [line for line in found.splitlines() if ": error:" in line]
+    assert len(errors) == 2, found
+    assert 'uses.py:2: error: Argument "max_epochs" to "Trainer" has incompatible type' in found
+    assert 'uses.py:3: error: Unexpected keyword argument "max_epoch"' in found
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

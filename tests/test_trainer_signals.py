@@ -298,6 +298,9 @@ class _FakeClock:
 def test_the_trainer_docstring_describes_every_argument():
     import inspect
 
-    names = [n for n in inspect.signature(unbroken.Trainer.__init__).parameters if n != "self"]
+    parameters = inspect.signature(unbroken.Trainer.__init__).parameters.values()
+    names = [
+        f"**{p.name}" if p.kind is p.VAR_KEYWORD else p.name for p in parameters if p.name != "self"
+    ]
     missing = [n for n in names if f"    {n}: " not in unbroken.Trainer.__doc__]  # its Args:
     assert not missing, f"help(unbroken.Trainer) does not describe {missing}"

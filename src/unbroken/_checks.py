@@ -14,3 +14,21 @@ def is_int(value: Any) -> TypeGuard[int]:
 def is_number(value: Any) -> TypeGuard[int | float]:
     """An ``int`` or ``float`` that is not a ``bool``."""
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+SEED_LIMIT = 1 << 64  # seeds are unsigned 64-bit keys (data.keys)
+
+
+def check_seed(name: str, value: Any) -> None:
+    """A seed: an int in [0, 2**64), or a ``ValueError`` naming ``name``."""
+    if not is_int(value) or not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}")
+
+
+def check_keep(name: str, value: Any) -> None:
+    """How many committed checkpoints to keep: two at least, or a ``ValueError``."""
+    if not is_int(value) or value < 2:
+        raise ValueError(
+            f"{name} must be an int >= 2, got {value!r}: with a single checkpoint, one that is "
+            "corrupted leaves nothing to resume from"
+        )

@@ -56,8 +56,8 @@ from ..data.loader import DataLoader
 from ..distributed.reduction import ensure_exact
 from ..errors import CorruptCheckpoint, StateMismatch
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption, exit_to_be_requeued
+from ..train.agreement import Agreement
 from ..train.progress import say
-from ..train.ranks import Job
 from . import internals
 from .loader import TrainLoader
 from .seal import check, checkpoints, prune, resume_point, seal
@@ -193,7 +193,7 @@ class ExactResumeCallback(TrainerCallback):
         self.check_every = check_every
         self.train_loader: TrainLoader | None = None
         self._restore: dict[str, Any] | None = None  # this rank's saved state, until used
-        self._job: Job | None = None
+        self._agreement: Agreement | None = None
         self._keep = trainer.args.save_total_limit
         trainer.args.save_total_limit = None  # rotation here, once sealed (see the module)
         self._save_at_epoch_end = False
@@ -276,7 +276,7 @@ class ExactResumeCallback(TrainerCallback):
 
     # Training.
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._job = Job()
+        self._agreement = Agreement()
         self._preempted = self._save_at_epoch_end = False
         ensure_exact(self.trainer.model_wrapped, "unbroken.hf.Trainer")
         saved = self._restore
@@ -297,13 +297,13 @@ class ExactResumeCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.train_loader is not None:  # transformers counts from the resume: from the data
             state.epoch = self.train_loader.epoch_progress(args)
-        job = self._job
+        agreement = self._agreement
         if (
-            job is not None
+            agreement is not None
             and self.preemption.signals
             and state.global_step % self.check_every == 0
         ):
-            (stop,) = job.any_of(self.preemption.requested)
+            (stop,) = agreement.any_of(self.preemption.requested)
             if stop:
                 self._preempted = True
                 control.should_save = control.should_training_stop = True

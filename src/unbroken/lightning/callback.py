@@ -50,9 +50,10 @@ from .._checks import is_int
 from ..data.epochs import EpochIterable
 from ..data.loader import DataLoader
 from ..distributed.reduction import ensure_exact
+from ..distributed.world import World
 from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
+from ..train.agreement import Agreement
 from ..train.globalrng import GlobalRNG
-from ..train.ranks import Job
 from . import draws, loops, restart
 from .io import AtomicCheckpointIO
 from .saved import VERSION, metrics, read_state, tensors
@@ -79,7 +80,7 @@ class ExactResume(Callback):
         self.preemption = Preemption(signals)
         self.check_every = check_every
         self._trainer: Trainer | None = None
-        self._job: Job | None = None
+        self._agreement: Agreement | None = None
         self._place = loops.Place("setup")  # where a checkpoint taken now would resume
         self._step_at_batch_start = 0
         self._warned: set[str] = set()
@@ -102,7 +103,7 @@ class ExactResume(Callback):
         """For a fit: keep the trainer, and install ``AtomicCheckpointIO`` over Lightning's."""
         if stage != "fit":
             return
-        self._trainer, self._job = trainer, Job()
+        self._trainer, self._agreement = trainer, Agreement()
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
@@ -126,9 +127,9 @@ class ExactResume(Callback):
             "epoch_metrics": loops.training_epoch_metrics(trainer) if trainer is not None else [],
         }
         ranks: list = [mine]
-        job = Job()
-        if job.distributed:
-            ranks = [None] * job.world_size
+        world = World.current()
+        if world.distributed:
+            ranks = [None] * world.size
             dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
         saved_at = self._place.to_state()
         workers = draws.worker_counts(trainer)
@@ -172,8 +173,8 @@ class ExactResume(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take this rank's generators and metrics, put back when training starts."""
         ranks, place, self._saved_workers = read_state(state_dict)
-        job = Job()
-        rank, world = job.rank, job.world_size
+        here = World.current()
+        rank, world = here.rank, here.size
         if len(ranks) != world:
             warnings.warn(
                 f"{_WHAT}: the checkpoint holds the random generators of {len(ranks)} ranks and "
@@ -186,7 +187,7 @@ class ExactResume(Callback):
         # Said as the checkpoint loads: resumed at its last epoch's end, Lightning trains no
         # more and calls no hook after this one.
         saved_at = loops.Place(**place) if place is not None else None
-        if saved_at is not None and not saved_at.exact and job.first:
+        if saved_at is not None and not saved_at.exact and here.first:
             warnings.warn(
                 f"{_WHAT}: resuming from a checkpoint saved where Lightning cannot go on "
                 f"exactly (at {saved_at.hook}): {'; '.join(saved_at.problems())}. {_AVOID}",
@@ -358,9 +359,9 @@ class ExactResume(Callback):
             )
 
     def _stop_if_preempted(self, trainer: Trainer) -> None:
-        if self._job is None:
+        if self._agreement is None:
             return
-        (stop,) = self._job.any_of(self.preemption.requested)
+        (stop,) = self._agreement.any_of(self.preemption.requested)
         if not stop:
             return
         trainer.save_checkpoint(_last_path(trainer))  # on every rank: it gathers their states
@@ -373,7 +374,9 @@ class ExactResume(Callback):
             self._warn_once("draws", f"{_WHAT}: {said}")
 
     def _warn_once(self, kind: str, message: str) -> None:
-        if kind in self._warned or (self._job is not None and not self._job.first):
+        if kind in self._warned or (
+            self._agreement is not None and not self._agreement.world.first
+        ):
             return
         self._warned.add(kind)
         warnings.warn(message, stacklevel=3)

@@ -13,8 +13,8 @@
 
 from ..errors import DirectoryInUse
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
-from .config import TrainerOptions
 from .globalrng import GlobalRNG
+from .options import TrainerOptions
 from .trainer import Trainer
 
 __all__ = [

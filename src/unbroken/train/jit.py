@@ -55,11 +55,11 @@ from ..checkpoint.manager import Checkpointer
 from ..checkpoint.per_rank import PerRank, unwrap
 from ..data.loader import DataLoader
 from ..distributed.process_group import attempt_store, under_agent
+from .agreement import Agreement
 from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, PROGRESS, RNG, is_sharded
 from .csvlog import CSVLog, RunLog
 from .globalrng import GlobalRNG
 from .progress import Progress, ProgressState, say
-from .ranks import Job
 from .rundir import METRICS, RunDirectory
 
 WAIT_SECONDS = 25.0  # how long a survivor waits for the elected one's commit (torchrun: 30 s)
@@ -85,7 +85,7 @@ class JustInTime:
     def __init__(
         self,
         wanted: bool | None,
-        job: Job,
+        agreement: Agreement,
         progress: Progress,
         entries: dict[str, Any],
         checkpointer: Checkpointer,
@@ -93,7 +93,7 @@ class JustInTime:
         run_log: RunLog,
         check_every: int,
     ) -> None:
-        self.job, self.progress, self.entries = job, progress, entries
+        self.agreement, self.progress, self.entries = agreement, progress, entries
         self.checkpointer, self.run, self.run_log = checkpointer, run, run_log
         self.log: CSVLog | None = run_log.csv  # rank 0's
         # At the last agreement: rank 0's log size, and the rows logged (by every rank's count).
@@ -103,7 +103,7 @@ class JustInTime:
         self.record: Record | None = None
         self.consistent = False  # the live objects are as the record says
         self.sums: list[float] = []
-        if not job.distributed or wanted is False:
+        if not agreement.world.distributed or wanted is False:
             return
         reason = off_because(entries, check_every)
         if reason is not None:
@@ -114,10 +114,10 @@ class JustInTime:
         self.enabled = True
         # This attempt's keys of torchrun's store: who saves, and the commit.
         self.store = dist.PrefixStore("jit", attempt_store(timedelta(seconds=WAIT_SECONDS + 5)))
-        self.device = job.device
+        self.device = agreement.device
         # Each rank's running loss as restored (a collective, once): the agreements add to it.
         mine = torch.tensor([progress.loss.value()], dtype=torch.float64, device=self.device)
-        gathered = [torch.empty_like(mine) for _ in range(job.world_size)]
+        gathered = [torch.empty_like(mine) for _ in range(agreement.world.size)]
         dist.all_gather(gathered, mine)
         self.sums = [float(t.item()) for t in gathered]
 
@@ -131,7 +131,7 @@ class JustInTime:
         size = self.log.size if self.log is not None else 0
         head = torch.tensor([preempted, time_due, size], dtype=torch.float64, device=self.device)
         mine = torch.cat([head, loss.detach().reshape(1).to(self.device, torch.float64)])
-        gathered = [torch.empty_like(mine) for _ in range(self.job.world_size)]
+        gathered = [torch.empty_like(mine) for _ in range(self.agreement.world.size)]
         dist.all_gather(gathered, mine)
         rows = torch.stack(gathered).tolist()
         for rank, row in enumerate(rows):
@@ -188,7 +188,7 @@ class JustInTime:
             return
         if record.ticks in (0, self.progress.saved_at):
             return  # nothing trained since the last checkpoint
-        rank = self.job.rank
+        rank = self.agreement.world.rank
         self.acted = True
         if self.run.remote and rank != 0:
             return  # only rank 0 can upload the run's log; the periodic checkpoint stays
@@ -240,7 +240,7 @@ class JustInTime:
     def _save(self, record: Record) -> str:
         replicated: dict[str, Any] = {}
         parts: dict[str, list[Any]] = {}
-        world = self.job.world_size
+        world = self.agreement.world.size
         progress = [{**record.progress, "loss_sum": record.sums[rank]} for rank in range(world)]
         for name, entry in self.entries.items():
             if name == LOG:

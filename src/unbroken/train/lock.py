@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import DirectoryInUse
-from .ranks import Job
+from .agreement import Agreement
 
 NAME = ".lock"
 _held: dict[str, int] = {}  # real path -> fd: record locks never conflict within one process
@@ -166,7 +166,7 @@ class Lock(Protocol):
 
 
 @contextmanager
-def held_by_every_rank(lock: Lock | None, job: Job, directory: Any) -> Iterator[None]:
+def held_by_every_rank(lock: Lock | None, agreement: Agreement, directory: Any) -> Iterator[None]:
     """The run directory's lock (this rank's ``lock``; ``None``: this rank takes none) held
     while the block runs, taken by every rank or by none: a rank refused alone would leave the
     others waiting for it in their first collective."""
@@ -176,7 +176,7 @@ def held_by_every_rank(lock: Lock | None, job: Job, directory: Any) -> Iterator[
             lock.acquire()
     except DirectoryInUse as error:
         refused = error
-    (anyone,) = job.any_of(refused is not None)
+    (anyone,) = agreement.any_of(refused is not None)
     if anyone:
         if lock is not None:
             lock.release()

@@ -29,9 +29,9 @@ from typing import Any
 
 from ..checkpoint.objects import REMOTE_TIMEOUT, ObjectStorage, is_url
 from ..checkpoint.storage import join
+from .agreement import Agreement
 from .lease import Lease
 from .lock import DirectoryLock, Lock, held_by_every_rank, not_writable
-from .ranks import Job
 
 CHECKPOINTS, METRICS, TENSORBOARD = "checkpoints", "metrics.csv", "tensorboard"
 
@@ -83,15 +83,15 @@ class RunDirectory:
             shutil.rmtree(self.local, ignore_errors=True)
 
     @contextmanager
-    def locked(self, job: Job, lease_seconds: float) -> Iterator[None]:
+    def locked(self, job: Agreement, lease_seconds: float) -> Iterator[None]:
         """One job at a time: the OS lock of every rank (local), or rank 0's lease (a URL),
         refused on every rank if refused on one. Rank 0's changes to a URL pass its lease's
         fence: a job that lost the lease stops before it changes anything more."""
         if not self.remote:
-            lock: Lock | None = DirectoryLock(self.local, job.rank)
+            lock: Lock | None = DirectoryLock(self.local, job.world.rank)
         else:
             assert self.storage is not None
-            lock = Lease(self.storage, self.location, lease_seconds) if job.first else None
+            lock = Lease(self.storage, self.location, lease_seconds) if job.world.first else None
         with held_by_every_rank(lock, job, self.location):
             self.lease = lock if isinstance(lock, Lease) else None
             if self.storage is not None and self.lease is not None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ..errors import RemoteUnavailable
 from ..preemption import EXIT_CODE, exit_to_be_requeued
-from .options import call_hooks
+from .hooks import call_hooks
 from .progress import say
 
 if TYPE_CHECKING:
@@ -45,12 +45,12 @@ def save(trainer: Trainer, blocking: bool = True, periodic: bool = False) -> Non
     # training: it is reported and the next one tries again; so does a background save
     # (always periodic) before any save. One process only: under torch.distributed the
     # ranks raise together (the job restarts).
-    tolerate = periodic and not trainer.job.distributed
+    tolerate = periodic and not trainer.world.distributed
     started = time.perf_counter()  # what the save holds training for: the wait included
     try:
         trainer.checkpointer.wait()  # the background save before it: it may have failed
     except RemoteUnavailable as error:
-        if trainer.job.distributed:
+        if trainer.world.distributed:
             raise
         say(f"the background checkpoint failed ({error}); training goes on")
     if trainer.progress.ticks == trainer.progress.saved_at:

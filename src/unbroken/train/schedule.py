@@ -47,9 +47,9 @@ from typing import Any
 from .._checks import is_number
 from .._files import atomic_write
 from ..checkpoint.manager import Checkpointer
-from .config import TrainerOptions
+from ..distributed.world import World
+from .options import TrainerOptions
 from .progress import Progress, say
-from .ranks import Job
 from .rundir import RunDirectory
 
 MIN_SECONDS, MAX_SECONDS = 2.0, 1800.0  # the bounds of an automatic interval
@@ -190,16 +190,16 @@ class SaveSchedule:
 
     @classmethod
     def of_run(
-        cls, options: TrainerOptions, run: RunDirectory, checkpointer: Checkpointer, job: Job
+        cls, options: TrainerOptions, run: RunDirectory, checkpointer: Checkpointer, world: World
     ) -> SaveSchedule:
         """The Trainer's schedule: its options, its run's history, on this rank."""
         return cls(
             options.checkpoint_every_steps,
             options.checkpoint_every_seconds,
-            History(run, write=job.first),
+            History(run, write=world.first),
             # Blocking saves take nothing from the batches: no batch is timed for them.
             in_flight=(lambda: checkpointer.in_flight) if options.async_save else None,
-            first=job.first,
+            first=world.first,
         )
 
     def saved(self) -> None:

@@ -6,7 +6,7 @@ lock the run directory, restore or seed; each epoch, a training then a validatio
 every batch, a preemption signal saves and exits with ``EXIT_CODE``, or a periodic save is due.
 Loss values reach the host only on logged batches (``LossSum``), so there is no sync per batch.
 Under ``torchrun`` every rank runs this loop with a DDP model; the ranks agree on signals and
-saves (``ranks``), rank 0 alone writes the logs, and when a rank dies a survivor saves the job
+saves (``agreement``), rank 0 alone writes the logs, and when a rank dies a survivor saves the job
 as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
 step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
 ``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
@@ -14,35 +14,30 @@ step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps;
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from ..checkpoint.manager import Checkpointer
 from ..distributed.reduction import ensure_exact
-from ..preemption import DEFAULT_SIGNALS, Preemption
+from ..preemption import Preemption
+from .agreement import Agreement, Boundary, exit_if_preempted
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
-from .config import TrainerOptions
 from .csvlog import RunLog
 from .determinism import determinism
 from .globalrng import TRAIN, VAL, seed_everything, seed_step
+from .hooks import call_hooks, check_loaders, hooks
 from .jit import JustInTime
-from .options import call_hooks, check_loaders, hooks
+from .options import NAMES, TrainerKeywords, TrainerOptions, options_of
 from .progress import Progress, bar
-from .ranks import Boundary, Job, exit_if_preempted
 from .rundir import RunDirectory
 from .saves import exit_preempted, save
 from .schedule import SaveSchedule
 from .startup import Startup
 from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
-
-_DEFAULTS = {
-    option.name: None if option.default is dataclasses.MISSING else option.default
-    for option in dataclasses.fields(TrainerOptions)
-}
 
 
 class Trainer:
@@ -50,32 +45,13 @@ class Trainer:
 
     Args:
         directory: The run directory, where one process at a time trains: a path or a URL.
+        options: All the options as one ``TrainerOptions``, instead of keywords.
         storage_options: The fsspec options of a URL's filesystem (endpoint, credentials).
-        max_epochs: Epochs to train.
-        max_steps: Stop after this many optimizer steps.
-        seed: Seeds the process RNGs of a fresh run.
-        checkpoint_every_seconds: Wall-clock seconds between saves; ``"auto"`` or ``None``.
-        checkpoint_every_steps: Also save every this many optimizer steps.
-        keep: Committed checkpoints kept (>= 2).
-        accumulate: Training batches per optimizer step.
-        clip_grad_norm: The largest gradient norm, or ``None``.
-        scheduler_interval: When the scheduler steps: ``"step"`` or ``"epoch"``.
-        callbacks: Objects with any of the Trainer's hooks.
-        progress_bar: Show a tqdm bar.
-        signals: The preemption signals.
-        async_save: Write periodic checkpoints in a background thread.
-        tensorboard: TensorBoard events: ``None`` if installed, ``True`` required.
-        log_every: Log a batch's values every this many batches of its phase.
-        deterministic: ``True``: deterministic kernels during ``fit``.
-        preemption_check_every: Batches between the ranks' agreements on signals.
-        checkpoint_timeout: Seconds a rank waits for the others in a save or load.
-        lease_seconds: How long an unknown holder's lease of a remote directory is waited for.
-        remote_timeout: Seconds an operation on the store may go without progress.
-        just_in_time: When a rank dies, a survivor saves the job (``None``: where possible).
-        options: All the options as one ``TrainerOptions`` (documents each in full), instead of
-            the keywords. ``trainer.options`` holds them; ``trainer.max_epochs`` etc. read them.
+        **keywords: The options by name: ``TrainerOptions``' fields, each documented there.
+            ``trainer.options`` holds them; ``trainer.max_epochs`` etc. read them.
 
     Raises:
+        TypeError: a keyword is not an option (the closest option is named).
         ValueError: an option is invalid, or given both as a keyword and in ``options``.
     """
 
@@ -83,43 +59,15 @@ class Trainer:
         self,
         directory: str | Path,
         *,
-        storage_options: dict[str, Any] | None = None,
-        max_epochs: int | None = None,
-        max_steps: int | None = None,
-        seed: int = 0,
-        checkpoint_every_seconds: float | str | None = "auto",
-        checkpoint_every_steps: int | None = None,
-        keep: int = 2,
-        accumulate: int = 1,
-        clip_grad_norm: float | None = None,
-        scheduler_interval: str = "step",
-        callbacks: Iterable[Any] = (),
-        progress_bar: bool = True,
-        signals: Iterable[int] = DEFAULT_SIGNALS,
-        async_save: bool = False,
-        tensorboard: bool | None = None,
-        log_every: int = 50,
-        deterministic: bool | None = None,
-        preemption_check_every: int = 1,
-        checkpoint_timeout: float = 600.0,
-        lease_seconds: float = 30.0,
-        remote_timeout: float = 60.0,
-        just_in_time: bool | None = None,
         options: TrainerOptions | None = None,
+        storage_options: dict[str, Any] | None = None,
+        **keywords: Unpack[TrainerKeywords],
     ) -> None:
         self.startup = Startup()  # first: the time to the first step, by phase
-        given = {name: value for name, value in locals().items() if name in _DEFAULTS}
+        # The options, checked (train.options), before anything is made, installed or locked.
+        self.options = options_of(keywords, options)
         self.run = RunDirectory(directory, storage_options)
         self.directory: str | Path = self.run.location if self.run.remote else Path(directory)
-        # The options, checked (train.config), before anything is installed or locked.
-        if options is None:
-            options = TrainerOptions(**given)
-        elif changed := [name for name, value in given.items() if value != _DEFAULTS[name]]:
-            raise ValueError(
-                f"Trainer got options= and {', '.join(changed)}=: pass the options one way, "
-                "as keywords or as a TrainerOptions"
-            )
-        self.options = options
         config = self.options.on_resume()  # saved with the loop's counters, checked on resume
         self.progress = Progress(config=config)
         self.logs: dict[str, float] = {}  # the latest value of everything logged
@@ -130,7 +78,7 @@ class Trainer:
     def __getattr__(self, name: str) -> Any:
         # Only for names not found otherwise: the options, read as the Trainer's attributes.
         options = self.__dict__.get("options")
-        if options is not None and name in _DEFAULTS:
+        if options is not None and name in NAMES:
             return getattr(options, name)
         raise AttributeError(f"'Trainer' object has no attribute {name!r}")
 
@@ -177,14 +125,15 @@ class Trainer:
             self.train_metrics = dict(train_metrics or {})
             self.val_metrics = dict(val_metrics or {})
             check_loaders(train_loader, val_loader)
-            self.job = Job()
+            self.agreement = Agreement()  # this rank's World, and what the ranks agree on
+            self.world = self.agreement.world
             # DDP on 3+ ranks: gradients summed in an order its bucket rebuild cannot change.
             ensure_exact(model, "unbroken.Trainer")
             with self.preemption, determinism(self.options.deterministic, model):
-                exit_if_preempted(self.job, self.preemption)
+                exit_if_preempted(self.agreement, self.preemption)
                 self.run.open(self.options.remote_timeout)
                 try:
-                    with self.run.locked(self.job, self.options.lease_seconds):
+                    with self.run.locked(self.agreement, self.options.lease_seconds):
                         self._fit(train_loader, val_loader)
                 finally:
                     self.run.close()
@@ -201,7 +150,7 @@ class Trainer:
             self.run,
             self.options.tensorboard,
             self.logs,
-            write=self.job.first,  # one rank writes the log; the others keep `logs` only
+            write=self.world.first,  # one rank writes the log; the others keep `logs` only
         )
         self.checkpointer = Checkpointer(
             self.run.checkpoints,
@@ -226,7 +175,7 @@ class Trainer:
             restored = resume(self.checkpointer, self.entries, val_loader, self.options.seed)
             self.resumed = restored is not None
             self.startup.resumed(restored.seconds if restored else {})
-            exit_if_preempted(self.job, self.preemption)
+            exit_if_preempted(self.agreement, self.preemption)
             if restored is None:
                 self.run_log.restart()
                 seed_everything(self.options.seed)
@@ -234,13 +183,22 @@ class Trainer:
                 ready_scaler(self.scaler, self.optimizer)  # a resumed run's pending window
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
-            self.schedule = SaveSchedule.of_run(self.options, self.run, self.checkpointer, self.job)
-            every, entries = self.options.preemption_check_every, self.entries
-            job, run, jit_wanted = self.job, self.run, self.options.just_in_time
-            self.jit = JustInTime(
-                jit_wanted, job, progress, entries, self.checkpointer, run, self.run_log, every
+            self.schedule = SaveSchedule.of_run(
+                self.options, self.run, self.checkpointer, self.world
             )
-            self.boundary = Boundary(job, self.preemption, self.schedule, self.jit, every)
+            every, entries = self.options.preemption_check_every, self.entries
+            agreement, run, jit_wanted = self.agreement, self.run, self.options.just_in_time
+            self.jit = JustInTime(
+                jit_wanted,
+                agreement,
+                progress,
+                entries,
+                self.checkpointer,
+                run,
+                self.run_log,
+                every,
+            )
+            self.boundary = Boundary(agreement, self.preemption, self.schedule, self.jit, every)
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             try:
@@ -272,7 +230,7 @@ class Trainer:
 
     def _train_epoch(self, loader: Iterable) -> None:
         progress, model, log_every = self.progress, self.model, self.options.log_every
-        seed, rank, jit = self.options.seed, self.job.rank, self.jit
+        seed, rank, jit = self.options.seed, self.world.rank, self.jit
         model.train()
         if progress.epoch_batches == 0:
             reset_metrics(self.train_metrics)
@@ -282,7 +240,7 @@ class Trainer:
             self.options.callbacks, "on_train_batch_end"
         )  # looked up once, not per batch
         with bar(
-            self.options.progress_bar and self.job.first, loader, progress, "train"
+            self.options.progress_bar and self.world.first, loader, progress, "train"
         ) as batches:
             for batch in batches:
                 self.startup.first_batch()
@@ -311,7 +269,7 @@ class Trainer:
         if progress.micro:  # an epoch's last, incomplete accumulation window still counts
             self._optimizer_step()
             jit.take()
-        epoch_loss = self.job.mean(progress.phase_mean())
+        epoch_loss = self.agreement.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.train_metrics)})
         if self.scheduler is not None and self.options.scheduler_interval == "epoch":
             jit.changing()
@@ -334,7 +292,7 @@ class Trainer:
     @torch.no_grad()
     def _validate(self, loader: Iterable) -> None:
         progress, model, step = self.progress, self.model, self.validation_step
-        rank = self.job.rank
+        rank = self.world.rank
         assert step is not None  # fit() sets one whenever there is a val_loader
         model.eval()
         if progress.val_batches == 0:
@@ -346,7 +304,9 @@ class Trainer:
             hooks(self.options.callbacks, "on_validation_batch_end"),
             self.options.log_every,
         )
-        with bar(self.options.progress_bar and self.job.first, loader, progress, "val") as batches:
+        with bar(
+            self.options.progress_bar and self.world.first, loader, progress, "val"
+        ) as batches:
             for batch in batches:
                 self.startup.first_batch()
                 seed_step(self.options.seed, VAL, progress.epoch, progress.val_batches, rank)
@@ -361,7 +321,7 @@ class Trainer:
                     hook(self, self.logs)
                 self.jit.take()
                 self._after_batch()
-        epoch_loss = self.job.mean(progress.phase_mean())
+        epoch_loss = self.agreement.mean(progress.phase_mean())
         self.log({"epoch_loss": epoch_loss, **compute_metrics(self.val_metrics)}, "val")
         call_hooks(self.options.callbacks, "on_validation_end", self, self.logs)
         model.train()

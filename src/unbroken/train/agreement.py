@@ -1,18 +1,19 @@
-"""The Trainer's view of a data-parallel job: its rank, and the two collectives the loop needs.
+"""``Agreement``: what the ranks of a data-parallel job must agree on before any of them acts.
 
 Under ``torchrun`` (an initialized ``torch.distributed`` default group of more than one rank)
-every rank runs the same loop over its share of the data. What one rank alone knows must be
-agreed before anyone acts on it, or the ranks would save different steps, or one would exit
-while the others wait for it in the next gradient all-reduce:
+every rank runs the same loop over its share of the data. Where a rank stands is a ``World``
+(``distributed.world``); what one rank alone knows must be agreed before anyone acts on it, or
+the ranks would save different steps, or one would exit while the others wait for it in the
+next gradient all-reduce:
 
 - a preemption signal, which schedulers deliver to ranks at different moments, and a
   wall-clock checkpoint, due by each rank's own clock: ``any_of`` all-reduces both flags (MAX)
   in one call, every ``preemption_check_every`` batches;
 - the epoch's mean loss, each rank's over its own batches: ``mean`` averages it.
 
-One process is a ``Job`` of one rank: both return what they are given, with no collective
-and no change to the bits. Collectives run on the default group, on the device its backend
-needs (CUDA for NCCL). Cost: one all-reduce of two ints, ~50-100 us on gloo over loopback
+In a world of one rank both return what they are given, with no collective and no change to
+the bits. Collectives run on the default group, on the device its backend needs (CUDA for
+NCCL). Cost: one all-reduce of two ints, ~50-100 us on gloo over loopback
 (benchmarks/RESULTS.md), per agreement.
 """
 
@@ -28,25 +29,19 @@ from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
 from .progress import say
 
 
-class Job:
-    def __init__(self) -> None:
-        world = World.current()
-        self.rank, self.world_size = (world.rank, world.size) if world.distributed else (0, 1)
+class Agreement:
+    """The collectives of ``world``'s ranks (by default the default process group's), on the
+    device its backend needs (see the module)."""
+
+    def __init__(self, world: World | None = None) -> None:
+        self.world = World.current() if world is None else world
         self.device = torch.device("cpu")
-        if self.distributed and dist.get_backend() == "nccl":
+        if self.world.distributed and dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def first(self) -> bool:
-        return self.rank == 0
 
     def any_of(self, *flags: bool) -> tuple[bool, ...]:
         """Each flag, true if it is true on any rank."""
-        if not self.distributed:
+        if not self.world.distributed:
             return flags
         values = torch.tensor([int(flag) for flag in flags], device=self.device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -54,17 +49,17 @@ class Job:
 
     def mean(self, value: float) -> float:
         """The mean of ``value`` over the ranks."""
-        if not self.distributed:
+        if not self.world.distributed:
             return value
         total = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
-        return float(total.item()) / self.world_size
+        return float(total.item()) / self.world.size
 
 
-def exit_if_preempted(job: Job, preemption: Preemption) -> None:
+def exit_if_preempted(agreement: Agreement, preemption: Preemption) -> None:
     """Exit with ``EXIT_CODE`` if any rank got a preemption signal before training started:
     nothing new was trained, so nothing is saved."""
-    (preempted,) = job.any_of(preemption.received is not None)
+    (preempted,) = agreement.any_of(preemption.received is not None)
     if preempted:
         received = preemption.received
         name = received.name if received is not None else "a preemption signal (on another rank)"
@@ -85,9 +80,14 @@ class Boundary:
     loss."""
 
     def __init__(
-        self, job: Job, preemption: Preemption, schedule: Any, jit: Any, check_every: int
+        self,
+        agreement: Agreement,
+        preemption: Preemption,
+        schedule: Any,
+        jit: Any,
+        check_every: int,
     ) -> None:
-        self.job, self.preemption, self.schedule = job, preemption, schedule
+        self.agreement, self.preemption, self.schedule = agreement, preemption, schedule
         self.jit, self.check_every = jit, check_every
         self.agreed = (False, False)
 
@@ -100,8 +100,8 @@ class Boundary:
         if self.jit.enabled:
             return self.agreed
         preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
-        if self.job.distributed:  # act only on what every rank knows, at the same batch
+        if self.agreement.world.distributed:  # act only on what every rank knows, at one batch
             if ticks % self.check_every:
                 return False, False
-            preempted, time_due = self.job.any_of(preempted, time_due)
+            preempted, time_due = self.agreement.any_of(preempted, time_due)
         return preempted, time_due
