@@ -11,7 +11,8 @@ with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckp
 ``dirpath``: Lightning's default directory has a new ``version_N`` for every run, where
 ``ckpt_path="last"`` would find nothing.
 
-- ``callback``: ``ExactResume``, what Lightning does not save or put back, preemption, warnings.
+- ``callback``: ``ExactResume``, what Lightning does not save or put back, preemption.
+- ``advice``: its warnings where exactness is out of its hands, and what to do instead.
 - ``loops``: what it reads of Lightning's loops: where a checkpoint would resume exactly.
 - ``restart``: what it changes in them after a resume.
 - ``draws``: steps drawing from numpy or ``random`` after a resume with other worker counts.

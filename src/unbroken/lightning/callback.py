@@ -27,11 +27,12 @@ the checkpoint. What else a resumed run needs, this callback adds:
   model, so a resumed step sums its gradients as the uninterrupted one did.
 - **Whole checkpoints**: ``AtomicCheckpointIO``, installed unless the Trainer has a checkpoint
   plugin of its own.
-- **Warnings where exactness is out of its hands**: a checkpoint saved where Lightning does not
-  go on exactly (``loops.Place.problems``: at an epoch's last batch, before a validation, inside
-  an accumulation window); a torch ``DataLoader`` (its position is not saved, and a SIGTERM to
-  the process group kills its workers before anything is saved); numpy or ``random`` draws
-  after a resume that moved a loader between 0 and more workers (``draws``).
+- **Warnings where exactness is out of its hands** (``advice``): a checkpoint saved where
+  Lightning does not go on exactly (``loops.Place.problems``: at an epoch's last batch, before
+  a validation, inside an accumulation window); a torch ``DataLoader`` (its position is not
+  saved, and a SIGTERM to the process group kills its workers before anything is saved); numpy
+  or ``random`` draws after a resume that moved a loader between 0 and more workers
+  (``draws``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import os
 import warnings
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -55,10 +55,9 @@ from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.globalrng import GlobalRNG
 from . import draws, loops, restart
+from .advice import WHAT, Advice, resumed_inexactly
 from .io import AtomicCheckpointIO
 from .saved import VERSION, metrics, read_state, tensors
-
-_WHAT = "unbroken.lightning.ExactResume"
 
 
 class ExactResume(Callback):
@@ -83,7 +82,7 @@ class ExactResume(Callback):
         self._agreement: Agreement | None = None
         self._place = loops.Place("setup")  # where a checkpoint taken now would resume
         self._step_at_batch_start = 0
-        self._warned: set[str] = set()
+        self._advice = Advice()  # each warning once, on the first rank
         # Training batches of the epoch it resumed in that the run saving the checkpoint ran.
         self._batches_before_resume: int | None = None
         self._epoch_metrics_before: list[str] = []  # ... and what it logged with on_epoch=True
@@ -104,6 +103,7 @@ class ExactResume(Callback):
         if stage != "fit":
             return
         self._trainer, self._agreement = trainer, Agreement()
+        self._advice.first = self._agreement.world.first
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
@@ -140,11 +140,7 @@ class ExactResume(Callback):
     ) -> None:
         """Warn if saved where Lightning cannot resume exactly; fix prefetched loader states."""
         if not self._place.exact:
-            self._warn_once(
-                "save:" + ",".join(self._place.problems()),
-                f"{_WHAT}: a checkpoint is being saved where Lightning cannot resume exactly: "
-                f"{'; '.join(self._place.problems())}. {_AVOID}",
-            )
+            self._advice.saved_inexactly(self._place)
         # A training loader without len() is a batch ahead of the training step: Lightning
         # prefetched it to learn whether the epoch ends. Save the state before that batch.
         ahead = loops.prefetched(trainer) if trainer.state.fn == "fit" else 0
@@ -156,13 +152,7 @@ class ExactResume(Callback):
             if ahead == 1 and behind is not None:
                 states[i] = behind
             else:
-                self._warn_once(
-                    "prefetch",
-                    f"{_WHAT}: Lightning fetched {ahead} batch(es) of {type(loader).__name__} "
-                    "ahead of the training step (it does so for loaders without len()), and the "
-                    "state it saves counts them: a resumed run skips them. Give the dataset "
-                    "__len__, or use an unbroken.DataLoader (whose state is corrected).",
-                )
+                self._advice.prefetched(ahead, loader)
 
     def on_load_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -177,22 +167,14 @@ class ExactResume(Callback):
         rank, world = here.rank, here.size
         if len(ranks) != world:
             warnings.warn(
-                f"{_WHAT}: the checkpoint holds the random generators of {len(ranks)} ranks and "
+                f"{WHAT}: the checkpoint holds the random generators of {len(ranks)} ranks and "
                 f"this job has {world}; rank {rank} continues from rank {rank % len(ranks)}'s. "
                 "Dropout and other draws of the training step will differ from the run that "
                 "saved it (the data order does not).",
                 stacklevel=2,
             )
         self._restore = ranks[rank % len(ranks)]
-        # Said as the checkpoint loads: resumed at its last epoch's end, Lightning trains no
-        # more and calls no hook after this one.
-        saved_at = loops.Place(**place) if place is not None else None
-        if saved_at is not None and not saved_at.exact and here.first:
-            warnings.warn(
-                f"{_WHAT}: resuming from a checkpoint saved where Lightning cannot go on "
-                f"exactly (at {saved_at.hook}): {'; '.join(saved_at.problems())}. {_AVOID}",
-                stacklevel=2,
-            )
+        resumed_inexactly(place, here.first)
 
     # Training starts: put back what Lightning does not.
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -200,7 +182,7 @@ class ExactResume(Callback):
         # Over Lightning's own handlers, which it registers after the callbacks' setup: its
         # SIGTERM handler would stop the run before a checkpoint is saved.
         self.preemption.install()
-        self._check_loaders(trainer)
+        self._advice.torch_loaders(trainer, self.preemption.signals)
         if self._loader_states is not None:
             self._load_dropped_loader_states(trainer, self._loader_states)
             self._loader_states = None
@@ -231,39 +213,9 @@ class ExactResume(Callback):
                 prefetched |= ours._open
                 ours.load_state_dict(state)
                 continue
-            self._warn_once(
-                "dropped",
-                f"{_WHAT}: Lightning did not restore the position of the training loader "
-                f"{type(loader).__name__} (it does not when the checkpoint was taken at an "
-                "epoch's end, or when trainer.estimated_stepping_batches is read in "
-                "configure_optimizers): the epoch restarts from its beginning. Use an "
-                "unbroken.DataLoader for training.",
-            )
+            self._advice.dropped(loader)
         if prefetched:
             loops.fetch_anew(trainer)
-
-    def _check_loaders(self, trainer: Trainer) -> None:
-        for phase, loader in loops.all_loaders(trainer):
-            if not isinstance(loader, torch.utils.data.DataLoader) or isinstance(
-                loader, DataLoader
-            ):
-                continue
-            if phase == "train":
-                self._warn_once(
-                    "torch-train",
-                    f"{_WHAT}: the training loader is torch's DataLoader, whose position Lightning "
-                    "does not save: a run resumed mid-epoch reshuffles the epoch and repeats and "
-                    "skips samples. Use unbroken.DataLoader (the same arguments).",
-                )
-            if loader.num_workers > 0 and self.preemption.signals:
-                self._warn_once(
-                    "torch-workers",
-                    f"{_WHAT}: a {phase} loader is torch's DataLoader with num_workers="
-                    f"{loader.num_workers}. Schedulers send SIGTERM to the whole process group: "
-                    "torch's workers die of it, and the run fails with 'DataLoader worker ... "
-                    "killed by signal' before the preemption checkpoint is saved. unbroken's "
-                    "workers outlive it: use unbroken.DataLoader for every loader of the fit.",
-                )
 
     # Where the run is, and preemption.
     def on_train_batch_start(
@@ -282,7 +234,7 @@ class ExactResume(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Note where the run is; save and exit there if preempted and it resumes exactly."""
-        self._warn_about_draws(self._draws.end("training"))
+        self._advice.draws(self._draws.end("training"))
         stepped = trainer.global_step != self._step_at_batch_start
         self._place = loops.batch_end_place(trainer, stepped)
         if self._place.exact_but_for_counters and trainer.global_step % self.check_every == 0:
@@ -294,7 +246,7 @@ class ExactResume(Callback):
 
     def on_validation_batch_end(self, trainer: Trainer, *args: Any, **kwargs: Any) -> None:
         """Warn if the batch drew from numpy or ``random`` where that is not exact."""
-        self._warn_about_draws(self._draws.end("validation"))
+        self._advice.draws(self._draws.end("validation"))
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Note that the fit is validating."""
@@ -339,24 +291,11 @@ class ExactResume(Callback):
         names = set(loops.training_epoch_metrics(trainer)) | set(self._epoch_metrics_before)
         partial = sorted(names) if before else []
         if partial:
-            self._warn_once(
-                "partial-epoch-metrics",
-                f"{_WHAT}: the epoch-level values of {partial} (self.log(on_epoch=True) in "
-                f"training_step) cover only the batches since the resume: Lightning does not "
-                f"save their running sums, and this epoch had {before} "
-                "batches before it. Log epoch values from validation, or from a torchmetrics "
-                "Metric kept in the LightningModule with persistent state.",
-            )
+            self._advice.partial_epoch_metrics(partial, before)
         self._batches_before_resume = None
         missing = restart.let_plateau_schedulers_step(trainer)
         if missing:
-            self._warn_once(
-                "plateau",
-                f"{_WHAT}: ReduceLROnPlateau does not step at the end of this epoch, as in the "
-                f"run that saved the checkpoint: its metric {missing} is not available after "
-                "the resume (an epoch aggregate of training batches run before it). Monitor a "
-                "validation metric.",
-            )
+            self._advice.plateau(missing)
 
     def _stop_if_preempted(self, trainer: Trainer) -> None:
         if self._agreement is None:
@@ -368,28 +307,6 @@ class ExactResume(Callback):
         self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
         loops.keep_ignoring_after_teardown(trainer, self.preemption.signals)
         exit_to_be_requeued(destroy_groups=False)  # Lightning's teardown still uses them
-
-    def _warn_about_draws(self, said: str | None) -> None:
-        if said is not None:
-            self._warn_once("draws", f"{_WHAT}: {said}")
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind in self._warned or (
-            self._agreement is not None and not self._agreement.world.first
-        ):
-            return
-        self._warned.add(kind)
-        warnings.warn(message, stacklevel=3)
-
-
-_AVOID = (
-    "Weights and data stay exact unless what is skipped changes the training. To avoid it, save "
-    "at validation ends, where Lightning resumes exactly: "
-    "ModelCheckpoint(save_on_train_epoch_end=False) without every_n_train_steps, with "
-    "val_check_interval setting how often. "
-    "every_n_train_steps=n lands on an epoch's last batch every lcm(n, optimizer steps an "
-    "epoch) steps, whatever n. ExactResume's own preemption save always waits for an exact place."
-)
 
 
 def _last_path(trainer: Trainer) -> str:

@@ -127,6 +127,7 @@ class Trainer:
             check_loaders(train_loader, val_loader)
             self.agreement = Agreement()  # this rank's World, and what the ranks agree on
             self.world = self.agreement.world
+            self.show_bar = self.options.progress_bar and self.world.first  # on one rank
             # DDP on 3+ ranks: gradients summed in an order its bucket rebuild cannot change.
             ensure_exact(model, "unbroken.Trainer")
             with self.preemption, determinism(self.options.deterministic, model):
@@ -183,20 +184,11 @@ class Trainer:
                 ready_scaler(self.scaler, self.optimizer)  # a resumed run's pending window
             # Events up to the checkpoint's tick were flushed when it was saved; later ones replay.
             self.run_log.open_board(purge_from=progress.ticks + 1)
-            self.schedule = SaveSchedule.of_run(
-                self.options, self.run, self.checkpointer, self.world
-            )
-            every, entries = self.options.preemption_check_every, self.entries
-            agreement, run, jit_wanted = self.agreement, self.run, self.options.just_in_time
+            run, checkpointer, agreement = self.run, self.checkpointer, self.agreement
+            self.schedule = SaveSchedule.of_run(self.options, run, checkpointer, self.world)
+            wanted, every = self.options.just_in_time, self.options.preemption_check_every
             self.jit = JustInTime(
-                jit_wanted,
-                agreement,
-                progress,
-                entries,
-                self.checkpointer,
-                run,
-                self.run_log,
-                every,
+                wanted, agreement, progress, self.entries, checkpointer, run, self.run_log, every
             )
             self.boundary = Boundary(agreement, self.preemption, self.schedule, self.jit, every)
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
@@ -236,12 +228,8 @@ class Trainer:
             reset_metrics(self.train_metrics)
             progress.start_phase()
             jit.phase_started()
-        on_batch_end = hooks(
-            self.options.callbacks, "on_train_batch_end"
-        )  # looked up once, not per batch
-        with bar(
-            self.options.progress_bar and self.world.first, loader, progress, "train"
-        ) as batches:
+        on_batch_end = hooks(self.options.callbacks, "on_train_batch_end")  # once, not per batch
+        with bar(self.show_bar, loader, progress, "train") as batches:
             for batch in batches:
                 self.startup.first_batch()
                 if progress.micro == 0:  # a step's randomness: derived, never saved (globalrng)
@@ -292,7 +280,7 @@ class Trainer:
     @torch.no_grad()
     def _validate(self, loader: Iterable) -> None:
         progress, model, step = self.progress, self.model, self.validation_step
-        rank = self.world.rank
+        seed, rank, log_every = self.options.seed, self.world.rank, self.options.log_every
         assert step is not None  # fit() sets one whenever there is a val_loader
         model.eval()
         if progress.val_batches == 0:
@@ -300,16 +288,11 @@ class Trainer:
             progress.start_phase()
             self.jit.phase_started()
         call_hooks(self.options.callbacks, "on_validation_start", self)
-        on_batch_end, log_every = (
-            hooks(self.options.callbacks, "on_validation_batch_end"),
-            self.options.log_every,
-        )
-        with bar(
-            self.options.progress_bar and self.world.first, loader, progress, "val"
-        ) as batches:
+        on_batch_end = hooks(self.options.callbacks, "on_validation_batch_end")
+        with bar(self.show_bar, loader, progress, "val") as batches:
             for batch in batches:
                 self.startup.first_batch()
-                seed_step(self.options.seed, VAL, progress.epoch, progress.val_batches, rank)
+                seed_step(seed, VAL, progress.epoch, progress.val_batches, rank)
                 output = step(model, batch)
                 loss = step_loss(output)
                 progress.val_batch_done(loss)
