@@ -1,5 +1,5 @@
 """The Trainer's callbacks (its hooks, looked up once) and ``fit``'s loaders, checked where
-they are given. The Trainer's own options are checked in ``config``."""
+they are given. The Trainer's own options are checked in ``options``."""
 
 from __future__ import annotations
 
