@@ -13,7 +13,7 @@ import unbroken
 import unbroken.data.loader as loader_module
 from unbroken.data import keys
 from unbroken.data.epochs import EpochIterable
-from unbroken.data.shuffle import derive_key
+from unbroken.data.bijection import derive_key
 from unbroken.data.sources.orders import IndexSource
 from unbroken.errors import CorruptState, StateMismatch
 from unbroken.testing import assert_resumes_exactly

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import unbroken
 from unbroken.data.rng import sample_seed_at
-from unbroken.data.shuffle import IndexShuffle, derive_key
+from unbroken.data.bijection import IndexShuffle, derive_key
 
 
 class Probe(torch.utils.data.Dataset):

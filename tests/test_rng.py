@@ -13,7 +13,7 @@ from unbroken.data.rng import (
     sample_seed_at,
     stream32,
 )
-from unbroken.data.shuffle import derive_key
+from unbroken.data.bijection import derive_key
 from unbroken.testing import assert_same
 
 

@@ -16,7 +16,7 @@ from .combined import CombinedLoader
 from .iterable import Resumable, resumable
 from .loader import DataLoader
 from .rng import sample_rng, sample_seed
-from .shuffling import ShuffleBuffer, shuffle_buffer
+from .buffered_shuffle import ShuffleBuffer, shuffle_buffer
 
 __all__ = [
     "CombinedLoader",

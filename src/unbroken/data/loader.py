@@ -33,7 +33,7 @@ from .seeds import SEED_LIMIT, choose_seed
 from .sources import make_source
 from .sources.base import Cursor
 from .sources.orders import NativeOrder
-from .sources.ranks import RANK_FIELDS, check_ranks, rank_fields
+from .sources.rank_checks import RANK_FIELDS, check_ranks, rank_fields
 from .sources.sharding import world_of
 from .sources.streams import StreamSource
 from .states import LOADER, LoaderState

@@ -30,10 +30,10 @@ from torch.utils.data import Dataset, default_collate, default_convert
 
 from ...errors import CorruptState
 from .. import keys
-from ..shuffle import IndexShuffle
+from ..bijection import IndexShuffle
 from .base import BatchSource, Cursor, Receiver
 from .fetch import Keys, SeededDataset, collating
-from .ranks import refuse_a_global_cursor
+from .rank_checks import refuse_a_global_cursor
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block
 # keeps the per-index cost at ~0.1 us without holding more than a block in memory.

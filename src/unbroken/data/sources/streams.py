@@ -40,7 +40,7 @@ from ...errors import CorruptState
 from .. import keys
 from ..rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
 from .base import SKIP, BatchSource, Cursor, Receiver
-from .ranks import refuse_a_global_cursor
+from .rank_checks import refuse_a_global_cursor
 from .standin import StandIn
 
 PLACEHOLDER = -1  # Tagged.items of a placeholder: a worker's turn that already came
