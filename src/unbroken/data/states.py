@@ -18,7 +18,8 @@ Versions:
 On several ranks, a ``DataLoader`` whose dataset each rank iterates on its own (a user sampler,
 an iterable dataset other than a global-cursor stream with ``len()``) also saves ``rank`` and
 ``world_size`` in its fingerprint, and loads only on that rank and world size
-(``sources.rank_checks``). A fingerprint without them is a single process's, as every state was before, so the version stays.
+(``sources.rank_checks``). A fingerprint without them is a single process's, as every state was
+before, so the version stays.
 """
 
 from __future__ import annotations
