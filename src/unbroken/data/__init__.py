@@ -12,11 +12,11 @@
   functions of (seed, epoch, position); ``workers``: what DataLoader workers do with preemption signals.
 """
 
+from .buffered_shuffle import ShuffleBuffer, shuffle_buffer
 from .combined import CombinedLoader
 from .iterable import Resumable, resumable
 from .loader import DataLoader
 from .rng import sample_rng, sample_seed
-from .buffered_shuffle import ShuffleBuffer, shuffle_buffer
 
 __all__ = [
     "CombinedLoader",
