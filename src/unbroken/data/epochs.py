@@ -17,7 +17,7 @@ alike, and so does anything built on this class):
 - ``set_epoch(n)`` makes the next ``iter()`` start epoch ``n`` from its first item.
 - ``load_state_dict`` changes nothing unless the whole state is valid: each class reads the
   whole state into a new position first, and only then swaps it in with ``_restore``. Until
-  the restored position yields an item, ``_restored`` says so (``views``: a sampler's
+  the restored position yields an item, ``_restored`` says so (``torch_api.OrderView``: a sampler's
   ``set_epoch`` keeps such a position).
 
 Two iterations open at once (``zip(loader, loader)``, ``next(iter(loader))`` inside a loop over

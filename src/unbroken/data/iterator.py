@@ -20,6 +20,11 @@ iterations; the position taken at the first ``next()``), and adds what torch's i
   it was: the next ``iter()`` continues from the last batch received, as a resumed run would.
   A dead worker is reported with torch's message ("DataLoader worker (pid N) is killed by
   signal: ..."), also when a batch it had queued found it gone first (``workers``).
+
+It starts torch's loader through the loader's ``InnerLoader`` (``inner``) and reports to the
+epoch bookkeeping through an ``epochs.Iteration``; it reads no private attribute of the loader.
+Cost per batch: the source's ``receive``, moving the cursor and one report to the bookkeeping
+(benchmarks/RESULTS.md measures the loader's whole overhead per batch).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class DataLoader(Loader, torch.utils.data.DataLoader[T_co]):
     """A drop-in for ``torch.utils.data.DataLoader`` whose position survives a restart.
 
     A subclass of torch's DataLoader (``isinstance`` holds) with its attributes (``sampler``,
-    ``batch_sampler``, ``collate_fn``, ``generator``, ``prefetch_factor``, ...; ``views``), built
+    ``batch_sampler``, ``collate_fn``, ``generator``, ``prefetch_factor``, ...; ``torch_api``), built
     on a torch DataLoader of its own rather than on torch's ``__init__``. Takes torch's
     arguments plus keyword-only ``seed``, ``global_rngs``, ``rank`` and ``world_size``.
 
@@ -161,7 +161,7 @@ class DataLoader(Loader, torch.utils.data.DataLoader[T_co]):
                 "the received position ambiguous, so a resume could repeat or skip batches"
             )
         # A sampler that describes unbroken's own order (this class's ``sampler``, torch's
-        # Sequential/Random/DistributedSampler over the dataset) becomes settings (``views``).
+        # Sequential/Random/DistributedSampler over the dataset) becomes settings (``torch_api``).
         taken = adopt(dataset, shuffle, sampler, batch_sampler, batch_size, drop_last)
         sampler, batch_sampler = taken.sampler, taken.batch_sampler
         batch_size, drop_last, shuffle = taken.batch_size, taken.drop_last, taken.shuffle

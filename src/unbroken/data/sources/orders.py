@@ -147,7 +147,7 @@ class NativeOrder(IndexSource):
     for a map-style dataset without a sampler (the last of ``SOURCES``: it matches any)."""
 
     @classmethod
-    def matches(cls, arguments: Arguments) -> bool:
+    def matches(cls, a: Arguments) -> bool:
         return True
 
     @classmethod
