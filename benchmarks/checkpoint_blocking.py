@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, add_json_option, environment, load_line, table
 
 from unbroken.checkpoint import Checkpointer
 

@@ -75,7 +75,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from harness import (
     ForeignLoad,
     Results,
     _proc_cpu,

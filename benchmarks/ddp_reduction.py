@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, add_json_option, environment, load_line, table
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce

@@ -721,7 +721,7 @@ def main() -> None:
         "--quick; '' for none)",
     )
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
-    from _common import add_json_option
+    from harness import add_json_option
 
     add_json_option(parser, "goodput")
     args = parser.parse_args()
@@ -746,7 +746,7 @@ def main() -> None:
 
 def cpu_snapshot() -> tuple[float, float, float]:
     """(wall, the machine's busy CPU-seconds, this process's and its waited-for children's)."""
-    from _common import _system_busy
+    from harness import _system_busy
 
     busy = _system_busy() if Path("/proc/stat").exists() else 0.0
     return time.perf_counter(), busy, sum(os.times()[:4])
@@ -764,7 +764,7 @@ def say(text: str) -> None:
 
 
 def run(args: argparse.Namespace, root: Path) -> None:
-    from _common import Results, environment, load_line, table, write_plot
+    from harness import Results, environment, load_line, table, write_plot
 
     results = Results("goodput", args.json, args)
     load_start = cpu_snapshot()

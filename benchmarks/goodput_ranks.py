@@ -65,7 +65,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Results, add_json_option, environment, load_line, table
+from harness import Results, add_json_option, environment, load_line, table
 from goodput_ranks_job import RANKS, STEPS_PER_EPOCH
 
 JOB = Path(__file__).resolve().parent / "goodput_ranks_job.py"

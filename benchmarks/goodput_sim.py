@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Results, add_json_option, table
+from harness import Results, add_json_option, table
 
 from unbroken.train import schedule  # daly_interval, looked up at each call
 

@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, add_json_option, environment, load_line, table
 
 HERE = Path(__file__).resolve().parent
 JOB = REPO / "tests" / "hf_trainer_job.py"

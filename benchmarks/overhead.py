@@ -57,10 +57,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, Results, RowDataset, add_json_option, environment, load_line, table
+from harness import ForeignLoad, Results, add_json_option, environment, load_line, table
+from harness.stats import median_ci, quartiles, rotated
+from harness.workloads import (
+    ImageDataset,
+    RowDataset,
+    cnn_loss,
+    cnn_model,
+    tiny_loss,
+    tiny_model,
+    train_step,
+)
 
 import unbroken
 
@@ -71,60 +80,12 @@ except ImportError:  # the comparison is optional; the rest still runs
     StatefulDataLoader = None
 
 
-# --------------------------------------------------------------------------- datasets, models
-
-
-class ImageDataset(torch.utils.data.Dataset):
-    """Random uint8 CIFAR-sized images; random crop (pad 4) and flip from the global torch RNG."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(2)
-        self.images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
-        self.labels = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i):
-        img = F.pad(self.images[i], (4, 4, 4, 4))
-        top, left = torch.randint(0, 9, (2,)).tolist()
-        img = img[:, top : top + 32, left : left + 32]
-        if torch.rand(()) < 0.5:
-            img = img.flip(-1)
-        return img.float().div_(255.0), self.labels[i]
-
-
-def tiny_model() -> torch.nn.Module:
-    return torch.nn.Linear(32, 2)
-
-
 def tiny_step(model, opt, batch) -> None:
-    out = model(batch)
-    loss = F.mse_loss(out, torch.ones_like(out))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-
-
-def cnn_model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(32 * 8 * 8, 10),
-    )
+    train_step(model, opt, batch, tiny_loss)
 
 
 def cnn_step(model, opt, batch) -> None:
-    images, labels = batch
-    loss = F.cross_entropy(model(images), labels)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
+    train_step(model, opt, batch, cnn_loss)
 
 
 # --------------------------------------------------------------------------- loaders
@@ -248,9 +209,8 @@ def chunk_rounds(runs, names, step, chunk: int, rounds: int) -> list[dict]:
 
     out = []
     for index in range(rounds):
-        shift = index % len(names)
         this_round = {}
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, index):
             _, model, opt = runs[name]
             start = time.perf_counter()
             for batch in batches(name):
@@ -272,9 +232,8 @@ def epoch_rounds(runs, names, step, args) -> tuple[list[dict], list[float], int]
     rounds, clean = [], []
     reps = args.worker_reps
     while len(clean) < reps and len(rounds) < max(args.max_rounds, reps):
-        shift = len(rounds) % len(names)
         this_round, foreign = {}, 0.0
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, len(rounds)):
             loader, model, opt = runs[name]
             before = monitor.snapshot()
             wall, steps = run_epochs(loader, model, opt, step, 1)
@@ -285,22 +244,6 @@ def epoch_rounds(runs, names, step, args) -> tuple[list[dict], list[float], int]
             clean.append(this_round)
     used = clean if len(clean) >= min(3, reps) else [r for _, r in rounds]
     return used, [f for f, _ in rounds], len(clean)
-
-
-def median_ci(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap 95% confidence interval of the median (percentile method, fixed seed)."""
-    values = np.asarray(xs, dtype=float)
-    rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
-    low, high = np.percentile(medians, [2.5, 97.5])
-    return float(low), float(high)
-
-
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):

@@ -552,7 +552,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     sys.path.insert(0, str(HERE))
     if "--child" not in sys.argv:  # a --child process imports only what its system needs
-        from _common import add_json_option
+        from harness import add_json_option
 
         add_json_option(parser, "remote_checkpoint")
     args = parser.parse_args()
@@ -563,7 +563,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from _common import ForeignLoad, Results, environment, load_line, table, write_plot
+    from harness import ForeignLoad, Results, environment, load_line, table, write_plot
 
     from unbroken.testing import S3Server
 

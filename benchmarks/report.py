@@ -1,11 +1,13 @@
 """Plots and the generated section of RESULTS.md from the benchmarks' JSON results.
 
-Each side-by-side benchmark writes ``bench_output/NAME.json`` (``--json``; see ``_common.Results``
-for the layout). This script reads them, draws ``benchmarks/plots/*.png`` and rewrites the part
-of ``benchmarks/RESULTS.md`` between the markers ``<!-- make bench: begin -->`` and
-``<!-- make bench: end -->``; the hand-written analysis around them is left alone. A benchmark
-whose JSON is missing (it failed, or was not run) is reported as such, and its old plot is
-neither redrawn nor linked. ``make bench`` and ``make bench-quick`` run it last.
+Each side-by-side benchmark writes ``bench_output/NAME.json`` (``--json``; see
+``harness.results.Results`` for the layout). This script reads them, draws
+``benchmarks/plots/*.png`` and rewrites the part of ``benchmarks/RESULTS.md`` between the markers
+``<!-- make bench: begin -->`` and ``<!-- make bench: end -->``; the hand-written analysis around
+them is left alone. Every figure is ``harness.plot.draw`` of a small spec below (which metric,
+grouped by what, under which title). A benchmark whose JSON is missing (it failed, or was not
+run) is reported as such, and its old plot is neither redrawn nor linked. ``make bench`` and
+``make bench-quick`` run it last.
 
     .venv/bin/python benchmarks/report.py                      # after make bench / bench-quick
     .venv/bin/python benchmarks/report.py --failed "ddp_loader" # what make passes on a failure
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import os
 import sys
@@ -25,19 +26,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on the benchmark machines
-import matplotlib.pyplot as plt
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
-from PIL import Image  # a dependency of matplotlib
-
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from harness.env import REPO, git  # noqa: E402
+from harness.plot import Panel, Series, draw, run_kind  # noqa: E402
+
 BEGIN, END = "<!-- make bench: begin -->", "<!-- make bench: end -->"
-DPI = 100  # ~800x450 px figures: legible on GitHub, a few tens of KB each
 
 # (script name, section title), in the order make bench runs them and RESULTS.md numbers them.
 BENCHMARKS: list[tuple[str, str]] = [
@@ -67,139 +61,11 @@ BENCHMARKS: list[tuple[str, str]] = [
     ),
 ]
 
-# One colour per library everywhere, so a reader learns it once: unbroken in blues (its
-# variants lighter), torch grey, torchdata orange, the streaming peers green and purple.
-COLORS = {
-    "torch": "#8c8c8c",
-    "unbroken": "#1f77b4",
-    "unbroken torch-only": "#5fa2d6",
-    "unbroken none": "#a6cbe8",
-    "unbroken rngs=()": "#a6cbe8",
-    "torchdata": "#ff7f0e",
-    "control": "#d9d9d9",
-    "streaming": "#2ca02c",
-    "litdata": "#9467bd",
-    "torch skip batches": "#8c8c8c",
-    "torch skip indices": "#c7c7c7",
-}
-
-
-# --------------------------------------------------------------------------- figure helpers
-
-
-def run_kind(payload: dict[str, Any]) -> str:
-    return "quick run (--quick: numbers are noise)" if payload.get("quick") else "full run"
-
-
-def new_figure(
-    payload: dict[str, Any], title: str, ncols: int = 1, width: float = 8.0
-) -> tuple[Figure, list[Axes]]:
-    """A figure whose title says what it shows and whether it is a quick or a full run."""
-    fig, axes = plt.subplots(1, ncols, figsize=(width, 5.0), squeeze=False)
-    fig.suptitle(f"{title}\n{run_kind(payload)}", fontsize=11)
-    return fig, list(axes[0])
-
-
-def save(
-    fig: Figure, payload: dict[str, Any], path: Path, legend: Axes | None = None, ncol: int = 3
-) -> None:
-    """Save with a footer naming the run (date, commit, machine, command), so a plot seen on
-    its own, e.g. linked from the README, still says where its numbers come from; ``legend``:
-    the axes whose legend goes below the plots (where it hides no bar or label)."""
-    env = payload.get("environment", {})
-    machine = str(env.get("machine", "")).split(",")[0]
-    footer = (
-        f"{run_kind(payload)} | {str(env.get('date', '?'))[:16].replace('T', ' ')} | git "
-        f"{env.get('git', '?')} | {machine}\n{payload.get('command', '?')}"
-    )
-    height = fig.get_figheight()
-    bottom = 0.36 / height  # the footer's two lines, in figure coordinates
-    fig.text(0.01, 0.01, footer, fontsize=6.5, color="#555555", ha="left", va="bottom")
-    if legend is not None:
-        handles, labels = legend.get_legend_handles_labels()
-        fig.legend(
-            handles,
-            labels,
-            loc="lower center",
-            bbox_to_anchor=(0.5, bottom),
-            ncol=ncol,
-            fontsize=7.5,
-            frameon=False,
-        )
-        bottom += (0.1 + 0.2 * -(-len(labels) // ncol)) / height
-    fig.tight_layout(rect=(0, bottom, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=DPI, format="png")
-    plt.close(fig)
-    # An adaptive palette: a plot has a few flat colours and their anti-aliasing, so 128 colours
-    # look the same and the file is ~3x smaller (the plots are committed). PIL also drops
-    # matplotlib's version stamp, so an unchanged plot is an unchanged file.
-    image = Image.open(buffer).convert("RGB")
-    image = image.quantize(colors=128, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-    image.save(path, optimize=True)
-
-
-# One bar series: label, colour key, a value per group (None: no bar), a (low, high) interval
-# per group (None or a shorter list: no error bar).
-Series = tuple[str, str, list[float | None], list[tuple[float, float] | None]]
-
-
-def bars(
-    ax: Axes,
-    groups: Sequence[str],
-    series: Sequence[Series],
-    fmt: Callable[[float], str],
-    log: bool = False,
-) -> None:
-    """Grouped vertical bars: ``series`` is (label, colour key, one value per group, one
-    (low, high) error interval or None per group); each bar is annotated with ``fmt(value)``."""
-    n = max(1, len(series))
-    width = 0.8 / n
-    for i, (label, color, values, errors) in enumerate(series):
-        labelled = False  # one legend entry per series, on its first bar
-        for g, value in enumerate(values):
-            if value is None:
-                continue
-            x = g - 0.4 + width * (i + 0.5)
-            ax.bar(
-                x,
-                value,
-                width,
-                color=COLORS.get(color, color),
-                edgecolor="#333333",
-                linewidth=0.5,
-                label=None if labelled else label,
-            )
-            labelled = True
-            err = errors[g] if g < len(errors) else None
-            top = value
-            if err is not None:
-                low, high = err
-                yerr = [[max(0.0, value - low)], [max(0.0, high - value)]]
-                ax.errorbar(x, value, yerr=yerr, fmt="none", ecolor="#222222", elinewidth=0.8)
-                top = max(value, high) if value >= 0 else min(value, low)
-            ax.annotate(
-                fmt(value),
-                (x, top),
-                xytext=(0, 2 if value >= 0 else -2),
-                textcoords="offset points",
-                ha="center",
-                va="bottom" if value >= 0 else "top",
-                fontsize=6.5,
-                rotation=90 if n > 3 else 0,  # narrow bars: upright labels would overlap
-                bbox=LABEL_BOX,
-            )
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups, fontsize=8)
-    if log:
-        ax.set_yscale("log")
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-
-
-# Value labels on a white ground: an error bar crossing one must not make it unreadable.
-LABEL_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
+# --------------------------------------------------------------------------- figure specs
+# A spec turns one benchmark's ``data`` into (figure title, panels, legend columns, caption).
+Figure = tuple[str, list[Panel], int, str]
+PCT = "{:+.1f}%"
+LOWER = "seconds (lower is better)"
 
 
 def pct(ratio: float) -> float:
@@ -211,476 +77,220 @@ def pct_interval(interval: Sequence[float] | None) -> tuple[float, float] | None
     return None if interval is None else (pct(interval[0]), pct(interval[1]))
 
 
-def headroom(ax: Axes, factor: float = 1.25) -> None:
-    """Room above the bars for their labels, and below negative ones for theirs."""
-    low, high = ax.get_ylim()
-    span = high - low
-    ax.set_ylim(low - (span * (factor - 1) if low < 0 else 0), high + span * (factor - 1))
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.1f} ms"
-
-
-# --------------------------------------------------------------------------- one plot each
-
-
-def ratio_series(rows: list[dict], workers: list, interval: str) -> tuple[list[str], list]:
-    """Bar groups (one per num_workers) and series (one per loader other than torch's) of the
-    time per step over torch's DataLoader, in %, with the rows' ``interval`` as error bars."""
-    torch_us = {r["workers"]: r["us_per_step"] for r in rows if r["loader"] == "torch"}
-    groups = [f"num_workers={w}\n(torch: {torch_us.get(w, 0):,.0f} us/step)" for w in workers]
+def ratio_series(rows: list[dict], key: Callable[[dict], Any], keys: list, ci: str) -> list[Series]:
+    """One series per loader other than torch's: its time over torch's in %, per ``keys`` of
+    ``key(row)``, with the rows' ``ci`` interval as error bars."""
     series = []
     for name in [n for n in dict.fromkeys(r["loader"] for r in rows) if n != "torch"]:
-        by_w = {r["workers"]: r for r in rows if r["loader"] == name}
-        label = next(r["label"] for r in rows if r["loader"] == name)
-        ratios = [pct(by_w[w]["ratio"]) if w in by_w else None for w in workers]
-        spread = [pct_interval(by_w[w][interval]) if w in by_w else None for w in workers]
-        series.append((label, name, ratios, spread))
-    return groups, series
+        mine = {key(r): r for r in rows if r["loader"] == name}
+        values = [pct(mine[k]["ratio"]) if k in mine else None for k in keys]
+        spread = [pct_interval(mine[k][ci]) if k in mine else None for k in keys]
+        series.append(Series(next(iter(mine.values()))["label"], name, values, spread))
+    return series
 
 
-def plot_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    rows = payload["data"]["rows"]
-    loops = [loop for loop in ("tiny", "realistic") if any(r["loop"] == loop for r in rows)]
-    fig, axes = new_figure(
-        payload,
-        "Training-loop overhead per loader: time per step vs torch's DataLoader",
-        ncols=len(loops),
-        width=11,
-    )
-    setup = payload["data"].get("setup", {})
+def per_worker_ratios(rows: list[dict], ci: str, ylabel: str, title: str = "") -> Panel:
+    """A loader's time over torch's, grouped by num_workers."""
+    workers = sorted({r["workers"] for r in rows})
+    torch_us = {r["workers"]: r["us_per_step"] for r in rows if r["loader"] == "torch"}
+    groups = [f"num_workers={w}\n(torch: {torch_us.get(w, 0):,.0f} us/step)" for w in workers]
+    series = ratio_series(rows, lambda r: r["workers"], workers, ci)
+    return Panel(groups, series, ylabel, title, PCT, refs={0.0: ""})
+
+
+def fig_overhead(data: dict, args: dict) -> Figure:
+    setup = data.get("setup", {})
     titles = {
         "tiny": f"tiny loop: Linear(32, 2), batch {setup.get('tiny_batch', 2)}",
         "realistic": f"realistic loop: 2-conv CNN, batch {setup.get('image_batch', 32)}, crop+flip",
     }
-    for ax, loop in zip(axes, loops):
-        mine = [r for r in rows if r["loop"] == loop]
-        workers = sorted({r["workers"] for r in mine})
-        groups, series = ratio_series(mine, workers, "ratio_ci95")
-        bars(ax, groups, series, lambda v: f"{v:+.1f}%")
-        ax.axhline(0, color="#333333", linewidth=0.8)
-        ax.set_title(titles.get(loop, loop), fontsize=9)
-        ax.set_ylabel("time per step vs torch DataLoader (%)\n+ = slower; bars: 95% CI")
-        headroom(ax, 1.2)
-    save(fig, payload, out / "overhead.png", legend=axes[0])
-    return [("overhead.png", "Training-loop overhead per loader, % vs torch's DataLoader")]
-
-
-def plot_resume_latency(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
-    labels = ["fresh start\n(no state)"] + [f"{p:.0%}" for p in data["positions"][1:]]
-    fig, (ax,) = new_figure(
-        payload,
-        f"Resume latency vs position in the epoch ({data['samples']:,}-sample epoch, "
-        f"batch {data['batch_size']}, num_workers 0)",
-    )
-    x = list(range(len(labels)))
-    for name, lib in data["libraries"].items():
-        med = lib["median_s"]
-        below = [(m - lo) * 1e3 for m, lo in zip(med, lib["min_s"])]
-        above = [(hi - m) * 1e3 for m, hi in zip(med, lib["max_s"])]
-        label = {"unbroken": "unbroken.DataLoader", "torchdata": "torchdata StatefulDataLoader"}
-        ax.errorbar(
-            x,
-            [m * 1e3 for m in med],
-            yerr=[below, above],
-            marker="o",
-            capsize=3,
-            color=COLORS.get(name),
-            label=label.get(name, name),
-        )
-        for xi, m in zip(x, med):
-            slowest = m >= max(lib_["median_s"][xi] for lib_ in data["libraries"].values())
-            ax.annotate(
-                ms(m),
-                (xi, m * 1e3),
-                xytext=(0, 9 if slowest else -10),  # off the line: above the top one, else below
-                textcoords="offset points",
-                ha="center",
-                va="bottom" if slowest else "top",
-                fontsize=7.5,
-                color=COLORS.get(name, "#333333"),
-                bbox=LABEL_BOX,
-            )
-    ax.set_yscale("log")
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=8)
-    ax.set_xlabel("position in the epoch where the state was saved")
-    ax.set_ylabel("load_state_dict + iter + next (ms, log scale)\nmedian, bars: min-max")
-    ax.grid(alpha=0.3, which="both")
-    ax.set_xlim(-0.3, len(labels) - 0.5)
-    low, high = ax.get_ylim()
-    ax.set_ylim(low / 2, high * 3)  # log scale: room for the labels above and below the lines
-    ax.legend(fontsize=8, loc="upper left")
-    save(fig, payload, out / "resume_latency.png")
-    return [("resume_latency.png", "Resume latency vs position in the epoch, per library")]
-
-
-def plot_trainer_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    rows = payload["data"]["rows"]
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, axes = new_figure(
-        payload,
-        "unbroken.Trainer vs a plain PyTorch loop over the same loader: time per step",
-        ncols=len(workloads),
-        width=11,
-    )
-    variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if v != "plain loop"]
-    short = [
-        v.removeprefix("Trainer, ")
-        .replace("checkpoint_every_steps=None", "no periodic checkpoint")
-        .replace("checkpoint_every_steps=", "checkpoint every ")
-        .replace(", async_save", " steps, async_save")
-        for v in variants
+    ylabel = "time per step vs torch DataLoader (%)\n+ = slower; bars: 95% CI"
+    panels = [
+        per_worker_ratios([r for r in data["rows"] if r["loop"] == loop], "ratio_ci95", ylabel, t)
+        for loop, t in titles.items()
+        if any(r["loop"] == loop for r in data["rows"])
     ]
-    short = [v + " steps" if v[-1].isdigit() else v for v in short]
-    describe = {"boring": "boring: Linear(32, 2), batch 2", "cnn": "cnn: 2-conv CNN, batch 32"}
-    for i, (ax, work) in enumerate(zip(axes, workloads)):
-        by_v = {r["variant"]: r for r in rows if r["workload"] == work}
-        plain_us = by_v["plain loop"]["us_per_step"] if "plain loop" in by_v else 0.0
-        y = list(range(len(variants)))
-        values = [pct(by_v[v]["ratio"]) if v in by_v else 0.0 for v in variants]
-        errors = [by_v[v].get("ratio_min_max") if v in by_v else None for v in variants]
-        xerr = [
-            [max(0.0, val - pct(e[0])) if e else 0.0 for val, e in zip(values, errors)],
-            [max(0.0, pct(e[1]) - val) if e else 0.0 for val, e in zip(values, errors)],
-        ]
-        ax.barh(
-            y,
-            values,
-            xerr=xerr,
-            color=COLORS["unbroken"],
-            edgecolor="#333333",
-            linewidth=0.5,
-            error_kw={"elinewidth": 0.8, "capsize": 2},
-        )
-        for yi, v in zip(y, variants):
-            if v in by_v:
-                extra = by_v[v].get("extra_us_per_step")
-                text = f"{pct(by_v[v]['ratio']):+.1f}%" + (
-                    f" ({extra:+.0f} us)" if extra is not None else ""
-                )
-                error = errors[yi]
-                right = max(values[yi], 0, pct(error[1]) if error else 0)
-                ax.annotate(
-                    text,
-                    (right, yi),
-                    xytext=(4, 0),
-                    textcoords="offset points",
-                    va="center",
-                    fontsize=7,
-                )
-        ax.axvline(0, color="#333333", linewidth=0.8)
-        ax.set_yticks(y)
-        ax.set_yticklabels(short if i == 0 else [""] * len(y), fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(
-            f"{describe.get(work, work)} (plain loop: {plain_us:,.0f} us/step)", fontsize=9
-        )
-        ax.set_xlabel("time per step vs the plain loop (%)\nbars: min-max over rounds")
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-        low, high = ax.get_xlim()
-        ax.set_xlim(min(low, 0), high + (high - min(low, 0)) * 0.35)
-    save(fig, payload, out / "trainer_overhead.png")
-    return [("trainer_overhead.png", "Trainer overhead per step vs a plain loop")]
+    title = "Training-loop overhead per loader: time per step vs torch's DataLoader"
+    return title, panels, 3, "Training-loop overhead per loader, % vs torch's DataLoader"
 
 
-def plot_lightning_resume(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
-    rows = data["rows"]
-    workers = list(dict.fromkeys(r["workers"] for r in rows))
-    default_every = data.get("checkpoint_every_steps", 5)
-
-    def cut_of(r: dict) -> tuple[int, int]:  # a cut: the kill's step and the checkpoint interval
-        return r["cut"], r.get("every", default_every)
-
-    most = max(len({cut_of(r) for r in rows if r["workers"] == w}) for w in workers)
-    fig, axes = new_figure(
-        payload,
-        f"Lightning {data.get('lightning', '2.x')}: SIGKILLed and resumed from last.ckpt, "
-        "per loader",
-        ncols=len(workers),
-        width=max(8.0, 2.4 * most) * (1.5 if len(workers) > 1 else 1.0),
+def fig_resume_latency(data: dict, args: dict) -> Figure:
+    names = {"unbroken": "unbroken.DataLoader", "torchdata": "torchdata StatefulDataLoader"}
+    series = []
+    for name, lib in data["libraries"].items():
+        spread = [(lo * 1e3, hi * 1e3) for lo, hi in zip(lib["min_s"], lib["max_s"])]
+        values = [m * 1e3 for m in lib["median_s"]]
+        series.append(Series(names.get(name, name), name, values, spread))
+    groups = ["fresh start\n(no state)"] + [f"{p:.0%}" for p in data["positions"][1:]]
+    ylabel = "load_state_dict + iter + next (ms, log scale)\nmedian, bars: min-max"
+    where = "position in the epoch where the state was saved"
+    panel = Panel(groups, series, ylabel, "", "{:.1f} ms", True, True, xlabel=where, legend=True)
+    title = (
+        f"Resume latency vs position in the epoch ({data['samples']:,}-sample epoch, batch "
+        f"{data['batch_size']}, num_workers 0)"
     )
-    labels = {
+    return title, [panel], 2, "Resume latency vs position in the epoch, per library"
+
+
+def fig_trainer_overhead(data: dict, args: dict) -> Figure:
+    panels = []
+    for work in dict.fromkeys(r["workload"] for r in data["rows"]):
+        rows = [r for r in data["rows"] if r["workload"] == work]
+        plain = next((r["us_per_step"] for r in rows if r["plain"]), 0.0)
+        rows = [r for r in rows if not r["plain"]]
+        groups = [
+            r["variant"].removeprefix("Trainer, ").replace("checkpoint_every_steps=", "every\n")
+            for r in rows
+        ]
+        texts = [f"{pct(r['ratio']):+.1f}%\n{r['extra_us_per_step']:+.0f} us" for r in rows]
+        values = [pct(r["ratio"]) for r in rows]
+        spread = [pct_interval(r["ratio_min_max"]) for r in rows]
+        series = Series("unbroken.Trainer", "unbroken", values, spread, texts)
+        ylabel = "time per step vs the plain loop (%)\nbars: min-max over rounds"
+        title = f"{work} (plain loop: {plain:,.0f} us/step)"
+        panels.append(Panel([g.replace(", ", ",\n") for g in groups], [series], ylabel, title))
+        panels[-1].refs = {0.0: ""}
+    title = "unbroken.Trainer vs a plain PyTorch loop over the same loader: time per step"
+    return title, panels, 3, "Trainer overhead per step vs a plain loop"
+
+
+def fig_lightning_resume(data: dict, args: dict) -> Figure:
+    names = {
         "torch": "torch DataLoader (plain Lightning)",
         "unbroken": "unbroken.DataLoader + ExactResume",
     }
-    for ax, w in zip(axes, workers):
-        mine = [r for r in rows if r["workers"] == w]
-        cuts = list(dict.fromkeys(cut_of(r) for r in mine))
-        loaders = list(dict.fromkeys(r["loader"] for r in mine))
-        by = {(r["loader"], cut_of(r)): r for r in mine}
-        groups = []
-        for c in cuts:
-            r = next(r for r in mine if cut_of(r) == c)
-            start = "scratch" if r["resumed_from"] is None else r["resumed_from"]
-            kind = r.get("kind", "mid-epoch")
-            groups.append(
-                f"step {c[0]} ({kind})\nresumed from {start}\n(epoch {r['epoch']}, "
-                f"ckpt every {c[1]})"
-            )
-        series: list[Series] = [
-            (
-                labels.get(name, name),
-                name,
-                [
-                    by[name, c]["repeated"] + by[name, c]["skipped"] if (name, c) in by else None
-                    for c in cuts
-                ],
-                [],
-            )
-            for name in loaders
+    panels = []
+    for w in dict.fromkeys(r["workers"] for r in data["rows"]):
+        rows = {(r["loader"], r["cut"], r.get("every", 5)): r for r in data["rows"]}
+        rows = {k: r for k, r in rows.items() if r["workers"] == w}
+        cuts = list(dict.fromkeys(k[1:] for k in rows))
+        first = [next(r for k, r in rows.items() if k[1:] == c) for c in cuts]
+        groups = [
+            f"step {c[0]} ({r.get('kind', 'mid-epoch')})\nfrom "
+            f"{r['resumed_from'] if r['resumed_from'] is not None else 'scratch'}, "
+            f"every {c[1]}"
+            for c, r in zip(cuts, first)
         ]
-        bars(ax, groups, series, lambda v: f"{v:.0f}")
-        ax.tick_params(axis="x", labelsize=7)
-        width = 0.8 / max(1, len(loaders))
-        for i, name in enumerate(loaders):
-            for g, c in enumerate(cuts):
-                r = by.get((name, c))
-                if r is None:
-                    continue
-                total = r["repeated"] + r["skipped"]
-                split = f"{r['repeated']} rep.\n+ {r['skipped']} skip.\n" if total else ""
-                others = sum(
-                    sum(d) for e, d in enumerate(r.get("per_epoch", [])) if e != r["epoch"]
-                )
-                if others:  # killed at an epoch's start, resumed from a checkpoint in another
-                    split += f"(+ {others} in\nother epochs)\n"
-                once = r.get("batches_once", True)
-                equal = r["weights_equal"] and once
-                ax.annotate(
-                    f"{split}weights\nequal: {'yes' if r['weights_equal'] else 'no'}"
-                    + ("" if once else "\nbatches\nnot once"),
-                    (g - 0.4 + width * (i + 0.5), total),
-                    xytext=(0, 12),
-                    textcoords="offset points",
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                    color="#2ca02c" if equal else "#d62728",
-                    fontweight="bold",
-                    bbox=LABEL_BOX,
-                )
-        whole = {r["loader"]: r["whole_s"] for r in mine}
-        ax.set_title(
-            f"num_workers={w} (uninterrupted run: "
-            + ", ".join(f"{name} {whole[name]:.1f} s" for name in loaders if name in whole)
-            + ")",
-            fontsize=9,
+        series = []
+        for name in dict.fromkeys(k[0] for k in rows):
+            found = [rows.get((name, *c)) for c in cuts]
+            values = [None if r is None else r["repeated"] + r["skipped"] for r in found]
+            texts = [
+                ""
+                if r is None
+                else f"{r['repeated']} rep.\n+{r['skipped']} skip.\nequal: "
+                + ("yes" if r["weights_equal"] else "NO")
+                + ("" if r.get("batches_once", True) else "\nnot once")
+                for r in found
+            ]
+            series.append(Series(names.get(name, name), name, values, (), texts))
+        whole = {r["loader"]: r["whole_s"] for r in rows.values()}
+        title = f"num_workers={w} (uninterrupted: " + ", ".join(
+            f"{n} {s:.1f} s" for n, s in whole.items()
         )
-        ax.set_xlabel(
-            f"{data['epochs']} epochs of {data['steps_per_epoch']} steps; SIGKILL at the end of "
-            "the step, resumed from the last checkpoint before it",
-            fontsize=8,
+        ylabel = f"samples repeated + skipped in the epoch\nof the kill (of {data['samples']})"
+        panels.append(Panel(groups, series, ylabel, title + ")", headroom=1.8))
+        panels[-1].xlabel = (
+            f"{data['epochs']} epochs of {data['steps_per_epoch']} steps; SIGKILL at the end "
+            "of the step, resumed from the last checkpoint before it"
         )
-        ax.set_ylabel(
-            f"samples repeated + skipped in the epoch\nof the kill (of {data['samples']})"
-        )
-        low, high = ax.get_ylim()
-        ax.set_ylim(low, max(high, 1.0) * 1.6)  # room for the labels above the bars
-    save(fig, payload, out / "lightning_resume.png", legend=axes[0], ncol=2)
-    return [
-        (
-            "lightning_resume.png",
-            "Lightning resumed mid-epoch and at epoch boundaries: samples repeated and skipped, "
-            "torch vs unbroken",
-        )
-    ]
-
-
-def plot_hf_resume(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
-    fig, (left, right) = new_figure(
-        payload,
-        "transformers and Accelerate SIGKILLed mid-epoch and resumed: stock vs unbroken.hf",
-        ncols=2,
-        width=12.0,
+    title = (
+        f"Lightning {data.get('lightning', '2.x')}: SIGKILLed and resumed from last.ckpt, "
+        "per loader"
     )
+    caption = (
+        "Lightning resumed mid-epoch and at epoch boundaries: samples repeated and skipped, "
+        "torch vs unbroken"
+    )
+    return title, panels, 2, caption
+
+
+def fig_hf_resume(data: dict, args: dict) -> Figure:
     found = data["exactness"]
     systems = list(dict.fromkeys(key.split("|")[0] for key in found))
     workers = list(dict.fromkeys(key.split("|")[1] for key in found))
     colors = ["torch", "torch skip indices", "torchdata", "unbroken"]
-    series: list[Series] = [
-        (
-            name,
-            colors[i % len(colors)],
-            [found[f"{name}|{w}"]["same_augmentations"] for w in workers],
-            [],
-        )
+    series = [
+        Series(name, colors[i % 4], [found[f"{name}|{w}"]["same_augmentations"] for w in workers])
         for i, name in enumerate(systems)
     ]
-    bars(left, [f"num_workers={w}" for w in workers], series, lambda v: f"{v:.0f}")
     places = next(iter(found.values()))["places"]
-    left.axhline(places, color="#333333", linewidth=0.8, linestyle="--")
-    left.set_ylabel(
-        f"resumed samples whose augmentation equals\nthe uninterrupted run's (of {places})"
-    )
     equal = [n for n in systems if all(found[f"{n}|{w}"]["weights_equal"] for w in workers)]
-    left.set_title(
-        f"final weights bit-equal after the resume: {', '.join(equal) or 'none'}", fontsize=9
-    )
-    headroom(left)
+    ylabel = f"resumed samples whose augmentation equals\nthe uninterrupted run's (of {places})"
+    left = Panel([f"num_workers={w}" for w in workers], series, ylabel, fmt="{:.0f}")
+    left.title = f"final weights bit-equal after the resume: {', '.join(equal) or 'none'}"
+    left.refs = {places: ""}
     timed = data["first_step_s"]
     groups = [f"{key.split('|')[0]}\n{float(key.split('|')[1]):.0%}" for key in timed]
-    series = [
-        (label, color, [timed[key][name] for key in timed], [])
-        for name, label, color in (
-            ("stock", "transformers.Trainer", "torch"),
-            ("unbroken", "unbroken.hf.Trainer", "unbroken"),
-        )
-    ]
-    bars(right, groups, series, lambda v: f"{v:.2f}")
-    right.set_ylabel("seconds from train() to the first step")
-    right.set_xlabel("dataset, and where in the epoch its checkpoint was saved", fontsize=8)
-    right.set_title(
-        f"{payload['args']['n']:,} samples an epoch, {payload['args']['cost_us']:g} us a sample",
-        fontsize=9,
+    stock = Series("transformers.Trainer", "torch", [timed[key]["stock"] for key in timed])
+    ours = Series("unbroken.hf.Trainer", "unbroken", [timed[key]["unbroken"] for key in timed])
+    right = Panel(groups, [stock, ours], "seconds from train() to the first step")
+    right.title = f"{args['n']:,} samples an epoch, {args['cost_us']:g} us a sample"
+    right.xlabel = "dataset, and where in the epoch its checkpoint was saved"
+    title = "transformers and Accelerate SIGKILLed mid-epoch and resumed: stock vs unbroken.hf"
+    caption = (
+        "transformers and Accelerate resumed: augmentations equal, and the time to the first step"
     )
-    headroom(right)
-    save(fig, payload, out / "hf_resume.png", legend=left, ncol=4)
-    return [
-        (
-            "hf_resume.png",
-            "transformers and Accelerate resumed: augmentations equal, and the time to the first step",
-        )
-    ]
+    return title, [left, right], 4, caption
 
 
-def plot_checkpoint_blocking(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
+def fig_checkpoint_blocking(data: dict, args: dict) -> Figure:
     med = data["median_s"]
-    fig, (ax,) = new_figure(
-        payload,
-        f"Checkpointer.save of {data['megabytes']:.0f} MB (model + Adam), every file fsynced: "
-        "how long the loop waits",
-    )
     groups = [
         "save returns\n(the loop is blocked)",
         "checkpoint committed\n(on disk, fsynced)",
         f"save + {data['steps']} training steps,\ncommitted",
     ]
-    bars(
-        ax,
-        groups,
-        [
-            ("blocking=True", "torch", [med["sync"], med["sync"], med["sync_steps"]], []),
-            (
-                "blocking=False (background write)",
-                "unbroken",
-                [med["async"], med["async_done"], med["async_steps"]],
-                [],
-            ),
-        ],
-        lambda v: f"{v:.3f} s",
+    sync = Series("blocking=True", "torch", [med["sync"], med["sync"], med["sync_steps"]])
+    background = [med["async"], med["async_done"], med["async_steps"]]
+    series = [sync, Series("blocking=False (background write)", "unbroken", background)]
+    panel = Panel(groups, series, f"seconds (median of {data['reps']} rounds)", fmt="{:.3f} s")
+    title = (
+        f"Checkpointer.save of {data['megabytes']:.0f} MB (model + Adam), every file fsynced: "
+        "how long the loop waits"
     )
-    ax.set_ylabel(f"seconds (median of {data['reps']} rounds)")
-    headroom(ax, 1.15)
-    save(fig, payload, out / "checkpoint_blocking.png", legend=ax, ncol=2)
-    return [("checkpoint_blocking.png", "Checkpoint blocking time, sync vs async")]
+    return title, [panel], 2, "Checkpoint blocking time, sync vs async"
 
 
-def plot_stream_overhead(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
-    rows = data["rows"]
-    workers = list(dict.fromkeys(r["workers"] for r in rows))
-    fig, (ax,) = new_figure(
-        payload,
-        "Iterable dataset, batch 2: time per step vs torch's DataLoader (worker start-up included)",
-    )
-    groups, series = ratio_series(rows, workers, "ratio_min_max")
-    bars(ax, groups, series, lambda v: f"{v:+.1f}%")
-    ax.axhline(0, color="#333333", linewidth=0.8)
+def fig_stream_overhead(data: dict, args: dict) -> Figure:
+    ylabel = "time per step vs torch DataLoader (%)\n(+ = slower; bars: min-max)"
+    panel = per_worker_ratios(data["rows"], "ratio_min_max", ylabel)
     target = pct(data.get("target_ratio", 1.03))
-    ax.axhline(
-        target,
-        color="#d62728",
-        linestyle="--",
-        linewidth=0.8,
-        label=f"target: unbroken within {target:.0f}%",
+    panel.refs[target] = f"target: unbroken within {target:.0f}%"
+    title = (
+        "Iterable dataset, batch 2: time per step vs torch's DataLoader (worker start-up included)"
     )
-    ax.set_ylabel("time per step vs torch DataLoader (%)\n(+ = slower; bars: min-max)")
-    headroom(ax, 1.2)
-    save(fig, payload, out / "stream_overhead.png", legend=ax, ncol=2)
-    return [("stream_overhead.png", "Iterable dataset state shipping overhead vs torch")]
+    return title, [panel], 2, "Iterable dataset state shipping overhead vs torch"
 
 
-def plot_ddp_loader(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
-    panels = [p for p in ("epochs", "resume") if p in data]
-    if not panels:
-        return []
-    fig, axes = new_figure(
-        payload,
-        "Data-parallel training, 2 ranks (torchrun, gloo, CPU)",
-        ncols=len(panels),
-        width=11,
-    )
-    for ax, part in zip(axes, panels):
-        if part == "epochs":
-            rows = data["epochs"]["rows"]
-            keys = list(dict.fromkeys((r["dataset"], r["workers"]) for r in rows))
-            groups = [f"{d} dataset\nnum_workers={w}" for d, w in keys]
-            series = []
-            for name in [n for n in dict.fromkeys(r["loader"] for r in rows) if n != "torch"]:
-                by_k = {(r["dataset"], r["workers"]): r for r in rows if r["loader"] == name}
-                label = next(r["label"] for r in rows if r["loader"] == name)
-                series.append(
-                    (
-                        label,
-                        name,
-                        [pct(by_k[k]["ratio"]) if k in by_k else None for k in keys],
-                        [pct_interval(by_k[k]["ratio_ci95"]) if k in by_k else None for k in keys],
-                    )
-                )
-            bars(ax, groups, series, lambda v: f"{v:+.1f}%")
-            ax.axhline(0, color="#333333", linewidth=0.8)
-            ax.set_title("DDP training epoch vs torch DataLoader + DistributedSampler", fontsize=9)
-            ax.set_ylabel("epoch time vs torch (%)\n(+ = slower; 95% CI)")
-            headroom(ax)
-            ax.legend(fontsize=7, loc="upper left")
-        else:
-            rows = data["resume"]["rows"]
-            positions = list(dict.fromkeys(r["position"] for r in rows))
-            methods = list(dict.fromkeys(r["method"] for r in rows))
-            series = []
-            for method in methods:
-                by_p = {r["position"]: r for r in rows if r["method"] == method}
-                series.append(
-                    (
-                        method,
-                        method,
-                        [by_p[p]["median_ms"] if p in by_p else None for p in positions],
-                        [
-                            (by_p[p]["min_ms"], by_p[p]["max_ms"]) if p in by_p else None
-                            for p in positions
-                        ],
-                    )
-                )
-            bars(
-                ax,
-                [f"resume at {p:.0%}" for p in positions],
-                series,
-                lambda v: f"{v:.0f} ms" if v >= 10 else f"{v:.1f} ms",
-                log=True,
-            )
-            ax.set_title(
-                f"resume to the first batch ({data['resume']['samples']:,} rows, num_workers 0)",
-                fontsize=9,
-            )
-            ax.set_ylabel("construct + resume + first batch\n(ms, log scale; bars: min-max)")
-            low, high = ax.get_ylim()
-            ax.set_ylim(low, high * 4)
-            ax.legend(fontsize=7, loc="upper left")
-    save(fig, payload, out / "ddp_loader.png")
-    return [("ddp_loader.png", "DDP: epoch time vs torch, and resume latency")]
+def fig_ddp_loader(data: dict, args: dict) -> Figure:
+    panels = []
+    if "epochs" in data:
+        rows = data["epochs"]["rows"]
+        keys = list(dict.fromkeys((r["dataset"], r["workers"]) for r in rows))
+        series = ratio_series(rows, lambda r: (r["dataset"], r["workers"]), keys, "ratio_ci95")
+        groups = [f"{d} dataset\nnum_workers={w}" for d, w in keys]
+        ylabel = "epoch time vs torch (%)\n(+ = slower; 95% CI)"
+        title = "DDP training epoch vs torch DataLoader + DistributedSampler"
+        panels.append(Panel(groups, series, ylabel, title, PCT, refs={0.0: ""}, legend=True))
+    if "resume" in data:
+        rows = data["resume"]["rows"]
+        positions = list(dict.fromkeys(r["position"] for r in rows))
+        series = []
+        for method in dict.fromkeys(r["method"] for r in rows):
+            by = {r["position"]: r for r in rows if r["method"] == method}
+            values = [by[p]["median_ms"] if p in by else None for p in positions]
+            spread = [(by[p]["min_ms"], by[p]["max_ms"]) if p in by else None for p in positions]
+            series.append(Series(method, method, values, spread))
+        groups = [f"resume at {p:.0%}" for p in positions]
+        ylabel = "construct + resume + first batch\n(ms, log scale; bars: min-max)"
+        title = f"resume to the first batch ({data['resume']['samples']:,} rows, num_workers 0)"
+        panels.append(Panel(groups, series, ylabel, title, "{:.1f} ms", log=True, legend=True))
+    title = "Data-parallel training, 2 ranks (torchrun, gloo, CPU)"
+    return title, panels, 3, "DDP: epoch time vs torch, and resume latency"
 
 
-def plot_ddp_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
-    med = data["median_ms"]
+def fig_ddp_checkpoint(data: dict, args: dict) -> Figure:
     keys = ["sync", "async returns", "async committed", "load"]
     groups = [
         "save(blocking=True)",
@@ -688,160 +298,143 @@ def plot_ddp_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str, s
         "save(blocking=False):\ncommitted",
         "load_latest",
     ]
-    fig, (ax,) = new_figure(
-        payload,
+    colors = {"DDP (rank 0 writes)": "torch"}
+    series = [
+        Series(name, colors.get(name, "unbroken"), [m[k] for k in keys])
+        for name, m in data["median_ms"].items()
+    ]
+    panel = Panel(groups, series, f"ms (median of {data['reps']} rounds)", fmt="{:.0f} ms")
+    title = (
         f"Checkpoints of a 2-rank job ({data['megabytes']:.0f} MB: model + AdamW), "
-        "torchrun + gloo on CPU",
+        "torchrun + gloo on CPU"
     )
-    colors = {"DDP (rank 0 writes)": "torch", "FSDP2 through DCP (Sharded)": "unbroken"}
-    bars(
-        ax,
-        groups,
-        [(name, colors.get(name, "unbroken"), [m[k] for k in keys], []) for name, m in med.items()],
-        lambda v: f"{v:.0f} ms",
-    )
-    ax.set_ylabel(f"ms (median of {data['reps']} rounds)")
-    headroom(ax, 1.15)
-    save(fig, payload, out / "ddp_checkpoint.png", legend=ax, ncol=2)
-    return [("ddp_checkpoint.png", "DDP vs FSDP2 checkpoint save and load times")]
+    return title, [panel], 2, "DDP vs FSDP2 checkpoint save and load times"
 
 
-def plot_stream_peers(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    data = payload["data"]
+def fig_stream_peers(data: dict, args: dict) -> Figure:
     results = {k: v for k, v in data["results"].items() if "error" not in v}
-    if not results:
-        return []
     libs = [lib for lib in ("streaming", "litdata", "unbroken") if lib in results]
     names = {"streaming": "MosaicML Streaming", "litdata": "LitData", "unbroken": "unbroken"}
-    fig, axes = new_figure(
-        payload,
-        f"Streaming {data['samples']:,} samples of 1 KiB from a local S3 server (moto), batch 64",
-        ncols=3,
-        width=13,
-    )
-    keys = [
-        ("w0_cold", "0 workers\ncold"),
-        ("w0_warm", "0 workers\nwarm"),
-        ("w2_cold", "2 workers\ncold"),
-        ("w2_warm", "2 workers\nwarm"),
+    keys = ["w0_cold", "w0_warm", "w2_cold", "w2_warm"]
+    groups = [f"{k[1]} workers\n{k[3:]}" for k in keys]
+    rates = [[results[lib].get("throughput", {}).get(k) for k in keys] for lib in libs]
+    throughput = [
+        Series(names[lib], lib, [None if v is None else v / 1000 for v in vals])
+        for lib, vals in zip(libs, rates)
     ]
-    bars(
-        axes[0],
-        [label for _, label in keys],
-        [
-            (names[lib], lib, [results[lib].get("throughput", {}).get(k) for k, _ in keys], [])
-            for lib in libs
-        ],
-        lambda v: f"{v / 1000:.0f}k",
-    )
-    axes[0].set_title("throughput of a shuffled epoch (cold: empty cache)", fontsize=9)
-    axes[0].set_ylabel("samples/s (higher is better)")
-    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:.0f}k"))
-    headroom(axes[0], 1.15)
-    positions = ["1%", "50%", "99%"]
+    first = Panel(groups, throughput, "thousand samples/s (higher is better)", fmt="{:.0f}k")
+    first.title = "throughput of a shuffled epoch (cold: empty cache)"
 
     def resume(lib: str, pos: str, field: str, run: str = "cold") -> float | None:
         value = results[lib].get("resume", {}).get(pos, {}).get(run, {}).get(field)
         return value if isinstance(value, (int, float)) else None
 
-    # A restarted process on a warm cache, timed from its spawn (every import inside), with 0
-    # and 2 workers; runs of before this field existed had only the time from building.
+    positions = ["1%", "50%", "99%"]
     runs = [(p, run, w) for p in positions for run, w in (("warm", 0), ("warm_w2", 2))]
-    bars(
-        axes[1],
-        [f"{p}\n{w} wkr" for p, _, w in runs],
-        [
-            (names[lib], lib, [resume(lib, p, "process_seconds", run) for p, run, _ in runs], [])
-            for lib in libs
-        ],
-        lambda v: f"{v:.2f} s",
-    )
-    axes[1].set_title(
-        "resume in a new process, warm cache:\nfrom its spawn to the first batch", fontsize=9
-    )
-    axes[1].set_ylabel("seconds, imports included (lower is better)")
-    headroom(axes[1], 1.15)
-    mb: list[Series] = [
-        (
-            names[lib],
-            lib,
-            [None if (v := resume(lib, p, "cache_bytes")) is None else v / 1e6 for p in positions],
-            [],
-        )
+    spawn = [
+        Series(names[lib], lib, [resume(lib, p, "process_seconds", run) for p, run, _ in runs])
         for lib in libs
     ]
-    bars(axes[2], [f"at {p}" for p in positions], mb, lambda v: f"{v:.0f}")
-    axes[2].set_title("resume with an empty cache: downloaded by then", fontsize=9)
-    axes[2].set_ylabel("MB in the local cache (lower is better)")
-    headroom(axes[2], 1.15)
-    save(fig, payload, out / "stream_peers.png", legend=axes[0])
-    return [
-        (
-            "stream_peers.png",
-            "Streaming throughput and resume cost vs MosaicML Streaming and LitData",
-        )
+    second = Panel([f"{p}\n{w} wkr" for p, _, w in runs], spawn, "seconds, imports included")
+    second.title = "resume in a new process, warm cache:\nfrom its spawn to the first batch"
+    cached = [[resume(lib, p, "cache_bytes") for p in positions] for lib in libs]
+    mb = [
+        Series(names[lib], lib, [None if v is None else v / 1e6 for v in vals])
+        for lib, vals in zip(libs, cached)
     ]
-
-
-def _drawn_by_script(
-    payload: dict[str, Any], out: Path, name: str, caption: str
-) -> list[tuple[str, str]]:
-    """The figure benchmark ``name`` draws itself on a full run (its ``draw``, with this
-    module's helpers), here from the JSON, so that the two are one drawing."""
-    import importlib
-    from types import SimpleNamespace
-
-    # draw() imports "report": let that be this module, not a second copy of it when this
-    # script runs as __main__.
-    sys.modules.setdefault("report", sys.modules[__name__])
-    sys.path.insert(0, str(HERE))
-    draw = importlib.import_module(name).draw  # imports torch: only when there are results
-
-    results = SimpleNamespace(
-        data=payload["data"],
-        quick=payload.get("quick", False),
-        command=payload.get("command", "?"),
-        environment=payload.get("environment", {}),
+    third = Panel([f"at {p}" for p in positions], mb, "MB in the local cache", fmt="{:.0f}")
+    third.title = "resume with an empty cache: downloaded by then (lower is better)"
+    title = (
+        f"Streaming {data['samples']:,} samples of 1 KiB from a local S3 server (moto), batch 64"
     )
-    draw(results, str(out / f"{name}.png"))
-    return [(f"{name}.png", caption)]
+    caption = "Streaming throughput and resume cost vs MosaicML Streaming and LitData"
+    return title, [first, second, third], 3, caption
 
 
-def plot_remote_checkpoint(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    return _drawn_by_script(
-        payload,
-        out,
-        "remote_checkpoint",
+def fig_remote_checkpoint(data: dict, args: dict) -> Figure:
+    systems = data["systems"]
+    names = [n for n in ("unbroken", "unbroken-bg", "torchsave", "dcp") if systems[n]["median_s"]]
+    colors = {"unbroken-bg": "unbroken torch-only", "torchsave": "torch"}
+    med = {n: systems[n]["median_s"] for n in names}
+
+    def series(*keys: str) -> list[Series]:
+        return [
+            Series(systems[n].get("label", n), colors.get(n, n), [med[n][k] for k in keys])
+            for n in names
+        ]
+
+    save = series("save", "stall")
+    save.append(Series("copy to host memory", "control", [None, data["host_copy_median_s"]]))
+    panels = [
+        Panel(["save\n(committed)", "loop stall\nper save"], save, LOWER, "save"),
+        Panel(["load into a\nnew model"], series("load"), LOWER, "load, in the running process"),
+        Panel(["new process:\nspawn to loaded"], series("fresh"), LOWER, "fresh-machine resume"),
+    ]
+    title = f"Checkpoint of {data['megabytes']:.0f} MB (MLP + AdamW) to a local S3 server (moto)"
+    caption = (
         "Checkpoints in object storage: save, loop stall, load and fresh-process resume vs "
-        "torch.save+fsspec and DCP FsspecWriter",
+        "torch.save+fsspec and DCP FsspecWriter"
     )
+    return title, panels, 5, caption
 
 
-def plot_goodput(payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
-    return _drawn_by_script(
-        payload,
-        out,
-        "goodput",
+def fig_goodput(data: dict, args: dict) -> Figure:
+    traces = data["traces"]
+    groups = [
+        f"MTBF {t['mtbf_s']:g} s\nN={t['every_steps']} ({t['best_interval_s']:g} s)" for t in traces
+    ] + ["no\nfailures"]
+    series = []
+    for key, label, color, style, marker in data["lines"]:
+        runs = [
+            t["runs"][t["best_key"]] if key == "trainer-best" else t["runs"].get(key)
+            for t in traces
+        ]
+        runs.append(data["references"].get(key))
+        values = [None if r is None else r.get("goodput") for r in runs]
+        hollow = [r is not None and r.get("finished") is False for r in runs]
+        if any(v is not None for v in values):
+            series.append(Series(label, color, values, (), (), style, marker, hollow))
+    ylabel = "goodput: failure-free time / wall time\n(higher is better)"
+    panel = Panel(groups, series, ylabel, fmt="", lines=True, refs={1.0: ""}, headroom=1.0)
+    panel.xlabel = "mean time between failures; hollow: not finished at the cap"
+    title = (
+        f"Goodput under random SIGKILLs and preemptions ({data['steps']} steps, "
+        f"{data['reference_s']:.0f} s without failures)"
+    )
+    caption = (
         "Goodput against the mean time between failures: plain PyTorch, Lightning, "
-        "Lightning + unbroken and unbroken's Trainer",
+        "Lightning + unbroken and unbroken's Trainer"
     )
+    return title, [panel], 2, caption
 
 
-PLOTS: dict[str, Callable[[dict[str, Any], Path], list[tuple[str, str]]]] = {
-    "overhead": plot_overhead,
-    "resume_latency": plot_resume_latency,
-    "trainer_overhead": plot_trainer_overhead,
-    "lightning_resume": plot_lightning_resume,
-    "hf_resume": plot_hf_resume,
-    "checkpoint_blocking": plot_checkpoint_blocking,
-    "stream_overhead": plot_stream_overhead,
-    "ddp_loader": plot_ddp_loader,
-    "ddp_checkpoint": plot_ddp_checkpoint,
-    "ddp_reduction": lambda payload, out: [],  # a table only
-    "stream_peers": plot_stream_peers,
-    "remote_checkpoint": plot_remote_checkpoint,
-    "goodput": plot_goodput,
-}
+FIGURES: dict[str, Callable[[dict, dict], Figure]] = {
+    "overhead": fig_overhead,
+    "resume_latency": fig_resume_latency,
+    "trainer_overhead": fig_trainer_overhead,
+    "lightning_resume": fig_lightning_resume,
+    "hf_resume": fig_hf_resume,
+    "checkpoint_blocking": fig_checkpoint_blocking,
+    "stream_overhead": fig_stream_overhead,
+    "ddp_loader": fig_ddp_loader,
+    "ddp_checkpoint": fig_ddp_checkpoint,
+    "stream_peers": fig_stream_peers,
+    "remote_checkpoint": fig_remote_checkpoint,
+    "goodput": fig_goodput,
+}  # ddp_reduction: a table only
+
+
+def plot(name: str, payload: dict[str, Any], out: Path) -> list[tuple[str, str]]:
+    """Draw benchmark ``name``'s figure into ``out``; returns [(file, caption)] (none without
+    a spec, or without data for one)."""
+    if name not in FIGURES:
+        return []
+    title, panels, ncol, caption = FIGURES[name](payload["data"], payload.get("args", {}))
+    panels = [p for p in panels if p.series]
+    if not panels:
+        return []
+    draw(payload, title, panels, out / f"{name}.png", ncol)
+    return [(f"{name}.png", caption)]
 
 
 # --------------------------------------------------------------------------- markdown
@@ -873,13 +466,6 @@ def shown(path: Path) -> str:
         return path.resolve().relative_to(REPO).as_posix()
     except ValueError:
         return str(path)
-
-
-def git(*args: str) -> str:
-    sys.path.insert(0, str(HERE))
-    from _common import _git  # the benchmarks' own helper: the same commit they record
-
-    return _git(*args)
 
 
 def section(
@@ -1019,7 +605,7 @@ def main() -> int:
         if payload is not None:
             payloads[name] = payload
             try:
-                plots = PLOTS[name](payload, args.plots)
+                plots = plot(name, payload, args.plots)
             except Exception as e:  # one benchmark's bad data must not cost the others' plots
                 traceback.print_exc()
                 plot_error = f"{type(e).__name__}: {e}"

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, Results, add_json_option, environment, load_line, table
+from harness import ForeignLoad, Results, add_json_option, environment, load_line, table
 
 import unbroken
 

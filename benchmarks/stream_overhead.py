@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from harness import (
     ForeignLoad,
     Results,
     add_json_option,

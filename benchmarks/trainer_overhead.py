@@ -63,65 +63,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from harness import (
     ForeignLoad,
     Results,
-    RowDataset,
     add_json_option,
     command_line,
     environment,
     load_line,
     table,
 )
+from harness.stats import rotated
+from harness.workloads import (
+    ImageDataset,
+    RowDataset,
+    cnn_loss,
+    cnn_model,
+    flat_weights,
+    tiny_loss,
+    tiny_model,
+)
 
 import unbroken
 
 # --------------------------------------------------------------------------- workloads
-
-
-class ImageDataset(torch.utils.data.Dataset):
-    """Precomputed random float 3x32x32 images and labels in [0, 10)."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(2)
-        self.images = torch.randn(n, 3, 32, 32, generator=g)
-        self.labels = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i):
-        return self.images[i], self.labels[i]
-
-
-def boring_model() -> torch.nn.Module:
-    return torch.nn.Linear(32, 2)
-
-
-def boring_step(model, batch):
-    out = model(batch)
-    return F.mse_loss(out, torch.ones_like(out))
-
-
-def cnn_model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(32 * 8 * 8, 10),
-    )
-
-
-def cnn_step(model, batch):
-    images, labels = batch
-    return F.cross_entropy(model(images), labels)
 
 
 @dataclass
@@ -148,17 +114,17 @@ def make_workload(name: str, args) -> Workload:
     torch.manual_seed(0)
     if name == "boring":
         return Workload(
-            name,
-            RowDataset(args.boring_rows),
-            2,
-            args.boring_epochs,
-            boring_model(),
-            boring_step,
-            0.1,
+            name, RowDataset(args.boring_rows), 2, args.boring_epochs, tiny_model(), tiny_loss, 0.1
         )
     if name == "cnn":
         return Workload(
-            name, ImageDataset(args.cnn_images), 32, args.cnn_epochs, cnn_model(), cnn_step, 0.01
+            name,
+            ImageDataset(args.cnn_images, augment=False),
+            32,
+            args.cnn_epochs,
+            cnn_model(),
+            cnn_loss,
+            0.01,
         )
     raise SystemExit(f"unknown workload {name!r}: expected boring or cnn")
 
@@ -213,10 +179,6 @@ class Run:
     tensorboard: bool = False  # the Trainer wrote TensorBoard events
 
 
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
 def run_plain(work: Workload) -> Run:
     model, optimizer, loader = work.fresh()
     torch.manual_seed(0)  # as the Trainer seeds at its start (nothing here draws from it)
@@ -230,7 +192,7 @@ def run_plain(work: Workload) -> Run:
             optimizer.zero_grad()
             steps += 1
     loop = time.perf_counter() - start
-    return Run(loop, loop, steps, 0, _flat(model))
+    return Run(loop, loop, steps, 0, flat_weights(model))
 
 
 class Clock:
@@ -274,7 +236,9 @@ def run_trainer(work: Workload, options: dict, parent: str | None) -> Run:
         board = getattr(run_log, "board", None) is not None
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return Run(clock.end - clock.start, total, steps, clock.saves_in_loop, _flat(model), board)
+    return Run(
+        clock.end - clock.start, total, steps, clock.saves_in_loop, flat_weights(model), board
+    )
 
 
 def run_variant(work: Workload, options: dict | None, parent: str | None) -> Run:
@@ -295,10 +259,9 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
     monitor = ForeignLoad()
     rounds, foreign, mismatches = [], [], []
     for r in range(args.reps):
-        shift = r % len(labels)
         this_round = {}
         before = monitor.snapshot() if monitor else None
-        for label in labels[shift:] + labels[:shift]:
+        for label in rotated(labels, r):
             this_round[label] = run_variant(work, options[label], args.dir)
         if monitor:
             foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
