@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ForeignLoad, Results, add_json_option, environment, load_line, table
+from harness.stats import probed_rounds
 
 import unbroken
 
@@ -226,32 +227,32 @@ def main() -> None:
     wrong = []
     for lib in libs:  # warm-up: imports, allocator, first-call costs
         time_resume(lib, blobs[lib.name][1])
+
     # Rounds time every point once per library (unbroken --fast-reps times). A round during
     # which other processes used more than --max-foreign cores is set aside and another run,
     # up to --max-rounds; the medians use the clean rounds (all, flagged, if fewer than 3).
-    monitor, rounds, clean = ForeignLoad(), [], []
-    while len(clean) < args.reps and len(rounds) < max(args.max_rounds, args.reps):
-        before = monitor.snapshot()
-        this_round = {lib.name: [[] for _ in labels] for lib in libs}
+    def one_round(index: int) -> dict[str, list[list[float]]]:
+        this_round: dict[str, list[list[float]]] = {lib.name: [[] for _ in labels] for lib in libs}
         for i in range(len(labels)):
-            order = libs if (len(rounds) + i) % 2 == 0 else libs[::-1]
-            for lib in order:
+            for lib in libs if (index + i) % 2 == 0 else libs[::-1]:
                 for _ in range(args.fast_reps if lib.name == "unbroken" else 1):
                     seconds, first = time_resume(lib, blobs[lib.name][i])
                     this_round[lib.name][i].append(seconds)
                     if expected[lib.name][i] is not None and first != expected[lib.name][i]:
                         wrong.append(f"{lib.name} at {labels[i]}")
-        foreign = ForeignLoad.cores(before, monitor.snapshot())
-        rounds.append((foreign, this_round))
-        if foreign <= args.max_foreign:
-            clean.append(this_round)
-        print(
-            f"[round {len(rounds)}: foreign load {foreign:.2f} cores, "
-            f"{'clean' if foreign <= args.max_foreign else 'set aside'}]",
-            file=sys.stderr,
-            flush=True,
-        )
-    used = clean if len(clean) >= min(3, args.reps) else [r for _, r in rounds]
+        print(f"[round {index + 1} done]", file=sys.stderr, flush=True)
+        return this_round
+
+    count = iter(range(10**6))
+    probed, foreign, n_clean = probed_rounds(
+        ["all"],
+        lambda _: one_round(next(count)),
+        args.reps,
+        args.max_rounds,
+        args.max_foreign,
+        ForeignLoad(),
+    )
+    used = [r["all"] for r in probed]
     times = {
         lib.name: [[t for r in used for t in r[lib.name][i]] for i in range(len(labels))]
         for lib in libs
@@ -312,11 +313,15 @@ def main() -> None:
     print("\n" + exact)
     counted = "clean" if args.max_foreign != float("inf") else "unfiltered (--quick)"
     timing = (
-        f"timing rounds: {len(clean)} {counted} of {len(rounds)} (other processes' CPU use per "
+        f"timing rounds: {n_clean} {counted} of {len(foreign)} (other processes' CPU use per "
         "round, cores: "
-        + ", ".join(f"{f:.2f}" for f, _ in rounds)
+        + ", ".join(f"{f:.2f}" for f in foreign)
         + ")"
-        + ("" if used is clean else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run")
+        + (
+            ""
+            if n_clean >= min(3, args.reps)
+            else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run"
+        )
     )
     print("\n" + timing)
     results.notes = [exact, timing]
@@ -345,10 +350,10 @@ def main() -> None:
         "wrong": sorted(set(wrong)),
         "rounds": {
             "used": len(used),
-            "clean": len(clean),
-            "total": len(rounds),
-            "foreign_cores": [f for f, _ in rounds],
-            "disturbed": used is not clean,
+            "clean": n_clean,
+            "total": len(foreign),
+            "foreign_cores": foreign,
+            "disturbed": n_clean < min(3, args.reps),
         },
     }
     results.write()
