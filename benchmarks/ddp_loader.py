@@ -39,7 +39,7 @@ venv's torchrun, next to ``sys.executable``); each rank calls ``init_process_gro
    without loading them ("skip indices"). num_workers 0. Time is the slower rank's; median of
    ``--resume-reps`` (order rotated), after one untimed warm-up resume of each.
 
-The machine-busy probe (``_common.ForeignLoad``'s method) counts everything outside this
+The machine-busy probe (``harness.env.ForeignLoad``) counts everything outside this
 benchmark's process tree (launcher, torchrun, both ranks, their workers): parts 1 and 2 set
 aside rounds in which other processes used more than ``--max-foreign`` cores and run more, up to
 ``--max-rounds`` (part 2: twice ``--agree-rounds``).
@@ -67,7 +67,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -78,15 +77,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     ForeignLoad,
     Results,
-    _proc_cpu,
-    _system_busy,
     add_json_option,
     command_line,
     environment,
     jsonable,
     load_line,
+    stats,
     table,
 )
+from harness.stats import median_ci as median_ci_bounds
+from harness.stats import probe_note, rotated
 
 import unbroken
 
@@ -140,41 +140,6 @@ def step(model, opt, batch) -> None:
 # --------------------------------------------------------------------------- process-tree probe
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU-seconds of ``root`` and all its live descendants."""
-    parent, cpu = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            parent[int(entry)], cpu[int(entry)] = _proc_cpu(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += children.get(pid, [])
-    return total
-
-
-class TreeLoad(ForeignLoad):
-    """``ForeignLoad`` for a process tree rooted elsewhere (the launcher): all ranks and their
-    workers are this benchmark's own work, not foreign load."""
-
-    def __init__(self, root: int) -> None:
-        super().__init__()
-        self.root = root
-
-    def snapshot(self) -> tuple[float, float, float]:
-        if not self.available:
-            return (time.perf_counter(), 0.0, 0.0)
-        return (time.perf_counter(), _system_busy(), _tree_cpu(self.root))
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -202,50 +167,15 @@ def note(text: str) -> None:
         print(f"[{text}]", file=sys.stderr, flush=True)
 
 
-def median_ci_bounds(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap 95% confidence interval of the median (percentile method, fixed seed)."""
-    values = np.asarray(xs, dtype=float)
-    rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
-    low, high = np.percentile(medians, [2.5, 97.5])
-    return float(low), float(high)
-
-
-def median_ci(xs: list[float], resamples: int = 2000) -> str:
-    low, high = median_ci_bounds(xs, resamples)
+def median_ci(xs: list[float]) -> str:
+    low, high = median_ci_bounds(xs)
     return f"{low:.3f}-{high:.3f}"
 
 
-def rotated(names: list, index: int) -> list:
-    shift = index % len(names)
-    return names[shift:] + names[:shift]
-
-
 def probed_rounds(names, run_one, want: int, most: int, max_foreign: float, monitor):
-    """Rounds of ``run_one(name)`` (seconds) per name, rotated, until ``want`` rounds were clean
-    of foreign load or ``most`` ran. Returns (rounds used, per-round foreign load, number of
-    clean rounds); with fewer than 3 clean rounds (or ``want``), all rounds are used."""
-    rounds, clean = [], []
-    while True:
-        before = monitor.snapshot() if dist.get_rank() == 0 else None
-        this = {name: run_one(name) for name in rotated(names, len(rounds))}
-        foreign = ForeignLoad.cores(before, monitor.snapshot()) if dist.get_rank() == 0 else 0.0
-        rounds.append((foreign, this))
-        if foreign <= max_foreign:
-            clean.append(this)
-        if not agree(len(clean) < want and len(rounds) < max(most, want)):
-            break
-    used = clean if len(clean) >= min(3, want) else [r for _, r in rounds]
-    return used, [f for f, _ in rounds], len(clean)
-
-
-def probe_note(what: str, foreign: list[float], n_clean: int, want: int) -> str:
-    disturbed = n_clean < min(3, want)
-    return (
-        f"{what}: {n_clean} clean of {len(foreign)} rounds (other processes: max "
-        f"{max(foreign):.2f} cores, median {statistics.median(foreign):.2f})"
-        + ("; TOO FEW CLEAN ROUNDS, all used: disturbed" if disturbed else "")
-    )
+    """The harness's probed rounds, probed on rank 0 and agreed by every rank."""
+    probe = monitor if dist.get_rank() == 0 else None
+    return stats.probed_rounds(names, run_one, want, most, max_foreign, probe, more=agree)
 
 
 # --------------------------------------------------------------------------- part 1: epochs
@@ -742,7 +672,7 @@ def rank_main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     assert dist.get_world_size() == NPROC, "run plainly, or under torchrun with 2 processes"
-    monitor = TreeLoad(int(os.environ.get(ROOT_ENV, os.getppid())))
+    monitor = ForeignLoad(int(os.environ.get(ROOT_ENV, os.getppid())))
     parts = args.parts.split(",")
     # For the JSON results (rank 0 writes them to PARTS_ENV's file at the end).
     kept: dict = {"tables": [], "notes": [], "data": {}}

@@ -47,19 +47,12 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (
-    ForeignLoad,
-    Results,
-    add_json_option,
-    command_line,
-    environment,
-    load_line,
-    table,
-)
+from harness import Results, add_json_option, command_line, environment, load_line, table
+from harness.stats import interleaved
+from harness.workloads import flat_weights, train_step
 
 import unbroken
 
@@ -120,14 +113,6 @@ def make_loader(name: str, rows: int, workers: int):
     return unbroken.DataLoader(dataset, seed=0, global_rngs=rngs, **common)
 
 
-def step(model, optimizer, batch) -> None:
-    out = model(batch)
-    loss = F.mse_loss(out, torch.ones_like(out))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-
-
 def run_epochs(loader, model, optimizer, epochs: int) -> tuple[float, float, int]:
     """(wall seconds, seconds to the first batch summed over epochs, steps)."""
     steps, first = 0, 0.0
@@ -139,7 +124,7 @@ def run_epochs(loader, model, optimizer, epochs: int) -> tuple[float, float, int
             if fresh:
                 first += time.perf_counter() - epoch_start
                 fresh = False
-            step(model, optimizer, batch)
+            train_step(model, optimizer, batch)
             steps += 1
     return time.perf_counter() - start, first, steps
 
@@ -161,23 +146,14 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str], list[dict]]:
     for name in names:  # warm-up epoch, untimed
         run_epochs(*runs[name], 1)
 
-    monitor = ForeignLoad()
-    rounds, foreign = [], []
-    for r in range(args.reps):
-        shift = r % len(names)
-        this_round = {}
-        before = monitor.snapshot() if monitor else None
-        for name in names[shift:] + names[:shift]:
-            wall, first, steps = run_epochs(*runs[name], args.epochs)
-            this_round[name] = (wall, first, steps)
-        if monitor:
-            foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
-        rounds.append(this_round)
+    rounds, foreign = interleaved(
+        names, lambda name: run_epochs(*runs[name], args.epochs), args.reps
+    )
 
-    reference = _flat(runs["torch"][1])
-    differ = [n for n in names if not torch.equal(_flat(runs[n][1]), reference)]
+    reference = flat_weights(runs["torch"][1])
+    differ = [n for n in names if not torch.equal(flat_weights(runs[n][1]), reference)]
     steps = {n: {rd[n][2] for rd in rounds} for n in names}
-    del runs
+    runs.clear()  # shuts persistent workers down before the next configuration
 
     rows, entries = [], []
     for name in names:
@@ -250,10 +226,6 @@ def _steady(result: tuple[float, float, int], epochs: int) -> float:
     """Microseconds per step after each epoch's first batch."""
     wall, first, steps = result
     return (wall - first) / max(1, steps - epochs) * 1e6
-
-
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def main() -> None:

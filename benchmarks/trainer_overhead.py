@@ -65,16 +65,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (
-    ForeignLoad,
-    Results,
-    add_json_option,
-    command_line,
-    environment,
-    load_line,
-    table,
-)
-from harness.stats import rotated
+from harness import Results, add_json_option, command_line, environment, load_line, table
+from harness.stats import interleaved
 from harness.workloads import (
     ImageDataset,
     RowDataset,
@@ -256,15 +248,9 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
     for label in labels:  # warm-up round, untimed
         run_variant(work, options[label], args.dir)
 
-    monitor = ForeignLoad()
-    rounds, foreign, mismatches = [], [], []
-    for r in range(args.reps):
-        this_round = {}
-        before = monitor.snapshot() if monitor else None
-        for label in rotated(labels, r):
-            this_round[label] = run_variant(work, options[label], args.dir)
-        if monitor:
-            foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
+    mismatches = []
+
+    def check(r: int, this_round: dict[str, Run]) -> None:
         plain = this_round[labels[0]]
         for label, run in this_round.items():
             if run.steps != plain.steps:
@@ -273,9 +259,10 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
                 mismatches.append(
                     f"{label}: final weights differ from the plain loop's (round {r})"
                 )
-        rounds.append(this_round)
         print(f"[{work.name}: round {r + 1}/{args.reps}]", file=sys.stderr, flush=True)
 
+    run_one = lambda label: run_variant(work, options[label], args.dir)
+    rounds, foreign = interleaved(labels, run_one, args.reps, check)
     plain_us = statistics.median(rd[labels[0]].loop / rd[labels[0]].steps for rd in rounds) * 1e6
     rows, entries = [], []
     per_save = {}

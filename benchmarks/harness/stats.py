@@ -56,10 +56,21 @@ def rotated(names: Sequence[T], index: int) -> list[T]:
 
 
 def interleaved(
-    names: Sequence[str], run_one: Callable[[str], Any], rounds: int
-) -> list[dict[str, Any]]:
-    """``rounds`` rounds of ``run_one(name)`` for every name, the order rotated every round."""
-    return [{name: run_one(name) for name in rotated(names, r)} for r in range(rounds)]
+    names: Sequence[str],
+    run_one: Callable[[str], Any],
+    rounds: int,
+    after: Callable[[int, dict[str, Any]], None] = lambda index, this: None,
+) -> tuple[list[dict[str, Any]], list[float]]:
+    """``rounds`` rounds of ``run_one(name)`` for every name, the order rotated every round;
+    ``after(index, round)`` at each round's end. Returns the rounds and, per round, the cores
+    other processes used meanwhile."""
+    monitor, out, foreign = ForeignLoad(), [], []
+    for index in range(rounds):
+        before = monitor.snapshot()
+        out.append({name: run_one(name) for name in rotated(names, index)})
+        foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
+        after(index, out[-1])
+    return out, foreign
 
 
 def probed_rounds(
