@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, environment, load_line, table
+from harness import parser as harness_parser
 
 import unbroken
 import unbroken.distributed
@@ -108,16 +109,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+QUICK = "2 layers, 2 rounds (numbers are noise)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness_parser(__doc__, "ddp_checkpoint", QUICK)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 2 layers, 2 rounds (numbers are noise)"
-    )
-    add_json_option(parser, "ddp_checkpoint")
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -77,7 +77,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     ForeignLoad,
     Results,
-    add_json_option,
     command_line,
     environment,
     jsonable,
@@ -85,6 +84,7 @@ from harness import (
     stats,
     table,
 )
+from harness import parser as harness_parser
 from harness.stats import median_ci as median_ci_bounds
 from harness.stats import probe_note, rotated
 
@@ -592,8 +592,11 @@ def resume_part(args, monitor):
 # --------------------------------------------------------------------------- main
 
 
+QUICK = "small data, few rounds (numbers are noise)"
+
+
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "ddp_loader", QUICK)
     parser.add_argument("--samples", type=int, default=20_000, help="parts 1-2: dataset rows")
     parser.add_argument("--rounds", type=int, default=6, help="parts 1-2: clean timed rounds")
     parser.add_argument(
@@ -614,10 +617,6 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--resume-samples", type=int, default=200_000)
     parser.add_argument("--resume-reps", type=int, default=5)
     parser.add_argument("--parts", default="epochs,agreement,resume")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: small data, few rounds (numbers are noise)"
-    )
-    add_json_option(parser, "ddp_loader")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.rounds, args.max_rounds = 2048, 2, 2

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, environment, load_line, table
+from harness import parser as harness_parser
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
@@ -91,8 +92,11 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+QUICK = "2 rounds of 3 steps"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness_parser(__doc__, "ddp_reduction", QUICK)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
@@ -101,8 +105,6 @@ def main() -> None:
     parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 3 steps")
-    add_json_option(parser, "ddp_reduction")
     args = parser.parse_args()
     if args.worker:
         worker(args)

@@ -45,7 +45,6 @@ section (``make bench``).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import random
 import statistics
@@ -59,7 +58,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_json_option, environment, load_line, table
+from harness import ForeignLoad, Results, environment, table
+from harness import parser as harness_parser
 from harness.stats import median_ci, quartiles, rotated
 from harness.workloads import (
     ImageDataset,
@@ -350,8 +350,11 @@ def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
     return rows, note, entries
 
 
+QUICK = "small datasets, little timed work (numbers are noise)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "overhead", QUICK)
     parser.add_argument("--loops", default="tiny,realistic", help="comma-separated: tiny,realistic")
     parser.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
     parser.add_argument(
@@ -400,12 +403,6 @@ def main() -> None:
         "that makes unbroken's per-batch seeding calls)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: small datasets, little timed work (numbers are noise)",
-    )
-    add_json_option(parser, "overhead")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.worker_reps, args.max_rounds = 2, 2, 2
@@ -492,22 +489,20 @@ def main() -> None:
             ),
         )
     )
-    print()
-    print("\n".join(f"- {note}" for note in notes))
-    print(load_line())
-    results.notes = notes
-    results.data = {
-        "seeding_us_per_call": costs,
-        "setup": {
-            "tiny_rows": args.tiny_rows,
-            "tiny_batch": args.tiny_batch,
-            "images": args.images,
-            "image_batch": args.image_batch,
-            "threads": args.threads,
+    results.finish(
+        notes,
+        {
+            "seeding_us_per_call": costs,
+            "setup": {
+                "tiny_rows": args.tiny_rows,
+                "tiny_batch": args.tiny_batch,
+                "images": args.images,
+                "image_batch": args.image_batch,
+                "threads": args.threads,
+            },
+            "rows": entries,
         },
-        "rows": entries,
-    }
-    results.write()
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ section (``make bench``).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import pickle
@@ -42,7 +41,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_json_option, environment, load_line, table
+from harness import ForeignLoad, Results, environment, load_line, table
+from harness import parser as harness_parser
 from harness.stats import probed_rounds
 
 import unbroken
@@ -144,8 +144,11 @@ def time_resume(lib: Library, blob: bytes | None) -> tuple[float, list[int]]:
     return seconds, as_ints(first)
 
 
+QUICK = "200k samples, 2 reps"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "resume_latency", QUICK)
     parser.add_argument("--samples", type=int, default=10_000_000, help="epoch length")
     parser.add_argument(
         "--reps", type=int, default=5, help="clean rounds; each times every point once per library"
@@ -176,8 +179,6 @@ def main() -> None:
         help="unbroken's global_rngs, comma-separated ('' for none); seeding "
         "makes the capture pass slower, not the resume",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 200k samples, 2 reps")
-    add_json_option(parser, "resume_latency")
     args = parser.parse_args()
     if args.quick:
         # Rounds this short are below the load probe's resolution: none is set aside.

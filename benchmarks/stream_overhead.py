@@ -38,7 +38,6 @@ section (``make bench``).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -50,7 +49,8 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, add_json_option, command_line, environment, load_line, table
+from harness import Results, command_line, environment, table
+from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import flat_weights, train_step
 
@@ -228,19 +228,16 @@ def _steady(result: tuple[float, float, int], epochs: int) -> float:
     return (wall - first) / max(1, steps - epochs) * 1e6
 
 
+QUICK = "256 rows, 2 rounds of 1 epoch (numbers mean nothing)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "stream_overhead", QUICK)
     parser.add_argument("--workers", default="2,0", help="comma-separated num_workers values")
     parser.add_argument("--rows", type=int, default=4096, help="rows in the dataset")
     parser.add_argument("--reps", type=int, default=10, help="timed rounds per num_workers")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per loader per round")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 256 rows, 2 rounds of 1 epoch (numbers mean nothing)",
-    )
-    add_json_option(parser, "stream_overhead")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.reps, args.epochs = 256, 2, 1
@@ -317,12 +314,9 @@ def main() -> None:
             ),
         )
     )
-    print()
-    print("\n".join(f"- {note}" for note in notes))
-    print(load_line())
-    results.notes = notes
-    results.data = {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
-    results.write()
+    results.finish(
+        notes, {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
+    )
 
 
 if __name__ == "__main__":

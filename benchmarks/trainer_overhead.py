@@ -50,7 +50,6 @@ section (``make bench``).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
 import os
@@ -65,7 +64,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, add_json_option, command_line, environment, load_line, table
+from harness import Results, command_line, environment, table
+from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import (
     ImageDataset,
@@ -369,8 +369,11 @@ def _tensorboard_version() -> str:
     return f"{tensorboard.__version__} installed"
 
 
+QUICK = "tiny datasets, 2 rounds (numbers are not meaningful)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "trainer_overhead", QUICK)
     parser.add_argument("--workloads", default="boring,cnn", help="comma-separated: boring,cnn")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per workload")
     parser.add_argument("--boring-rows", type=int, default=4096)
@@ -393,12 +396,6 @@ def main() -> None:
         "Unless off, a checkpoint_every_steps=None, tensorboard=False row is "
         "added to show what that logging costs",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)",
-    )
-    add_json_option(parser, "trainer_overhead")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.boring_rows, args.boring_epochs = 2, 512, 1
@@ -479,12 +476,7 @@ def main() -> None:
             ),
         )
     )
-    print()
-    print("\n".join(f"- {note}" for note in notes))
-    print(load_line())
-    results.notes = notes
-    results.data = {"log_every": LOG_EVERY, "rows": entries}
-    results.write()
+    results.finish(notes, {"log_every": LOG_EVERY, "rows": entries})
 
 
 if __name__ == "__main__":

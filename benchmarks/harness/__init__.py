@@ -16,7 +16,7 @@ from .env import (
     load_line,
     table,
 )
-from .results import Results, add_json_option, jsonable
+from .results import Results, add_json_option, add_round_options, jsonable, parser
 from .stats import (
     interleaved,
     median,
@@ -33,6 +33,7 @@ __all__ = [
     "ForeignLoad",
     "Results",
     "add_json_option",
+    "add_round_options",
     "command_line",
     "environment",
     "environment_info",
@@ -42,6 +43,7 @@ __all__ = [
     "load_line",
     "median",
     "median_ci",
+    "parser",
     "probe_note",
     "probed_rounds",
     "quartiles",

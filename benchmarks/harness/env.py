@@ -164,17 +164,20 @@ class ForeignLoad:
     Machine busy time (``/proc/stat``) minus this process tree's CPU time (``/proc/<pid>/stat``),
     over the wall time. ``root``: the tree counted as our own (default: this process and its live
     children, e.g. DataLoader workers; a launcher's pid counts every rank and worker below it).
-    Resolution is the kernel tick (10 ms per process). Only on Linux; elsewhere it reports 0.
+    ``waited``: count this process and the children it has waited for instead (``os.times``),
+    for jobs that have exited by the interval's end. Resolution is the kernel tick (10 ms per
+    process). Only on Linux; elsewhere it reports 0.
     """
 
-    def __init__(self, root: int | None = None) -> None:
-        self.available = Path("/proc/stat").exists()
+    def __init__(self, root: int | None = None, waited: bool = False) -> None:
+        self.available, self.waited = Path("/proc/stat").exists(), waited
         self.root, self.depth = (os.getpid(), 1) if root is None else (root, None)
 
     def snapshot(self) -> tuple[float, float, float]:
         if not self.available:
             return (time.perf_counter(), 0.0, 0.0)
-        return (time.perf_counter(), system_busy(), tree_cpu(self.root, self.depth))
+        own = sum(os.times()[:4]) if self.waited else tree_cpu(self.root, self.depth)
+        return (time.perf_counter(), system_busy(), own)
 
     @staticmethod
     def cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .env import REPO, command_line, environment_info, load_average, process_age
+from .env import REPO, command_line, environment_info, load_average, load_line, process_age
 
 BENCH_OUTPUT = REPO / "bench_output"
 SCHEMA = 1  # bump when report.py must tell an old file's layout from a new one
@@ -27,6 +27,29 @@ def add_json_option(parser: argparse.ArgumentParser, name: str) -> None:
         metavar="PATH",
         help="write the measured numbers here as JSON, read by benchmarks/report.py "
         "('' for none; default: %(default)s)",
+    )
+
+
+def parser(doc: str | None, name: str, quick: str) -> argparse.ArgumentParser:
+    """An argument parser described by ``doc``'s first paragraph, with ``--quick`` (a smoke run:
+    ``quick`` says what it shrinks) and ``--json``."""
+    out = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    out.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
+    add_json_option(out, name)
+    return out
+
+
+def add_round_options(parser: argparse.ArgumentParser, most: int) -> None:
+    """``--max-rounds`` and ``--max-foreign``: how rounds disturbed by other processes are set
+    aside (``harness.stats.probed_rounds``)."""
+    parser.add_argument(
+        "--max-rounds", type=int, default=most, help="rounds at most, disturbed ones included"
+    )
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.2,
+        help="a round in which other processes used more cores than this is set aside",
     )
 
 
@@ -70,6 +93,13 @@ class Results:
         """Keep a printed table for the report; returns it so that ``print`` is unchanged."""
         self.tables.append({"title": title, "markdown": markdown})
         return markdown
+
+    def finish(self, notes: list[str], data: dict[str, Any]) -> None:
+        """Print ``notes`` as a list and the load average at the end, then write the JSON."""
+        print("\n" + "\n".join(f"- {note}" for note in notes) + "\n")
+        print(load_line())
+        self.notes, self.data = notes, data
+        self.write()
 
     def write(self, wall_s: float | None = None) -> None:
         if self.path is None:
