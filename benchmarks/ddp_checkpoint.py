@@ -26,12 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, environment, load_line, table
+from harness import Results, environment, load_line, table
 from harness import parser as harness_parser
+from harness.jobs import add_worker_options, torchrun_worker
 
 import unbroken
 import unbroken.distributed
@@ -116,8 +114,7 @@ def main() -> None:
     parser = harness_parser(__doc__, "ddp_checkpoint", QUICK)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="")
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -125,15 +122,7 @@ def main() -> None:
     if args.quick:
         args.layers, args.reps = 2, 2
     results = Results("ddp_checkpoint", args.json, args)
-    out = tempfile.mkdtemp(prefix="ddp-ckpt-", dir=REPO)
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", "--nproc-per-node=2", __file__, "--worker"]
-    command += ["--out", out, "--layers", str(args.layers), "--reps", str(args.reps)]
-    try:
-        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        measured = json.loads(Path(out, "results.json").read_text())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    measured = torchrun_worker(__file__, 2, args, "layers", "reps")
     megabytes = args.layers * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 1e6
     print("\n".join(environment()))
     print(f"\nstate: {args.layers} x Linear({WIDTH}, {WIDTH}) + AdamW: {megabytes:.0f} MB")

@@ -23,12 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, environment, load_line, table
+from harness import Results, environment, load_line, table
 from harness import parser as harness_parser
+from harness.jobs import add_worker_options, torchrun_worker
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
@@ -103,8 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="")
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -112,18 +108,9 @@ def main() -> None:
     if args.quick:
         args.steps, args.rounds = 3, 2
     results = Results("ddp_reduction", args.json, args)
-    out = tempfile.mkdtemp(prefix="ddp-reduction-", dir=REPO)
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", f"--nproc-per-node={RANKS}", __file__, "--worker"]
-    for flag in ("layers", "width", "batch", "steps", "rounds", "chunk_mb"):
-        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    try:
-        subprocess.run(
-            command + ["--out", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1")
-        )
-        measured = json.loads(Path(out, "results.json").read_text())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    measured = torchrun_worker(
+        __file__, RANKS, args, "layers", "width", "batch", "steps", "rounds", "chunk_mb"
+    )
     print("\n".join(environment()))
     print(load_line())
     rows, medians = [], {}
