@@ -18,10 +18,6 @@ Reported: medians over ``--reps`` rounds, and the ratio async/sync of each media
 
     .venv/bin/python benchmarks/checkpoint_blocking.py            # ~1 minute
     .venv/bin/python benchmarks/checkpoint_blocking.py --quick    # smoke run, seconds
-
-The numbers also go to ``bench_output/checkpoint_blocking.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations

@@ -16,10 +16,6 @@ Per round (medians over ``--reps``, variants in an order that alternates between
 
     .venv/bin/python benchmarks/ddp_checkpoint.py             # ~1 minute on 2 cores
     .venv/bin/python benchmarks/ddp_checkpoint.py --quick     # smoke run: 2 layers, 2 rounds
-
-The numbers also go to ``bench_output/ddp_checkpoint.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations

@@ -46,10 +46,6 @@ aside rounds in which other processes used more than ``--max-foreign`` cores and
 
     .venv/bin/python benchmarks/ddp_loader.py            # full run, ~2 minutes on 2 cores
     .venv/bin/python benchmarks/ddp_loader.py --quick    # smoke run, ~20 seconds
-
-The numbers also go to ``bench_output/ddp_loader.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations

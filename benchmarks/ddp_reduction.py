@@ -14,9 +14,6 @@ between rounds; the figure is the median step over all rounds, and the ratio exa
 
     .venv/bin/python benchmarks/ddp_reduction.py            # ~1 minute on 2 cores
     .venv/bin/python benchmarks/ddp_reduction.py --quick    # smoke run: few steps (noise)
-
-The numbers also go to ``bench_output/ddp_reduction.json`` (``--json PATH``; ``--json ''`` for
-none), from which ``benchmarks/report.py`` renders RESULTS.md's generated section.
 """
 
 from __future__ import annotations

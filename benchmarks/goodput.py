@@ -70,9 +70,7 @@ equals (``torch.equal``, every tensor) the same configuration's uninterrupted ru
     .venv/bin/python benchmarks/goodput.py --quick     # 1 short trace, every system: 3-4 min
     .venv/bin/python benchmarks/goodput.py --mtbf 60 --intervals 5 10
 
-The numbers also go to ``bench_output/goodput.json`` (``--json PATH``; ``--json ''`` for none);
-``benchmarks/report.py`` draws ``benchmarks/plots/goodput.png`` from it. The jobs run one at a time, in a temporary directory
-(``--keep`` keeps it). One run per configuration and trace on a shared 2-core machine: a
+The jobs run one at a time, in a temporary directory (``--keep`` keeps it). One run per configuration and trace on a shared 2-core machine: a
 failure that lands in a checkpoint save or just before one changes a run's time by seconds, so
 read differences of a few percent as noise.
 """

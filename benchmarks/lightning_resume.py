@@ -61,11 +61,7 @@ a SIGTERM in every step under ``max_steps`` with ``ReduceLROnPlateau``.
     .venv/bin/python benchmarks/lightning_resume.py --quick    # cuts 21 and 13:6, num_workers 0
 
 The default is 48 job runs (~7 minutes on 2 cores) and 14 sweeps (~6,200 resumes, ~5 minutes),
-``--quick`` 12 job runs and 3 sweeps from the first checkpoint of each kind only (~2 minutes).
-The numbers also go to ``bench_output/lightning_resume.json`` (``--json PATH``; ``--json ''`` for
-none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
-(``make bench``).
-"""
+``--quick`` 12 job runs and 3 sweeps from the first checkpoint of each kind only (~2 minutes)."""
 
 from __future__ import annotations
 

@@ -37,10 +37,6 @@ which separates the seeding's cost from the rest of unbroken's machinery.
 
     .venv/bin/python benchmarks/overhead.py            # full run, ~3 minutes on 2 idle cores
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run, ~15 seconds
-
-The numbers also go to ``bench_output/overhead.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations

@@ -45,9 +45,6 @@ where the time goes.
     .venv/bin/python benchmarks/remote_checkpoint.py --quick       # 25 MB, 1 round: a smoke run, ~25 s
     .venv/bin/python benchmarks/remote_checkpoint.py --mb 400 --repeats 5
 
-The numbers also go to ``bench_output/remote_checkpoint.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws ``benchmarks/plots/remote_checkpoint.png``.
-
 The S3 server runs on this machine, so the network is loopback and the server's own CPU time
 (moto, in Python) competes with the client's: MB/s here are not what a real bucket gives, and
 on a machine with few cores every number moves with what else runs on it (the foreign load is
@@ -198,6 +195,12 @@ class System:
         raise NotImplementedError
 
     def load(self, model, optimizer) -> float:
+        _new_filesystems()
+        start = time.perf_counter()
+        self.restore(f"{self.url}/{PREFIX[self.name]}", self.options, model, optimizer)
+        return time.perf_counter() - start
+
+    def restore(self, path: str, options: dict[str, Any], model, optimizer) -> None:
         raise NotImplementedError
 
 
@@ -258,11 +261,8 @@ class TorchSave(System):
         seconds = time.perf_counter() - start
         return seconds, seconds
 
-    def load(self, model, optimizer):
-        _new_filesystems()
-        start = time.perf_counter()
-        torchsave_load(f"{self.url}/{PREFIX[self.name]}", self.options, model, optimizer)
-        return time.perf_counter() - start
+    def restore(self, path, options, model, optimizer):
+        torchsave_load(path, options, model, optimizer)
 
 
 def torchsave_load(path: str, options: dict[str, Any], model, optimizer) -> None:
@@ -290,11 +290,8 @@ class DCP(System):
         seconds = time.perf_counter() - start
         return seconds, seconds
 
-    def load(self, model, optimizer):
-        _new_filesystems()
-        start = time.perf_counter()
-        dcp_load(f"{self.url}/{PREFIX[self.name]}", self.options, model, optimizer)
-        return time.perf_counter() - start
+    def restore(self, path, options, model, optimizer):
+        dcp_load(path, options, model, optimizer)
 
 
 def dcp_load(path: str, options: dict[str, Any], model, optimizer) -> None:

@@ -21,10 +21,6 @@ is timed.
 
     .venv/bin/python benchmarks/resume_latency.py           # 10M samples, ~3.5 minutes
     .venv/bin/python benchmarks/resume_latency.py --quick   # smoke run, ~10 seconds
-
-The numbers also go to ``bench_output/resume_latency.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations

@@ -30,10 +30,6 @@ fed the same batches in the same order.
 
     .venv/bin/python benchmarks/stream_overhead.py            # full run, ~1-3 minutes
     .venv/bin/python benchmarks/stream_overhead.py --quick    # smoke run, seconds
-
-The numbers also go to ``bench_output/stream_overhead.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations

@@ -42,10 +42,6 @@ by the number of saves). Every run's final weights are compared with the plain l
 
     .venv/bin/python benchmarks/trainer_overhead.py            # full run, ~2-3 minutes
     .venv/bin/python benchmarks/trainer_overhead.py --quick    # smoke run, seconds
-
-The numbers also go to ``bench_output/trainer_overhead.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
