@@ -21,7 +21,6 @@ Per round (medians over ``--reps``, variants in an order that alternates between
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, environment, load_line, table
 from harness import parser as harness_parser
-from harness.jobs import add_worker_options, torchrun_worker
+from harness.jobs import add_worker_options, send_back, torchrun_worker
 
 import unbroken
 import unbroken.distributed
@@ -95,8 +94,7 @@ def worker(args: argparse.Namespace) -> None:
             results.setdefault(f"{name}|load", []).append(time.perf_counter() - start)
             if rank == 0:
                 shutil.rmtree(root)
-    if rank == 0:
-        Path(args.out, "results.json").write_text(json.dumps(results))
+    send_back(args, results)
     # The models before their process group: DDP torn down after it may abort the exit.
     built.clear()
     del model, optimizer, state, entry

@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     ForeignLoad,
     Results,
+    add_round_options,
     command_line,
     environment,
     jsonable,
@@ -595,15 +596,7 @@ def parse() -> argparse.Namespace:
     parser = harness_parser(__doc__, "ddp_loader", QUICK)
     parser.add_argument("--samples", type=int, default=20_000, help="parts 1-2: dataset rows")
     parser.add_argument("--rounds", type=int, default=6, help="parts 1-2: clean timed rounds")
-    parser.add_argument(
-        "--max-rounds", type=int, default=8, help="parts 1-2: rounds at most, disturbed included"
-    )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.2,
-        help="a round in which other processes used more cores than this is set aside",
-    )
+    add_round_options(parser, 8)
     parser.add_argument("--allreduce-n", type=int, default=2000, help="all-reduces per tight loop")
     parser.add_argument("--allreduce-reps", type=int, default=5, help="tight loops (median)")
     parser.add_argument(

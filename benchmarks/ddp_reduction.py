@@ -19,7 +19,6 @@ between rounds; the figure is the median step over all rounds, and the ratio exa
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, environment, load_line, table
 from harness import parser as harness_parser
-from harness.jobs import add_worker_options, torchrun_worker
+from harness.jobs import add_worker_options, send_back, torchrun_worker
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
@@ -81,8 +80,7 @@ def worker(args: argparse.Namespace) -> None:
                     optimizer.zero_grad()
                     times.setdefault(f"{size}|{name}", []).append(time.perf_counter() - start)
         built.clear()
-    if rank == 0:
-        Path(args.out, "results.json").write_text(json.dumps(times))
+    send_back(args, times)
     dist.destroy_process_group()
 
 

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, environment, table
+from harness import ForeignLoad, Results, add_round_options, environment, table
 from harness import parser as harness_parser
 from harness.stats import median_ci, quartiles, rotated
 from harness.workloads import (
@@ -378,19 +378,7 @@ def main() -> None:
     parser.add_argument("--tiny-batch", type=int, default=2)
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--image-batch", type=int, default=32)
-    parser.add_argument(
-        "--max-rounds",
-        type=int,
-        default=10,
-        help="num_workers>0: epoch rounds at most, counting disturbed ones",
-    )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.2,
-        help="num_workers>0: a round in which other processes used more cores "
-        "than this during any loader's epochs is set aside as disturbed",
-    )
+    add_round_options(parser, 10)
     parser.add_argument(
         "--no-control",
         dest="control",

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, environment, load_line, table
+from harness import ForeignLoad, Results, add_round_options, environment, load_line, table
 from harness import parser as harness_parser
 from harness.stats import probed_rounds
 
@@ -156,19 +156,7 @@ def main() -> None:
         help="timed resumes of unbroken per point and round (it takes ~1 ms, so "
         "more samples cost nothing and steady its median)",
     )
-    parser.add_argument(
-        "--max-rounds",
-        type=int,
-        default=10,
-        help="rounds at most, counting those set aside as disturbed",
-    )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.2,
-        help="a round during which other processes used more cores than this is "
-        "set aside as disturbed",
-    )
+    add_round_options(parser, 10)
     parser.add_argument(
         "--global-rngs",
         default="torch,numpy,random",

@@ -36,6 +36,14 @@ def torchrun_worker(script: str, ranks: int, args: argparse.Namespace, *flags: s
         shutil.rmtree(out, ignore_errors=True)
 
 
+def send_back(args: argparse.Namespace, data: Any) -> None:
+    """In a worker: rank 0 writes ``data`` where ``torchrun_worker`` reads it."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        Path(args.out, "results.json").write_text(json.dumps(data))
+
+
 def add_worker_options(parser: argparse.ArgumentParser) -> None:
     """``--worker`` and ``--out``: how ``torchrun_worker`` starts a rank (internal)."""
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
