@@ -9,7 +9,7 @@ below the panels and a footer naming the run. matplotlib only; ~0.3 s and ~50 KB
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ COLORS = {
 # Value labels on a white ground: an error bar crossing one must not make it unreadable.
 LABEL_BOX = {"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8}
 Interval = tuple[float, float] | None
+PCT = "{:+.1f}%"
 
 
 @dataclass
@@ -202,3 +203,36 @@ def draw(
     image = Image.open(buffer).convert("RGB")
     image = image.quantize(colors=128, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
     image.save(path, optimize=True)
+
+
+# --------------------------------------------------------------------------- ratios to a baseline
+
+
+def pct(ratio: float) -> float:
+    """A time ratio against a baseline as percent slower (+) or faster (-)."""
+    return (ratio - 1.0) * 100.0
+
+
+def pct_interval(interval: Sequence[float] | None) -> tuple[float, float] | None:
+    return None if interval is None else (pct(interval[0]), pct(interval[1]))
+
+
+def ratio_series(rows: list[dict], key: Callable[[dict], Any], keys: list, ci: str) -> list[Series]:
+    """One series per loader other than torch's: its time over torch's in %, per ``keys`` of
+    ``key(row)``, with the rows' ``ci`` interval as error bars."""
+    series = []
+    for name in [n for n in dict.fromkeys(r["loader"] for r in rows) if n != "torch"]:
+        mine = {key(r): r for r in rows if r["loader"] == name}
+        values = [pct(mine[k]["ratio"]) if k in mine else None for k in keys]
+        spread = [pct_interval(mine[k][ci]) if k in mine else None for k in keys]
+        series.append(Series(next(iter(mine.values()))["label"], name, values, spread))
+    return series
+
+
+def per_worker_ratios(rows: list[dict], ci: str, ylabel: str, title: str = "") -> Panel:
+    """A loader's time over torch's, grouped by num_workers."""
+    workers = sorted({r["workers"] for r in rows})
+    torch_us = {r["workers"]: r["us_per_step"] for r in rows if r["loader"] == "torch"}
+    groups = [f"num_workers={w}\n(torch: {torch_us.get(w, 0):,.0f} us/step)" for w in workers]
+    series = ratio_series(rows, lambda r: r["workers"], workers, ci)
+    return Panel(groups, series, ylabel, title, PCT, refs={0.0: ""})
