@@ -171,7 +171,8 @@ class ForeignLoad:
 
     def __init__(self, root: int | None = None, waited: bool = False) -> None:
         self.available, self.waited = Path("/proc/stat").exists(), waited
-        self.root, self.depth = (os.getpid(), 1) if root is None else (root, None)
+        self.root = os.getpid() if root is None else root
+        self.depth: int | None = 1 if root is None else None  # our live children, or all below
 
     def snapshot(self) -> tuple[float, float, float]:
         if not self.available:

@@ -79,6 +79,10 @@ class Panel:
     legend: bool = False  # a legend inside this panel instead of below the figure
 
 
+def _interval(series: Series, group: int) -> Interval:
+    return series.intervals[group] if group < len(series.intervals) else None
+
+
 def _bars(ax: Axes, panel: Panel) -> None:
     n = max(1, len(panel.series))
     width = 0.8 / n
@@ -92,7 +96,7 @@ def _bars(ax: Axes, panel: Panel) -> None:
             label = None if labelled else s.label
             ax.bar(x, value, width, color=color, edgecolor="#333333", linewidth=0.5, label=label)
             labelled = True
-            err = s.intervals[g] if g < len(s.intervals) else None
+            err = _interval(s, g)
             top = value
             if err is not None:
                 low, high = err
@@ -121,19 +125,38 @@ def _lines(ax: Axes, panel: Panel) -> None:
             continue
         color = COLORS.get(s.color, s.color)
         xs, ys = [p[0] for p in points], [p[1] for p in points]
-        below = [v - s.intervals[g][0] if g < len(s.intervals) and s.intervals[g] else 0.0
-                 for _, v, g in points]  # fmt: skip
-        above = [s.intervals[g][1] - v if g < len(s.intervals) and s.intervals[g] else 0.0
-                 for _, v, g in points]  # fmt: skip
-        ax.errorbar(xs, ys, yerr=[below, above], fmt=s.style, marker=s.marker, capsize=3,
-                    color=color, label=s.label, linewidth=1.6)  # fmt: skip
+        spans = [_interval(s, g) or (v, v) for _, v, g in points]
+        yerr = [
+            [v - lo for v, (lo, _) in zip(ys, spans)],
+            [hi - v for v, (_, hi) in zip(ys, spans)],
+        ]
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=yerr,
+            fmt=s.style,
+            marker=s.marker,
+            capsize=3,
+            color=color,
+            label=s.label,
+            linewidth=1.6,
+        )
         for xi, v, g in points:
             if g < len(s.hollow) and s.hollow[g]:
                 ax.plot(xi, v, s.marker, markersize=11, markerfacecolor="white", color=color)
             text = s.texts[g] if g < len(s.texts) else panel.fmt.format(v)
             if text:
-                ax.annotate(text, (xi, v), xytext=(0, 6), textcoords="offset points",
-                            ha="center", va="bottom", fontsize=7, color=color, bbox=LABEL_BOX)  # fmt: skip
+                ax.annotate(
+                    text,
+                    (xi, v),
+                    xytext=(0, 6),
+                    textcoords="offset points",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    color=color,
+                    bbox=LABEL_BOX,
+                )
 
 
 def _panel(ax: Axes, panel: Panel) -> None:
@@ -144,8 +167,8 @@ def _panel(ax: Axes, panel: Panel) -> None:
         ax.set_yscale("log")
     for y, label in panel.refs.items():
         dashed = bool(label)
-        ax.axhline(y, color="#d62728" if dashed else "#333333", linewidth=0.8,
-                   linestyle="--" if dashed else "-", label=label or None)  # fmt: skip
+        color, style = ("#d62728", "--") if dashed else ("#333333", "-")
+        ax.axhline(y, color=color, linewidth=0.8, linestyle=style, label=label or None)
     ax.set_ylabel(panel.ylabel)
     ax.set_title(panel.title, fontsize=9)
     ax.set_xlabel(panel.xlabel, fontsize=8)
@@ -189,8 +212,15 @@ def draw(
     fig.text(0.01, 0.01, footer, fontsize=6.5, color="#555555", ha="left", va="bottom")
     if not panels[0].legend:
         handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, bottom), ncol=ncol,
-                   fontsize=7.5, frameon=False)  # fmt: skip
+        fig.legend(
+            handles,
+            labels,
+            loc="lower center",
+            bbox_to_anchor=(0.5, bottom),
+            ncol=ncol,
+            fontsize=7.5,
+            frameon=False,
+        )
         bottom += (0.1 + 0.2 * -(-len(labels) // ncol)) / height
     fig.tight_layout(rect=(0, bottom, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ milliseconds.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,9 @@ def cnn_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     return F.cross_entropy(model(images), labels)
 
 
-def train_step(model, optimizer, batch, loss=tiny_loss) -> None:
+def train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any, loss: Any = tiny_loss
+) -> None:
     """One SGD step: ``loss(model, batch)``, backward, step."""
     value = loss(model, batch)
     optimizer.zero_grad(set_to_none=True)
