@@ -83,6 +83,17 @@ def fig_trainer_overhead(data: dict, args: dict) -> Figure:
     return title, panels, 3, "Trainer overhead per step vs a plain loop"
 
 
+def damage(row: dict) -> str:
+    """A resumed run's bar label: samples repeated and skipped, in other epochs, weights."""
+    others = sum(sum(d) for e, d in enumerate(row.get("per_epoch", [])) if e != row["epoch"])
+    return (
+        f"{row['repeated']} rep.\n+{row['skipped']} skip."
+        + (f"\n(+{others} in\nother epochs)" if others else "")
+        + f"\nequal: {'yes' if row['weights_equal'] else 'NO'}"
+        + ("" if row.get("batches_once", True) else "\nnot once")
+    )
+
+
 def fig_lightning_resume(data: dict, args: dict) -> Figure:
     names = {
         "torch": "torch DataLoader (plain Lightning)",
@@ -90,28 +101,21 @@ def fig_lightning_resume(data: dict, args: dict) -> Figure:
     }
     panels = []
     for w in dict.fromkeys(r["workers"] for r in data["rows"]):
-        rows = {(r["loader"], r["cut"], r.get("every", 5)): r for r in data["rows"]}
-        rows = {k: r for k, r in rows.items() if r["workers"] == w}
+        mine = [r for r in data["rows"] if r["workers"] == w]
+        rows = {(r["loader"], r["cut"], r.get("every", 5)): r for r in mine}
         cuts = list(dict.fromkeys(k[1:] for k in rows))
         first = [next(r for k, r in rows.items() if k[1:] == c) for c in cuts]
         groups = [
             f"step {c[0]} ({r.get('kind', 'mid-epoch')})\nfrom "
             f"{r['resumed_from'] if r['resumed_from'] is not None else 'scratch'}, "
-            f"every {c[1]}"
+            f"every {c[1]}\n(epoch {r['epoch']})"
             for c, r in zip(cuts, first)
         ]
         series = []
         for name in dict.fromkeys(k[0] for k in rows):
             found = [rows.get((name, *c)) for c in cuts]
             values = [None if r is None else r["repeated"] + r["skipped"] for r in found]
-            texts = [
-                ""
-                if r is None
-                else f"{r['repeated']} rep.\n+{r['skipped']} skip.\nequal: "
-                + ("yes" if r["weights_equal"] else "NO")
-                + ("" if r.get("batches_once", True) else "\nnot once")
-                for r in found
-            ]
+            texts = ["" if r is None else damage(r) for r in found]
             series.append(Series(names.get(name, name), name, values, (), texts))
         whole = {r["loader"]: r["whole_s"] for r in rows.values()}
         title = f"num_workers={w} (uninterrupted: " + ", ".join(
