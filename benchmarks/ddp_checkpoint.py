@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, environment, load_line, table
 from harness import parser as harness_parser
-from harness.jobs import add_worker_options, send_back, torchrun_worker
+from harness.jobs import parse_or_work, send_back, torchrun_worker
 
 import unbroken
 import unbroken.distributed
@@ -94,11 +94,10 @@ def worker(args: argparse.Namespace) -> None:
             results.setdefault(f"{name}|load", []).append(time.perf_counter() - start)
             if rank == 0:
                 shutil.rmtree(root)
-    send_back(args, results)
     # The models before their process group: DDP torn down after it may abort the exit.
     built.clear()
     del model, optimizer, state, entry
-    dist.destroy_process_group()
+    send_back(args, results)
 
 
 QUICK = "2 layers, 2 rounds (numbers are noise)"
@@ -108,10 +107,8 @@ def main() -> None:
     parser = harness_parser(__doc__, "ddp_checkpoint", QUICK)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
-    add_worker_options(parser)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     if args.quick:
         args.layers, args.reps = 2, 2

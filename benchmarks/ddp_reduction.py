@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, environment, load_line, table
 from harness import parser as harness_parser
-from harness.jobs import add_worker_options, send_back, torchrun_worker
+from harness.jobs import parse_or_work, send_back, torchrun_worker
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
@@ -81,7 +81,6 @@ def worker(args: argparse.Namespace) -> None:
                     times.setdefault(f"{size}|{name}", []).append(time.perf_counter() - start)
         built.clear()
     send_back(args, times)
-    dist.destroy_process_group()
 
 
 QUICK = "2 rounds of 3 steps"
@@ -95,10 +94,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
-    add_worker_options(parser)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     if args.quick:
         args.steps, args.rounds = 3, 2

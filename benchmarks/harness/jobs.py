@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +38,24 @@ def torchrun_worker(script: str, ranks: int, args: argparse.Namespace, *flags: s
 
 
 def send_back(args: argparse.Namespace, data: Any) -> None:
-    """In a worker: rank 0 writes ``data`` where ``torchrun_worker`` reads it."""
+    """A worker's end: rank 0 writes ``data`` where ``torchrun_worker`` reads it, and every rank
+    leaves the process group (tear DDP models down before: after, it may abort the exit)."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
         Path(args.out, "results.json").write_text(json.dumps(data))
+    dist.destroy_process_group()
 
 
-def add_worker_options(parser: argparse.ArgumentParser) -> None:
-    """``--worker`` and ``--out``: how ``torchrun_worker`` starts a rank (internal)."""
+def parse_or_work(
+    parser: argparse.ArgumentParser, worker: Callable[[argparse.Namespace], None]
+) -> argparse.Namespace | None:
+    """The arguments, with ``--worker``/``--out`` added (how ``torchrun_worker`` starts a rank);
+    under ``--worker`` it runs ``worker(args)`` instead and returns None."""
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if not args.worker:
+        return args
+    worker(args)
+    return None
