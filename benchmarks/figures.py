@@ -266,8 +266,8 @@ def fig_stream_peers(data: dict, args: dict) -> Figure:
         Series(names[lib], lib, [None if v is None else v / 1e6 for v in vals])
         for lib, vals in zip(libs, cached)
     ]
-    third = Panel([f"at {p}" for p in positions], mb, "MB in the local cache", fmt="{:.0f}")
-    third.title = "resume with an empty cache: downloaded by then (lower is better)"
+    third = Panel([f"at {p}" for p in positions], mb, "MB in the local cache (lower is better)")
+    third.title, third.fmt = "resume with an empty cache:\ndownloaded by then", "{:.0f}"
     title = f"Streaming {data['samples']:,} samples of 1 KiB from a local S3 server, batch 64"
     return title, [first, second, third], 3, "Streaming vs MosaicML Streaming and LitData"
 
