@@ -24,11 +24,12 @@ import torch
 
 from .._state import has_state
 from ..errors import StateMismatch
+from .files import Digest, join
 from .manifest import dcp_folder, file_name, load_entry_file, verify_file
 from .per_rank import SKIP, PerRank, resized, unwrap
 from .schema import EntrySpec, Manifest
 from .sharded import Sharded, save_state, written_by
-from .storage import Digest, Storage, join
+from .storage import Storage
 from .weights_only import checked_copy
 
 

@@ -1,7 +1,7 @@
 """The values that ``Storage`` operations take and give, and paths as strings.
 
 ``Digest`` (what a write wrote), ``Entry`` (a directory's entry), ``Stat`` (an object's time by
-the store's clock, and its version), ``CopiedDirectory`` (a local copy to remove once read);
+the store's clock, and its version);
 ``join``, ``parent``, ``parents`` and ``basename`` work alike on local paths and URLs (always
 ``/``); ``sha256`` reads a file through a storage.
 """
@@ -9,25 +9,13 @@ the store's clock, and its version), ``CopiedDirectory`` (a local copy to remove
 from __future__ import annotations
 
 import hashlib
-import shutil
 from datetime import datetime
-from typing import TYPE_CHECKING, BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .storage import Storage
 
-__all__ = [
-    "CopiedDirectory",
-    "Digest",
-    "Entry",
-    "Stat",
-    "basename",
-    "copy_file",
-    "join",
-    "parent",
-    "parents",
-    "sha256",
-]
+__all__ = ["Digest", "Entry", "Stat", "basename", "join", "parent", "parents", "sha256"]
 
 
 class Digest(NamedTuple):
@@ -50,20 +38,6 @@ class Stat(NamedTuple):
 
     modified: datetime
     version: str
-
-
-class CopiedDirectory(str):
-    """The path of a local copy of a directory (``readable_directory``): remove it once read."""
-
-    def remove(self) -> None:
-        """Delete the copy."""
-        shutil.rmtree(self, ignore_errors=True)
-
-
-def copy_file(path: str, out: BinaryIO) -> None:
-    """Copy local file ``path`` into ``out``, 4 MiB at a time."""
-    with open(path, "rb") as source:
-        shutil.copyfileobj(source, out, 1 << 22)
 
 
 def sha256(storage: Storage, path: str) -> str:

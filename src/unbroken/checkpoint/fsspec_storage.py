@@ -51,8 +51,9 @@ from fsspec.utils import tokenize
 from ..retry import Deadline, filesystem, retrying
 from . import protocols
 from .copies import Copies
+from .files import Digest, Entry, Stat, join
 from .schema import MANIFEST
-from .storage import Digest, Entry, Stat, Storage, join
+from .storage import Storage
 from .transfer import Hashing, discard, download
 
 __all__ = ["REMOTE_TIMEOUT", "FsspecStorage"]
@@ -150,7 +151,7 @@ class FsspecStorage(Storage):
             ) from None
 
     def tried_once(self) -> FsspecStorage:
-        once = cast(FsspecStorage, object.__new__(type(self)))
+        once = object.__new__(type(self))
         once.__dict__.update(self.__dict__)  # the same client and deadline
         once.retries, once.backoff = 0, 0.0
         return once
@@ -218,7 +219,7 @@ class FsspecStorage(Storage):
         pass  # an object is durable once its upload returned
 
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
-        self.fenced()
+        self._fenced()
         self._last = None
         self.copies.known.pop(path, None)
         return self._call(
@@ -235,7 +236,7 @@ class FsspecStorage(Storage):
         hashing = Hashing(out, copy)
         try:
             fill(cast(BinaryIO, hashing))
-            self.fenced()  # again before the object appears: the fill may have taken long
+            self._fenced()  # again before the object appears: the fill may have taken long
         except BaseException as error:
             discard(out)
             copy.drop()
@@ -275,11 +276,11 @@ class FsspecStorage(Storage):
     def rename(self, source: str, target: str) -> None:
         # Not atomic here (a copy, then a delete): the commit protocol never renames on a
         # store; this is for tools.
-        self.fenced()
+        self._fenced()
         self._call("rename", source, lambda: self.fs.mv(source, target, recursive=True))
 
     def remove_tree(self, path: str) -> None:
-        self.fenced()
+        self._fenced()
         self._last = None
         try:
             self._call("delete", path, lambda: self.fs.rm(path, recursive=True))
@@ -293,7 +294,7 @@ class FsspecStorage(Storage):
         Args:
             prefix: The path under which uploads are aborted.
         """
-        self.fenced()
+        self._fenced()
         protocols.abort_uploads(self.protocol, self.fs, prefix, self._call)
 
     # The commit protocol: the manifest, written last, commits a checkpoint written in place.

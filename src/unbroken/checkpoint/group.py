@@ -33,8 +33,9 @@ import torch.distributed as dist
 
 from ..distributed.world import World
 from ..errors import DirectoryNotShared, RankFailure
+from .files import join
 from .layout import SHARED
-from .storage import Storage, join
+from .storage import Storage
 
 T = TypeVar("T")
 

@@ -22,7 +22,8 @@ import os
 import re
 import secrets
 
-from .storage import Storage, basename, join
+from .files import basename, join
+from .storage import Storage
 
 _FINAL = re.compile(r"step-(\d+)")
 _OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")

@@ -24,7 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from .storage import Digest, Entry, Stat, Storage, join, parent, sha256
+from .files import Digest, Entry, Stat, join, parent, sha256
+from .storage import Storage
 
 __all__ = ["LocalStorage"]
 
@@ -43,7 +44,7 @@ class LocalStorage(Storage):
             return [Entry(entry.name, entry.is_dir()) for entry in entries]
 
     def make_directory(self, path: str) -> None:
-        self.fenced()
+        self._fenced()
         os.mkdir(path)
 
     def make_directories(self, path: str) -> None:
@@ -52,13 +53,13 @@ class LocalStorage(Storage):
             missing.append(directory)
             directory = directory.parent
         if missing:
-            self.fenced()
+            self._fenced()
         for new in reversed(missing):
             new.mkdir(exist_ok=True)
             self.sync_directory(str(new.parent))
 
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
-        self.fenced()
+        self._fenced()
         with open(path, "xb") as file:
             out = _HashingWriter(file)
             try:
@@ -80,11 +81,11 @@ class LocalStorage(Storage):
         return os.path.islink(path)
 
     def rename(self, source: str, target: str) -> None:
-        self.fenced()
+        self._fenced()
         os.rename(source, target)
 
     def remove_tree(self, path: str) -> None:
-        self.fenced()
+        self._fenced()
         shutil.rmtree(path, ignore_errors=True)
 
     def sync_directory(self, path: str) -> None:

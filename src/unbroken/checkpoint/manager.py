@@ -44,6 +44,7 @@ from ..errors import RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
 from .entries import Kind, Part, kind_of
+from .files import join
 from .fsspec_storage import REMOTE_TIMEOUT
 from .group import CheckpointGroup, attempt
 from .loading import Loading
@@ -51,7 +52,7 @@ from .manifest import param_shapes
 from .per_rank import PerRank
 from .restore import Restored
 from .schema import FORMAT, MANIFEST, VERSION, ParamShapes
-from .storage import Storage, join
+from .storage import Storage
 from .stores import storage_for
 from .writing import Writing
 

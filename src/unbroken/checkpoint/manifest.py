@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, RemoteUnavailable
+from .files import Digest, join, sha256
 from .schema import (
     FORMAT,
     MANIFEST,
@@ -49,7 +50,7 @@ from .schema import (
     seal_of,
     validate,
 )
-from .storage import Digest, Storage, join, sha256
+from .storage import Storage
 
 
 def param_shapes(optimizer: torch.optim.Optimizer) -> ParamShapes:

@@ -1,38 +1,17 @@
-"""``Storage``: every operation on the place where checkpoints (and a run directory) live, as one
-protocol that a backend subclasses, with string paths (a local path, or a URL).
-
-A backend implements the primitives (files and directories) and inherits the rest:
-
-- **The commit protocol** (``stage``, ``commit``, ``abandon``, ``retire``, ``is_committed``):
-  how a checkpoint becomes whole at once and how one goes without a reader seeing a part. The
-  defaults are a disk's: write in a temporary directory, fsync, rename into place
-  (``LocalStorage``). A store without rename overrides them: it writes in place and commits by
-  the manifest, written last (``FsspecStorage``).
-- **Directories for a reader or writer of local files** (``write_directory``,
-  ``readable_directory``): DCP writes and reads local files only. The defaults copy through a
-  local temporary directory, which serves any backend; a local disk overrides them to work in
-  place.
-- **Hooks** with a do-nothing default: ``abort_uploads`` (what killed uploads left),
-  ``prune_cache`` and ``expect`` (local copies of what was read), ``fence`` (asked before every
-  change: a lease), ``tried_once`` (a caller that retries itself).
-- **Whole small objects** (``create``, exclusively, ``read_bytes``, ``overwrite``, ``delete``,
-  ``stat``: the store's time of an object, by the store's clock), and ``tree_size``: what a
-  lease and ``unbroken inspect`` need. Not fenced: the lease is what the fence asks.
-
-No caller asks which class a storage is: what differs between backends is a method.
+"""``Storage``: every operation on where checkpoints and run directories live, a protocol that
+a backend subclasses. It implements the primitives and inherits or overrides the rest: the commit
+protocol (by default a directory renamed into place: ``defaults``), DCP's local directories, the
+hooks, whole small objects with the store's time of each. No caller asks a storage's class.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import BinaryIO, Protocol
 
-from .files import CopiedDirectory, Digest, Entry, Stat, copy_file, join, parent, parents
+from . import defaults
+from .files import Digest, Entry, Stat
 
 __all__ = ["Storage"]
 
@@ -43,7 +22,6 @@ class Storage(Protocol):
     fence: Callable[[], None] | None = None
     """Called before every change to the store (the Trainer's run directory: its lease's)."""
 
-    # The primitives: every backend implements them.
     @abstractmethod
     def exists(self, path: str) -> bool:
         """Whether anything is at ``path``.
@@ -99,8 +77,7 @@ class Storage(Protocol):
 
         Args:
             path: The new file; an existing one is an error.
-            fill: Called with the open binary file; writes its content (maybe again, whole,
-                on a retry).
+            fill: Writes the content into the open binary file (again, whole, on a retry).
 
         Returns:
             The sha256 and size of what was written.
@@ -130,13 +107,13 @@ class Storage(Protocol):
 
     @abstractmethod
     def is_link(self, path: str) -> bool:
-        """Whether ``path`` is a symbolic link.
+        """Whether ``path`` is a symbolic link (never, on a store that has none).
 
         Args:
             path: A local path or a URI.
 
         Returns:
-            True for a link; always False on a store that has none.
+            True for a link.
         """
 
     @abstractmethod
@@ -175,17 +152,15 @@ class Storage(Protocol):
             The free bytes.
         """
 
-    # The commit protocol; the defaults stage, fsync and rename.
     def stage(self, target: str, temporary: str) -> str:
-        """Where a checkpoint to be committed at ``target`` is written.
+        """Where a checkpoint to be committed at ``target`` is written, manifest last.
 
         Args:
             target: Its final directory.
             temporary: A free name beside it, for a store that commits by a rename.
 
         Returns:
-            The directory to write it in, manifest last; ``commit`` then makes it whole at
-            ``target``. By default ``temporary``, made now.
+            The directory; by default ``temporary``, made now.
         """
         self.make_directory(temporary)
         return temporary
@@ -193,35 +168,21 @@ class Storage(Protocol):
     def commit(self, staged: str, target: str, aside: str) -> None:
         """Make a staged checkpoint appear whole at ``target``, durably.
 
-        Afterwards ``target`` holds all of the new checkpoint. If the process died during the
-        commit, it holds the old one (maybe at ``aside``, which ``layout.clean`` puts back) or
-        nothing; never a mix. By default the directory is renamed into place.
+        If the process dies during it, ``target`` holds the old one (maybe at ``aside``, which
+        ``layout.clean`` puts back) or nothing; never a mix. By default a rename.
 
         Args:
             staged: The directory the checkpoint was written in, manifest last.
             target: Where the checkpoint appears, replacing one there.
             aside: A free name where the old checkpoint is moved during the swap.
         """
-        old = None
-        try:
-            if self.exists(target):  # a directory cannot be renamed over a non-empty one
-                self.rename(target, aside)
-                old = aside
-            self.rename(staged, target)  # the commit
-            self.sync_directory(parent(target))
-        except BaseException:
-            if old is not None and not self.exists(target):
-                self.rename(old, target)
-            raise
-        if old is not None:
-            self.remove_tree(old)
+        defaults.rename_into_place(self, staged, target, aside)
 
     def abandon(self, staged: str) -> None:
         """Remove what a save that failed wrote at ``staged``, unless it was committed.
 
         Args:
-            staged: What ``stage`` returned. By default it is removed: a committed checkpoint
-                was renamed away from it.
+            staged: What ``stage`` returned; by default removed (a commit renamed it away).
         """
         self.remove_tree(staged)
 
@@ -232,8 +193,7 @@ class Storage(Protocol):
             path: The checkpoint's directory.
             aside: A free name out of view; by default it is renamed there first.
         """
-        self.rename(path, aside)
-        self.remove_tree(aside)
+        defaults.rename_and_remove(self, path, aside)
 
     def is_committed(self, path: str) -> bool:
         """Whether the checkpoint directory ``path`` (named ``step-*``) was committed.
@@ -255,14 +215,8 @@ class Storage(Protocol):
         Returns:
             The file in the way, or None (a directory there, or nothing yet).
         """
-        if self.is_directory(path):
-            return None
-        for above in parents(path):
-            if self.exists(above) and not self.is_directory(above):
-                return above
-        return path if self.exists(path) else None
+        return defaults.file_in_the_way(self, path)
 
-    # Directories of local files, for DCP; the defaults copy through a temporary directory.
     def write_directory(
         self, path: str, fill: Callable[[str], Sequence[str]]
     ) -> list[tuple[str, Digest]]:
@@ -270,17 +224,12 @@ class Storage(Protocol):
 
         Args:
             path: The directory in the storage.
-            fill: Called with a local directory; writes files into it and returns the names
-                of those to keep.
+            fill: Writes files into the local directory it is given; returns those to keep.
 
         Returns:
             Each kept file's name and digest.
         """
-        with tempfile.TemporaryDirectory(prefix="unbroken-dcp-") as local:
-            return [
-                (name, self.write(join(path, name), partial(copy_file, os.path.join(local, name))))
-                for name in fill(local)
-            ]
+        return defaults.copied_in(self, path, fill)
 
     def readable_directory(
         self, path: str, files: Sequence[str], mine: Sequence[str], verify: Callable[[str], None]
@@ -294,30 +243,17 @@ class Storage(Protocol):
             verify: Raises if a file (by name) is not what was written.
 
         Returns:
-            The local directory. By default a ``CopiedDirectory`` of every file, each
-            verified (the read that hashed it serves the copy): ``remove()`` it once read.
+            The local directory; by default a ``CopiedDirectory`` (``remove()`` it once read).
         """
-        local = CopiedDirectory(tempfile.mkdtemp(prefix="unbroken-dcp-"))
-        try:
-            for name in files:
-                verify(name)
-                with (
-                    self.open_read(join(path, name)) as opened,
-                    open(os.path.join(local, name), "wb") as out,
-                ):
-                    shutil.copyfileobj(opened, out, 1 << 22)
-        except BaseException:  # a damaged or unreadable file: nothing of it stays on the disk
-            local.remove()
-            raise
-        return local
+        return defaults.copied_out(self, path, files, verify)
 
-    # Hooks: a backend that has nothing to do there inherits these.
     def abort_uploads(self, prefix: str) -> None:
-        """Abort what writers killed mid-upload left under ``prefix`` (none by default).
+        """Abort what writers killed mid-upload left under ``prefix`` (by default, nothing).
 
         Args:
             prefix: The path under which uploads are aborted.
         """
+        return None
 
     def prune_cache(self, kept: list[str]) -> None:
         """Delete the local copies that no kept checkpoint lists (none by default).
@@ -325,6 +261,7 @@ class Storage(Protocol):
         Args:
             kept: The kept checkpoints' directories.
         """
+        return None
 
     def expect(self, path: str, sha256: str, size: int) -> None:
         """Say what a file holds, from a manifest, so a local copy may serve its reads.
@@ -334,9 +271,9 @@ class Storage(Protocol):
             sha256: Its content's sha256 (hex), as the manifest lists it.
             size: Its size in bytes.
         """
+        return None
 
-    def fenced(self) -> None:
-        """Call ``fence`` if set: it raises if this job may change the store no more."""
+    def _fenced(self) -> None:  # ``fence`` raises if this job may change the store no more
         if self.fence is not None:
             self.fence()
 
@@ -348,27 +285,23 @@ class Storage(Protocol):
         """
         return self
 
-    # Whole small objects (a lease), and what unbroken inspect measures.
     def create(self, path: str, data: bytes) -> None:
-        """Create a file holding ``data``, only if nothing is there.
+        """Create a file holding ``data``; ``FileExistsError`` if something is there.
 
         Args:
             path: The new file.
             data: Its content.
-
-        Raises:
-            FileExistsError: something is at ``path``.
         """
         self.write(path, lambda out: out.write(data))
 
     def read_bytes(self, path: str) -> bytes:
-        """A file's content.
+        """A file's content, whole.
 
         Args:
             path: The file.
 
         Returns:
-            All its bytes.
+            Its bytes.
         """
         with self.open_read(path) as opened:
             return opened.read()
@@ -388,12 +321,7 @@ class Storage(Protocol):
 
         Args:
             path: The file.
-
-        Raises:
-            FileNotFoundError: nothing is there.
         """
-        if not self.exists(path):
-            raise FileNotFoundError(path)
         self.remove_tree(path)
 
     def stat(self, path: str) -> Stat:
@@ -419,6 +347,4 @@ class Storage(Protocol):
         Returns:
             Their sum.
         """
-        if not self.is_directory(path):
-            return self.size(path)
-        return sum(self.tree_size(join(path, entry.name)) for entry in self.list_directory(path))
+        return defaults.summed_sizes(self, path)

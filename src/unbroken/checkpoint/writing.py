@@ -18,12 +18,13 @@ import torch
 
 from . import layout
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
+from .files import Digest, basename, join
 from .group import CheckpointGroup, attempt
 from .manifest import param_shapes, seal
 from .schema import MANIFEST, EntrySpec, ParamShapes
 from .sharded import Sharded
 from .space import FULL, disk_full
-from .storage import Digest, Storage, basename, join
+from .storage import Storage
 
 Written = dict[str, Part]  # one rank's files, by entry name
 

@@ -10,8 +10,9 @@ from datetime import timezone
 from typing import Any, TypedDict, cast
 
 from ..checkpoint import layout
+from ..checkpoint.files import basename, join, parent
 from ..checkpoint.schema import MANIFEST, Manifest
-from ..checkpoint.storage import Storage, basename, join, parent
+from ..checkpoint.storage import Storage
 from ..checkpoint.stores import is_url
 from ..checkpoint.verdict import classify
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER

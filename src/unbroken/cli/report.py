@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._units import human
-from ..checkpoint.storage import Storage, basename, join, parent
+from ..checkpoint.files import basename, join, parent
+from ..checkpoint.storage import Storage
 from ..checkpoint.stores import is_url, storage_for
 from ..train.rundir import CHECKPOINTS, METRICS
 from . import hf

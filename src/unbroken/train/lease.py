@@ -61,7 +61,8 @@ import warnings
 from datetime import datetime
 from typing import Any
 
-from ..checkpoint.storage import Stat, Storage, join
+from ..checkpoint.files import Stat, join
+from ..checkpoint.storage import Storage
 from ..errors import DirectoryInUse
 from .lock import describe, gone, identity
 from .progress import say

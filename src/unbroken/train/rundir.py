@@ -27,8 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.files import join
 from ..checkpoint.fsspec_storage import REMOTE_TIMEOUT
-from ..checkpoint.storage import Storage, join
+from ..checkpoint.storage import Storage
 from ..checkpoint.stores import is_url, storage_for
 from .lease import Lease
 from .lock import DirectoryLock, Lock, held_by_every_rank, not_writable
