@@ -7,6 +7,7 @@ holder refused, a live holder's renewals seen by the store's clock) and ``unbrok
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 import warnings
@@ -123,13 +124,15 @@ def _fit(directory: str, callbacks=()) -> nn.Module:
     return model
 
 
-def test_a_trainer_run_directory_in_memory_is_interrupted_and_resumed_exactly(url):
+def test_a_trainer_run_directory_in_memory_is_interrupted_and_resumed_exactly(url, caplog):
     uninterrupted = _fit(f"{url}/reference")
     run = f"{url}/run"
     with pytest.raises(KeyboardInterrupt):
         _fit(run, callbacks=[_Interrupt(at=7)])  # between two checkpoints (steps 6 and 9)
     assert MEMORY.exists(f"{run}/checkpoints/step-000000006/manifest.json")
-    resumed = _fit(run)
+    with caplog.at_level(logging.INFO, logger="unbroken"):
+        resumed = _fit(run)
+    assert f"resumed from checkpoint {run}/checkpoints/step-000000006" in caplog.text
     for (name, want), got in zip(uninterrupted.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(got, want), name
     log = MEMORY.cat_file(f"{run}/metrics.csv")
