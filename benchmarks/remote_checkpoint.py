@@ -7,7 +7,7 @@ measures every system against it, in the same process, on the same state:
 - ``unbroken blocking``: ``Checkpointer(url + "/unbroken", storage_options=...).save(step,
   {"model": model, "optimizer": optimizer})`` (keeping its local copies of the files, the
   default, in a temporary directory); loaded by a *new* Checkpointer's ``load_latest`` without
-  local copies (``ObjectStorage(..., cache=False)``: a new machine downloads, as every peer
+  local copies (``FsspecStorage(..., cache=False)``: a new machine downloads, as every peer
   does; its construction, which checks the bucket, is timed with the load).
 - ``unbroken background``: the same with ``save(..., blocking=False)`` (into
   ``url + "/unbroken-bg"``): the loop's stall is the time until ``save`` returns, the save time
@@ -208,9 +208,9 @@ def unbroken_checkpointer(directory: str, options: dict[str, Any], cache: str | 
     """``Checkpointer(directory, storage_options=options)`` whose local copies of checkpoint
     files go to ``cache`` (False: none, as on a new machine, where every peer downloads too),
     checked as the plain constructor checks the bucket."""
-    from unbroken.checkpoint import Checkpointer, ObjectStorage
+    from unbroken.checkpoint import Checkpointer, FsspecStorage
 
-    storage = ObjectStorage(directory, options, cache=cache)
+    storage = FsspecStorage(directory, options, cache=cache)
     storage.check()
     return Checkpointer(directory, storage=storage)
 
