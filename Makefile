@@ -123,7 +123,7 @@ bench-goodput-sim: $(STAMP)
 	$(PY) benchmarks/goodput_sim.py $$(test -f $$f && echo --measured $$f --check $$f) $(BENCH_FLAGS)
 
 # Mutation testing of the core modules with mutmut (slow: see TESTING.md). Configured in
-# pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken.data.shuffle*"` runs one module,
+# pyproject.toml's [tool.mutmut]; `make mutate MUTANTS="unbroken.data.bijection*"` runs one module,
 # MUTATE_CHILDREN sets the parallel workers. PYTHONPATH makes the tests' subprocesses import the
 # mutated copy too. Results: `.venv/bin/mutmut results`, `.venv/bin/mutmut show NAME`.
 MUTATE_CHILDREN ?= 1

@@ -18,15 +18,10 @@ Reported: medians over ``--reps`` rounds, and the ratio async/sync of each media
 
     .venv/bin/python benchmarks/checkpoint_blocking.py            # ~1 minute
     .venv/bin/python benchmarks/checkpoint_blocking.py --quick    # smoke run, seconds
-
-The numbers also go to ``bench_output/checkpoint_blocking.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -37,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, environment, load_line, table
+from harness import parser as harness_parser
 
 from unbroken.checkpoint import Checkpointer
 
@@ -63,8 +59,11 @@ def _megabytes(state: dict) -> float:
     return total / 1e6
 
 
+QUICK = "1 layer, 2 rounds"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "checkpoint_blocking", QUICK)
     parser.add_argument("--layers", type=int, default=6, help="Linear(2048, 2048) layers")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds")
     parser.add_argument("--steps", type=int, default=3, help="training steps after each save")
@@ -75,8 +74,6 @@ def main() -> None:
         help="where the checkpoints are written (a fresh subdirectory)",
     )
     parser.add_argument("--device", default="cpu", help="where the model trains, e.g. cuda")
-    parser.add_argument("--quick", action="store_true", help="1 layer, 2 rounds: a smoke run")
-    add_json_option(parser, "checkpoint_blocking")
     args = parser.parse_args()
     if args.quick:
         args.layers, args.reps = 1, 2

@@ -16,22 +16,14 @@ Per round (medians over ``--reps``, variants in an order that alternates between
 
     .venv/bin/python benchmarks/ddp_checkpoint.py             # ~1 minute on 2 cores
     .venv/bin/python benchmarks/ddp_checkpoint.py --quick     # smoke run: 2 layers, 2 rounds
-
-The numbers also go to ``bench_output/ddp_checkpoint.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +31,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import Results, environment, load_line, table
+from harness import parser as harness_parser
+from harness.jobs import parse_or_work, send_back, torchrun_worker
 
 import unbroken
 import unbroken.distributed
@@ -100,40 +94,26 @@ def worker(args: argparse.Namespace) -> None:
             results.setdefault(f"{name}|load", []).append(time.perf_counter() - start)
             if rank == 0:
                 shutil.rmtree(root)
-    if rank == 0:
-        Path(args.out, "results.json").write_text(json.dumps(results))
     # The models before their process group: DDP torn down after it may abort the exit.
     built.clear()
     del model, optimizer, state, entry
-    dist.destroy_process_group()
+    send_back(args, results)
+
+
+QUICK = "2 layers, 2 rounds (numbers are noise)"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness_parser(__doc__, "ddp_checkpoint", QUICK)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 2 layers, 2 rounds (numbers are noise)"
-    )
-    add_json_option(parser, "ddp_checkpoint")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     if args.quick:
         args.layers, args.reps = 2, 2
     results = Results("ddp_checkpoint", args.json, args)
-    out = tempfile.mkdtemp(prefix="ddp-ckpt-", dir=REPO)
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", "--nproc-per-node=2", __file__, "--worker"]
-    command += ["--out", out, "--layers", str(args.layers), "--reps", str(args.reps)]
-    try:
-        subprocess.run(command, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        measured = json.loads(Path(out, "results.json").read_text())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    measured = torchrun_worker(__file__, 2, args, "layers", "reps")
     megabytes = args.layers * (WIDTH * WIDTH + WIDTH) * 4 * 3 / 1e6
     print("\n".join(environment()))
     print(f"\nstate: {args.layers} x Linear({WIDTH}, {WIDTH}) + AdamW: {megabytes:.0f} MB")

@@ -39,17 +39,13 @@ venv's torchrun, next to ``sys.executable``); each rank calls ``init_process_gro
    without loading them ("skip indices"). num_workers 0. Time is the slower rank's; median of
    ``--resume-reps`` (order rotated), after one untimed warm-up resume of each.
 
-The machine-busy probe (``_common.ForeignLoad``'s method) counts everything outside this
+The machine-busy probe (``harness.env.ForeignLoad``) counts everything outside this
 benchmark's process tree (launcher, torchrun, both ranks, their workers): parts 1 and 2 set
 aside rounds in which other processes used more than ``--max-foreign`` cores and run more, up to
 ``--max-rounds`` (part 2: twice ``--agree-rounds``).
 
     .venv/bin/python benchmarks/ddp_loader.py            # full run, ~2 minutes on 2 cores
     .venv/bin/python benchmarks/ddp_loader.py --quick    # smoke run, ~20 seconds
-
-The numbers also go to ``bench_output/ddp_loader.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
@@ -67,7 +63,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -75,18 +70,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
+from harness import (
     ForeignLoad,
     Results,
-    _proc_cpu,
-    _system_busy,
-    add_json_option,
+    add_round_options,
     command_line,
     environment,
     jsonable,
     load_line,
+    stats,
     table,
 )
+from harness import parser as harness_parser
+from harness.stats import median_ci as median_ci_bounds
+from harness.stats import probe_note, rotated
 
 import unbroken
 
@@ -140,41 +137,6 @@ def step(model, opt, batch) -> None:
 # --------------------------------------------------------------------------- process-tree probe
 
 
-def _tree_cpu(root: int) -> float:
-    """CPU-seconds of ``root`` and all its live descendants."""
-    parent, cpu = {}, {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            parent[int(entry)], cpu[int(entry)] = _proc_cpu(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [root]
-    while todo:
-        pid = todo.pop()
-        total += cpu.get(pid, 0.0)
-        todo += children.get(pid, [])
-    return total
-
-
-class TreeLoad(ForeignLoad):
-    """``ForeignLoad`` for a process tree rooted elsewhere (the launcher): all ranks and their
-    workers are this benchmark's own work, not foreign load."""
-
-    def __init__(self, root: int) -> None:
-        super().__init__()
-        self.root = root
-
-    def snapshot(self) -> tuple[float, float, float]:
-        if not self.available:
-            return (time.perf_counter(), 0.0, 0.0)
-        return (time.perf_counter(), _system_busy(), _tree_cpu(self.root))
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -202,50 +164,15 @@ def note(text: str) -> None:
         print(f"[{text}]", file=sys.stderr, flush=True)
 
 
-def median_ci_bounds(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap 95% confidence interval of the median (percentile method, fixed seed)."""
-    values = np.asarray(xs, dtype=float)
-    rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
-    low, high = np.percentile(medians, [2.5, 97.5])
-    return float(low), float(high)
-
-
-def median_ci(xs: list[float], resamples: int = 2000) -> str:
-    low, high = median_ci_bounds(xs, resamples)
+def median_ci(xs: list[float]) -> str:
+    low, high = median_ci_bounds(xs)
     return f"{low:.3f}-{high:.3f}"
 
 
-def rotated(names: list, index: int) -> list:
-    shift = index % len(names)
-    return names[shift:] + names[:shift]
-
-
 def probed_rounds(names, run_one, want: int, most: int, max_foreign: float, monitor):
-    """Rounds of ``run_one(name)`` (seconds) per name, rotated, until ``want`` rounds were clean
-    of foreign load or ``most`` ran. Returns (rounds used, per-round foreign load, number of
-    clean rounds); with fewer than 3 clean rounds (or ``want``), all rounds are used."""
-    rounds, clean = [], []
-    while True:
-        before = monitor.snapshot() if dist.get_rank() == 0 else None
-        this = {name: run_one(name) for name in rotated(names, len(rounds))}
-        foreign = ForeignLoad.cores(before, monitor.snapshot()) if dist.get_rank() == 0 else 0.0
-        rounds.append((foreign, this))
-        if foreign <= max_foreign:
-            clean.append(this)
-        if not agree(len(clean) < want and len(rounds) < max(most, want)):
-            break
-    used = clean if len(clean) >= min(3, want) else [r for _, r in rounds]
-    return used, [f for f, _ in rounds], len(clean)
-
-
-def probe_note(what: str, foreign: list[float], n_clean: int, want: int) -> str:
-    disturbed = n_clean < min(3, want)
-    return (
-        f"{what}: {n_clean} clean of {len(foreign)} rounds (other processes: max "
-        f"{max(foreign):.2f} cores, median {statistics.median(foreign):.2f})"
-        + ("; TOO FEW CLEAN ROUNDS, all used: disturbed" if disturbed else "")
-    )
+    """The harness's probed rounds, probed on rank 0 and agreed by every rank."""
+    probe = monitor if dist.get_rank() == 0 else None
+    return stats.probed_rounds(names, run_one, want, most, max_foreign, probe, more=agree)
 
 
 # --------------------------------------------------------------------------- part 1: epochs
@@ -662,19 +589,14 @@ def resume_part(args, monitor):
 # --------------------------------------------------------------------------- main
 
 
+QUICK = "small data, few rounds (numbers are noise)"
+
+
 def parse() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "ddp_loader", QUICK)
     parser.add_argument("--samples", type=int, default=20_000, help="parts 1-2: dataset rows")
     parser.add_argument("--rounds", type=int, default=6, help="parts 1-2: clean timed rounds")
-    parser.add_argument(
-        "--max-rounds", type=int, default=8, help="parts 1-2: rounds at most, disturbed included"
-    )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.2,
-        help="a round in which other processes used more cores than this is set aside",
-    )
+    add_round_options(parser, 8)
     parser.add_argument("--allreduce-n", type=int, default=2000, help="all-reduces per tight loop")
     parser.add_argument("--allreduce-reps", type=int, default=5, help="tight loops (median)")
     parser.add_argument(
@@ -684,10 +606,6 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--resume-samples", type=int, default=200_000)
     parser.add_argument("--resume-reps", type=int, default=5)
     parser.add_argument("--parts", default="epochs,agreement,resume")
-    parser.add_argument(
-        "--quick", action="store_true", help="smoke run: small data, few rounds (numbers are noise)"
-    )
-    add_json_option(parser, "ddp_loader")
     args = parser.parse_args()
     if args.quick:
         args.samples, args.rounds, args.max_rounds = 2048, 2, 2
@@ -742,7 +660,7 @@ def rank_main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     assert dist.get_world_size() == NPROC, "run plainly, or under torchrun with 2 processes"
-    monitor = TreeLoad(int(os.environ.get(ROOT_ENV, os.getppid())))
+    monitor = ForeignLoad(int(os.environ.get(ROOT_ENV, os.getppid())))
     parts = args.parts.split(",")
     # For the JSON results (rank 0 writes them to PARTS_ENV's file at the end).
     kept: dict = {"tables": [], "notes": [], "data": {}}

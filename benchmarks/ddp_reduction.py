@@ -14,21 +14,13 @@ between rounds; the figure is the median step over all rounds, and the ratio exa
 
     .venv/bin/python benchmarks/ddp_reduction.py            # ~1 minute on 2 cores
     .venv/bin/python benchmarks/ddp_reduction.py --quick    # smoke run: few steps (noise)
-
-The numbers also go to ``bench_output/ddp_reduction.json`` (``--json PATH``; ``--json ''`` for
-none), from which ``benchmarks/report.py`` renders RESULTS.md's generated section.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import Results, environment, load_line, table
+from harness import parser as harness_parser
+from harness.jobs import parse_or_work, send_back, torchrun_worker
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
@@ -86,42 +80,29 @@ def worker(args: argparse.Namespace) -> None:
                     optimizer.zero_grad()
                     times.setdefault(f"{size}|{name}", []).append(time.perf_counter() - start)
         built.clear()
-    if rank == 0:
-        Path(args.out, "results.json").write_text(json.dumps(times))
-    dist.destroy_process_group()
+    send_back(args, times)
+
+
+QUICK = "2 rounds of 3 steps"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness_parser(__doc__, "ddp_reduction", QUICK)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 3 steps")
-    add_json_option(parser, "ddp_reduction")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
+    args = parse_or_work(parser, worker)
+    if args is None:
         return
     if args.quick:
         args.steps, args.rounds = 3, 2
     results = Results("ddp_reduction", args.json, args)
-    out = tempfile.mkdtemp(prefix="ddp-reduction-", dir=REPO)
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    command = [torchrun, "--standalone", f"--nproc-per-node={RANKS}", __file__, "--worker"]
-    for flag in ("layers", "width", "batch", "steps", "rounds", "chunk_mb"):
-        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    try:
-        subprocess.run(
-            command + ["--out", out], check=True, env=dict(os.environ, OMP_NUM_THREADS="1")
-        )
-        measured = json.loads(Path(out, "results.json").read_text())
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    measured = torchrun_worker(
+        __file__, RANKS, args, "layers", "width", "batch", "steps", "rounds", "chunk_mb"
+    )
     print("\n".join(environment()))
     print(load_line())
     rows, medians = [], {}

@@ -70,10 +70,7 @@ equals (``torch.equal``, every tensor) the same configuration's uninterrupted ru
     .venv/bin/python benchmarks/goodput.py --quick     # 1 short trace, every system: 3-4 min
     .venv/bin/python benchmarks/goodput.py --mtbf 60 --intervals 5 10
 
-The numbers also go to ``bench_output/goodput.json`` (``--json PATH``; ``--json ''`` for none);
-a full run draws ``benchmarks/plots/goodput.png`` (``--plot PATH``, ``--plot ''`` for none)
-with ``benchmarks/report.py``'s helpers. The jobs run one at a time, in a temporary directory
-(``--keep`` keeps it). One run per configuration and trace on a shared 2-core machine: a
+The jobs run one at a time, in a temporary directory (``--keep`` keeps it). One run per configuration and trace on a shared 2-core machine: a
 failure that lands in a checkpoint save or just before one changes a run's time by seconds, so
 read differences of a few percent as noise.
 """
@@ -101,6 +98,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from goodput_job import PER_EPOCH, SAMPLES, UNSUPPORTED  # noqa: E402  (stdlib and torch only)
+from harness.workloads import weights_equal  # noqa: E402
 
 JOB = HERE / "goodput_job.py"
 BUCKET = "goodput"  # on the S3 server this script starts, for the runs in S3
@@ -465,13 +463,6 @@ def sample_damage(kept: dict[int, list[int]], epochs: int) -> tuple[int, int]:
     return twice, never
 
 
-def weights_equal(a: Path, b: Path) -> bool:
-    import torch
-
-    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
 def output_lines(run_dir: Path) -> list[str]:
     """The Trainer's lines about its start (``first step after``, ``restart to first step``)
     and its checkpoint interval (``checkpoint interval ... s``, with ``"auto"``), from every
@@ -677,8 +668,16 @@ TRACE_HEADER = [
 # --------------------------------------------------------------------------- the benchmark
 
 
+QUICK = (
+    "2 epochs, one trace (MTBF 5 s, the first seed from --seed whose trace kills and "
+    "preempts the job while it trains, cut after those two), one fixed interval (2 s), --cap 4"
+)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from harness import parser as harness_parser
+
+    parser = harness_parser(__doc__, "goodput", QUICK)
     parser.add_argument(
         "--steps",
         type=int,
@@ -706,24 +705,7 @@ def main() -> None:
         "--cap", type=float, default=6.0, help="stop a run at this many reference times"
     )
     parser.add_argument("--threads", type=int, default=1, help="the job's torch.set_num_threads")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="2 epochs, one trace (MTBF 5 s, the first seed from --seed whose trace kills and "
-        "preempts the job while it trains, cut after those two), one fixed interval (2 s), "
-        "--cap 4: a smoke run",
-    )
-    parser.add_argument(
-        "--plot",
-        default=None,
-        metavar="PATH",
-        help="line plot (default: benchmarks/plots/goodput.png on a full run, none with "
-        "--quick; '' for none)",
-    )
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
-    from _common import add_json_option
-
-    add_json_option(parser, "goodput")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.mtbf, args.intervals, args.cap = 2 * PER_EPOCH, [5.0], [2.0], 4.0
@@ -744,30 +726,16 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(wall, the machine's busy CPU-seconds, this process's and its waited-for children's)."""
-    from _common import _system_busy
-
-    busy = _system_busy() if Path("/proc/stat").exists() else 0.0
-    return time.perf_counter(), busy, sum(os.times()[:4])
-
-
-def foreign_load(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
-    """Cores other processes kept busy in between, on average: ``_common.ForeignLoad`` counts
-    only live children as its own, and every job here has exited by the end."""
-    wall = end[0] - start[0]
-    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / wall) if wall > 0 else 0.0
-
-
 def say(text: str) -> None:
     print(f"[{text}]", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace, root: Path) -> None:
-    from _common import Results, environment, load_line, table, write_plot
+    from harness import ForeignLoad, Results, environment, table
 
     results = Results("goodput", args.json, args)
-    load_start = cpu_snapshot()
+    probe = ForeignLoad(waited=True)  # every job has exited by the end
+    load_start = probe.snapshot()
     epochs = args.steps // PER_EPOCH
     errors: list[str] = []
 
@@ -912,7 +880,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
         say(f"reference again: {base.label}")
         log = run_job(base, root / "reference-end", args, [], cap=math.inf)
         reference_end_s = log.end - log.start if not log.stopped else None
-    foreign_cores = foreign_load(load_start, cpu_snapshot())
+    foreign_cores = ForeignLoad.cores(load_start, probe.snapshot())
 
     # -- printing
     print("# Goodput under failures: plain PyTorch, Lightning, Lightning + unbroken, Trainer\n")
@@ -1075,120 +1043,59 @@ def run(args: argparse.Namespace, root: Path) -> None:
         + "; ".join(" = ".join(names[k] for k in group) for group in same)
     )
     notes += errors
-    print()
-    for note in notes:
-        print(f"- {note}")
-    print()
-    print(load_line())
-    results.notes = notes
-    results.data = {
-        "steps": args.steps,
-        "epochs": epochs,
-        "per_epoch": PER_EPOCH,
-        "samples": SAMPLES,
-        "step_s": step_s,
-        "reference_s": reference_s,
-        "reference_end_s": reference_end_s,
-        "reference": reference,
-        "checkpoint_mb": checkpoint_mb,
-        "cap_s": cap,
-        "grace_s": args.grace,
-        "foreign_cores": foreign_cores,
-        "intervals_s": args.intervals,
-        "references": references,
-        "unavailable": unavailable,
-        "traces": traces,
-        "identical_uninterrupted_weights": same,
-        "errors": errors,
-    }
-    results.write()
-    write_plot(args.plot, args.quick, "goodput", draw, results)
+    results.finish(
+        notes,
+        {
+            "steps": args.steps,
+            "epochs": epochs,
+            "per_epoch": PER_EPOCH,
+            "samples": SAMPLES,
+            "step_s": step_s,
+            "reference_s": reference_s,
+            "reference_end_s": reference_end_s,
+            "reference": reference,
+            "checkpoint_mb": checkpoint_mb,
+            "cap_s": cap,
+            "grace_s": args.grace,
+            "foreign_cores": foreign_cores,
+            "intervals_s": args.intervals,
+            "references": references,
+            "unavailable": unavailable,
+            "traces": traces,
+            "identical_uninterrupted_weights": same,
+            "errors": errors,
+            # report.py's figure: (run key, label, colour, line style, marker) per line
+            "lines": [
+                ("plain", "plain loop + torch.save (every N steps)", "torch", "-", "o"),
+                ("lightning", "Lightning (every N steps)", "lightning", "-", "s"),
+                (
+                    "lightning-unbroken",
+                    "Lightning + unbroken (every N steps)",
+                    "lightning-unbroken",
+                    "--",
+                    "s",
+                ),
+                (
+                    "trainer-best",
+                    "Trainer, best fixed interval (= N)",
+                    "unbroken torch-only",
+                    ":",
+                    "D",
+                ),
+                ("trainer-auto", 'Trainer, checkpoint_every_seconds="auto"', "unbroken", "-", "^"),
+                (IN_S3.key, 'Trainer, "auto", run directory in S3 (local)', "unbroken", ":", "^"),
+                (
+                    f"trainer-{SECOND}",
+                    Config("trainer", interval=SECOND).label.removeprefix("unbroken "),
+                    "unbroken none",
+                    "-",
+                    "v",
+                ),
+            ],
+        },
+    )
     if errors:
         raise SystemExit("goodput: " + "; ".join(errors))
-
-
-def draw(results: Any, path: str) -> None:
-    """Goodput against MTBF, a line per system, with report.py's helpers."""
-    from report import COLORS, LABEL_BOX, new_figure, save
-
-    data = results.data
-    payload = {
-        "quick": results.quick,
-        "command": results.command,
-        "environment": results.environment,
-    }
-    traces = data["traces"]
-    fig, (ax,) = new_figure(
-        payload,
-        f"Goodput under random SIGKILLs and preemptions ({data['steps']} steps, "
-        f"{data['reference_s']:.0f} s without failures)",
-        width=9,
-    )
-    x = [t["mtbf_s"] for t in traces]
-    x_none = max(x) * 2.5  # each configuration's run without failures, right of the traces
-    lines = [
-        ("plain", "plain loop + torch.save (every N steps)", COLORS["torch"], "-", "o"),
-        ("lightning", "Lightning (every N steps)", "#792ee5", "-", "s"),
-        ("lightning-unbroken", "Lightning + unbroken (every N steps)", "#c5a3f5", "--", "s"),
-        (
-            "trainer-best",
-            "Trainer, best fixed interval (= N)",
-            COLORS["unbroken torch-only"],
-            ":",
-            "D",
-        ),
-        ("trainer-auto", 'Trainer, checkpoint_every_seconds="auto"', COLORS["unbroken"], "-", "^"),
-        (IN_S3.key, 'Trainer, "auto", run directory in S3 (local)', COLORS["unbroken"], ":", "^"),
-        (
-            f"trainer-{SECOND}",
-            Config("trainer", interval=SECOND).label.removeprefix("unbroken "),
-            COLORS["unbroken none"],
-            "-",
-            "v",
-        ),
-    ]
-    for key, label, color, style, marker in lines:
-        points = []
-        for t in traces:
-            row = t["runs"][t["best_key"]] if key == "trainer-best" else t["runs"].get(key)
-            if row is None or row.get("goodput") is None:
-                points.append(None)
-            else:
-                points.append((row["goodput"], row["finished"]))
-        if all(p is None for p in points):
-            continue
-        xs = [xi for xi, p in zip(x, points) if p is not None]
-        ys = [p[0] for p in points if p is not None]
-        ax.plot(xs, ys, style, color=color, marker=marker, label=label, linewidth=1.6)
-        alone = data["references"].get(key, {}).get("goodput")
-        if isinstance(alone, (int, float)):
-            ax.plot(x_none, alone, marker, color=color)
-        for xi, p in zip(x, points):
-            if p is not None and not p[1]:  # not finished: a hollow marker
-                ax.plot(xi, p[0], marker, markersize=11, markerfacecolor="white", color=color)
-    for t in traces:
-        ax.annotate(
-            f"N={t['every_steps']}\n({t['best_interval_s']:g} s)",
-            (t["mtbf_s"], 0.0),
-            xytext=(0, 4),
-            textcoords="offset points",
-            ha="center",
-            va="bottom",
-            fontsize=7,
-            color="#555555",
-            bbox=LABEL_BOX,
-        )
-    ax.set_xscale("log")
-    ax.axvline(math.sqrt(max(x) * x_none), color="#999999", linewidth=0.6)
-    ax.set_xticks([*x, x_none])
-    ax.set_xticklabels([*(f"{v:g} s" for v in x), "no\nfailures"], fontsize=8)
-    ax.minorticks_off()
-    ax.set_ylim(0, 1.05)
-    ax.axhline(1.0, color="#333333", linewidth=0.6)
-    ax.set_xlabel("mean time between failures (log scale); hollow: not finished at the cap")
-    ax.set_ylabel("goodput: failure-free time / wall time\n(higher is better)")
-    ax.grid(alpha=0.3)
-    save(fig, payload, Path(path), legend=ax, ncol=2)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Results, add_json_option, environment, load_line, table
 from goodput_ranks_job import RANKS, STEPS_PER_EPOCH
+from harness import Results, environment, load_line, table
+from harness import parser as harness_parser
 
 JOB = Path(__file__).resolve().parent / "goodput_ranks_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -268,8 +269,11 @@ def measured_costs(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+QUICK = "400 steps, 1 kill and the hang"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "goodput_ranks", QUICK)
     parser.add_argument("--steps", type=int, default=1200, help="optimizer steps (~33 ms each)")
     parser.add_argument("--interval", type=float, default=5.0, help="periodic save, seconds")
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLs (and one SIGSTOP)")
@@ -277,8 +281,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the failure trace's seed")
     parser.add_argument("--cap", type=float, default=600.0, help="a run's most seconds")
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
-    parser.add_argument("--quick", action="store_true", help="400 steps, 1 kill and the hang")
-    add_json_option(parser, "goodput_ranks")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.kills = 400, 1

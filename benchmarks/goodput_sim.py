@@ -50,7 +50,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Results, add_json_option, table
+from harness import Results, table
+from harness import parser as harness_parser
 
 from unbroken.train import schedule  # daly_interval, looked up at each call
 
@@ -342,8 +343,11 @@ def check(path: Path) -> tuple[list[dict[str, Any]], str, Costs]:
     return rows, table(header, body, left=2), costs
 
 
+QUICK = "50 replicas: seconds"
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "goodput_sim", QUICK)
     parser.add_argument("--scenario", choices=["llama3"], default="llama3")
     parser.add_argument("--gpus", type=int, nargs="+", default=[1000, 16384])
     parser.add_argument("--gpu-mtbf", type=float, default=LLAMA3_GPU_MTBF,
@@ -365,8 +369,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--measured", type=Path, help="also a table with FILE's measured costs")
     parser.add_argument("--check", type=Path, help="replay FILE's real runs (goodput_ranks.json)")
-    parser.add_argument("--quick", action="store_true", help="50 replicas: seconds")
-    add_json_option(parser, "goodput_sim")
     args = parser.parse_args(argv)
     if args.replicas is None:
         args.replicas = 50 if args.quick else 1000

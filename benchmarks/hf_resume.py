@@ -39,7 +39,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, environment, load_line, table
+from harness import parser as harness_parser
 
 HERE = Path(__file__).resolve().parent
 JOB = REPO / "tests" / "hf_trainer_job.py"
@@ -117,15 +118,14 @@ def first_step(system: str, stream: bool, at: int, args: argparse.Namespace, roo
     return statistics.median(measured)
 
 
+QUICK = "n=2000, 1 round, 0 workers, a checkpoint at 95%% only"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "hf_resume", QUICK)
     parser.add_argument("--n", type=int, default=20000, help="samples in the timed epoch")
     parser.add_argument("--cost-us", type=float, default=50.0, help="CPU cost of a sample")
     parser.add_argument("--rounds", type=int, default=3, help="timings per point (median)")
-    parser.add_argument(
-        "--quick", action="store_true", help="n=2000, 1 round, 0 workers, a checkpoint at 95%% only"
-    )
-    add_json_option(parser, "hf_resume")
     args = parser.parse_args()
     if args.quick:
         args.n, args.rounds = 2000, 1

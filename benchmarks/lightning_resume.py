@@ -61,15 +61,10 @@ a SIGTERM in every step under ``max_steps`` with ``ReduceLROnPlateau``.
     .venv/bin/python benchmarks/lightning_resume.py --quick    # cuts 21 and 13:6, num_workers 0
 
 The default is 48 job runs (~7 minutes on 2 cores) and 14 sweeps (~6,200 resumes, ~5 minutes),
-``--quick`` 12 job runs and 3 sweeps from the first checkpoint of each kind only (~2 minutes).
-The numbers also go to ``bench_output/lightning_resume.json`` (``--json PATH``; ``--json ''`` for
-none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
-(``make bench``).
-"""
+``--quick`` 12 job runs and 3 sweeps from the first checkpoint of each kind only (~2 minutes)."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import importlib.metadata
@@ -87,7 +82,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, Results, add_json_option, environment, load_line, table
+from harness import REPO, Results, environment, table
+from harness import parser as harness_parser
+from harness.workloads import weights_equal
 
 from unbroken.lightning.loops import Place
 
@@ -231,12 +228,6 @@ def other_epochs(row: dict) -> tuple[int, int]:
     return sum(d[0] for d in others), sum(d[1] for d in others)
 
 
-def weights_equal(a: Path, b: Path) -> bool:
-    first = torch.load(a / "final.pt", weights_only=False)["model"]
-    second = torch.load(b / "final.pt", weights_only=False)["model"]
-    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-
-
 def checkpoint(out: Path) -> tuple[int | None, int]:
     """(the step of ``last.ckpt``, or None without one; the number of records written before
     it was saved)."""
@@ -343,8 +334,11 @@ def sweep_summary(sweep: dict) -> dict:
     }
 
 
+QUICK = f"cuts {' and '.join(QUICK_CUTS)} only (mid-epoch, epoch end), num_workers 0"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "lightning_resume", QUICK)
     parser.add_argument(
         "--cuts",
         nargs="+",
@@ -363,18 +357,12 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"cuts {' and '.join(QUICK_CUTS)} only (mid-epoch, epoch end), num_workers 0",
-    )
-    parser.add_argument(
         "--sweeps",
         nargs="*",
         choices=list(SWEEPS),
         default=list(SWEEPS),
         help="the sweeps to run (none: no sweep); default: all",
     )
-    add_json_option(parser, "lightning_resume")
     args = parser.parse_args()
     if args.quick:
         args.cuts, args.workers = list(QUICK_CUTS), [0]
@@ -450,7 +438,9 @@ def main() -> None:
                         "per_epoch": [list(epoch_damage(by_step, e)) for e in range(EPOCHS)],
                         "steps_equal": indices(by_step) == reference,
                         "batches_once": batches_once(stream),
-                        "weights_equal": weights_equal(whole, out),
+                        "weights_equal": weights_equal(
+                            whole / "final.pt", out / "final.pt", "model"
+                        ),
                         "steps_resumed": len(trained(after)),
                         "trained_after_resume": [(r["epoch"], r["batch"]) for r in trained(after)],
                         "records_equal": stream == records(whole),
@@ -655,25 +645,21 @@ def main() -> None:
                         f"{' '.join(sweep['options'])}` and compare OUT/runs/{r['name']} with "
                         "the run it resumed from."
                     )
-    print()
-    for note in notes:
-        print(f"- {note}")
-    print()
-    print(load_line())
-    results.notes = notes
-    results.data = {
-        "lightning": lightning_version,
-        "samples": N,
-        "batch_size": BATCH,
-        "steps_per_epoch": PER_EPOCH,
-        "epochs": EPOCHS,
-        "checkpoint_every_steps": EVERY,
-        "cuts": [{"cut": c.kill_at, "every": c.every, "kind": c.kind} for c in cuts],
-        "workers": args.workers,
-        "rows": rows,
-        "sweeps": [sweep_summary(sweep) for sweep in sweeps],
-    }
-    results.write()
+    results.finish(
+        notes,
+        {
+            "lightning": lightning_version,
+            "samples": N,
+            "batch_size": BATCH,
+            "steps_per_epoch": PER_EPOCH,
+            "epochs": EPOCHS,
+            "checkpoint_every_steps": EVERY,
+            "cuts": [{"cut": c.kill_at, "every": c.every, "kind": c.kind} for c in cuts],
+            "workers": args.workers,
+            "rows": rows,
+            "sweeps": [sweep_summary(sweep) for sweep in sweeps],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -37,15 +37,10 @@ which separates the seeding's cost from the rest of unbroken's machinery.
 
     .venv/bin/python benchmarks/overhead.py            # full run, ~3 minutes on 2 idle cores
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run, ~15 seconds
-
-The numbers also go to ``bench_output/overhead.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import random
 import statistics
@@ -57,10 +52,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, Results, RowDataset, add_json_option, environment, load_line, table
+from harness import ForeignLoad, Results, add_round_options, environment, table
+from harness import parser as harness_parser
+from harness.stats import median_ci, quartiles, rotated
+from harness.workloads import (
+    ImageDataset,
+    RowDataset,
+    cnn_loss,
+    cnn_model,
+    tiny_loss,
+    tiny_model,
+    train_step,
+)
 
 import unbroken
 
@@ -71,60 +76,12 @@ except ImportError:  # the comparison is optional; the rest still runs
     StatefulDataLoader = None
 
 
-# --------------------------------------------------------------------------- datasets, models
-
-
-class ImageDataset(torch.utils.data.Dataset):
-    """Random uint8 CIFAR-sized images; random crop (pad 4) and flip from the global torch RNG."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(2)
-        self.images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=g)
-        self.labels = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i):
-        img = F.pad(self.images[i], (4, 4, 4, 4))
-        top, left = torch.randint(0, 9, (2,)).tolist()
-        img = img[:, top : top + 32, left : left + 32]
-        if torch.rand(()) < 0.5:
-            img = img.flip(-1)
-        return img.float().div_(255.0), self.labels[i]
-
-
-def tiny_model() -> torch.nn.Module:
-    return torch.nn.Linear(32, 2)
-
-
 def tiny_step(model, opt, batch) -> None:
-    out = model(batch)
-    loss = F.mse_loss(out, torch.ones_like(out))
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-
-
-def cnn_model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(32 * 8 * 8, 10),
-    )
+    train_step(model, opt, batch, tiny_loss)
 
 
 def cnn_step(model, opt, batch) -> None:
-    images, labels = batch
-    loss = F.cross_entropy(model(images), labels)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
+    train_step(model, opt, batch, cnn_loss)
 
 
 # --------------------------------------------------------------------------- loaders
@@ -248,9 +205,8 @@ def chunk_rounds(runs, names, step, chunk: int, rounds: int) -> list[dict]:
 
     out = []
     for index in range(rounds):
-        shift = index % len(names)
         this_round = {}
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, index):
             _, model, opt = runs[name]
             start = time.perf_counter()
             for batch in batches(name):
@@ -272,9 +228,8 @@ def epoch_rounds(runs, names, step, args) -> tuple[list[dict], list[float], int]
     rounds, clean = [], []
     reps = args.worker_reps
     while len(clean) < reps and len(rounds) < max(args.max_rounds, reps):
-        shift = len(rounds) % len(names)
         this_round, foreign = {}, 0.0
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, len(rounds)):
             loader, model, opt = runs[name]
             before = monitor.snapshot()
             wall, steps = run_epochs(loader, model, opt, step, 1)
@@ -285,22 +240,6 @@ def epoch_rounds(runs, names, step, args) -> tuple[list[dict], list[float], int]
             clean.append(this_round)
     used = clean if len(clean) >= min(3, reps) else [r for _, r in rounds]
     return used, [f for f, _ in rounds], len(clean)
-
-
-def median_ci(xs: list[float], resamples: int = 2000) -> tuple[float, float]:
-    """A bootstrap 95% confidence interval of the median (percentile method, fixed seed)."""
-    values = np.asarray(xs, dtype=float)
-    rng = np.random.default_rng(0)
-    medians = np.median(rng.choice(values, size=(resamples, len(values))), axis=1)
-    low, high = np.percentile(medians, [2.5, 97.5])
-    return float(low), float(high)
-
-
-def quartiles(xs: list[float]) -> tuple[float, float]:
-    if len(xs) < 2:
-        return xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], q[2]
 
 
 def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
@@ -407,8 +346,11 @@ def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):
     return rows, note, entries
 
 
+QUICK = "small datasets, little timed work (numbers are noise)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "overhead", QUICK)
     parser.add_argument("--loops", default="tiny,realistic", help="comma-separated: tiny,realistic")
     parser.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
     parser.add_argument(
@@ -436,19 +378,7 @@ def main() -> None:
     parser.add_argument("--tiny-batch", type=int, default=2)
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--image-batch", type=int, default=32)
-    parser.add_argument(
-        "--max-rounds",
-        type=int,
-        default=10,
-        help="num_workers>0: epoch rounds at most, counting disturbed ones",
-    )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.2,
-        help="num_workers>0: a round in which other processes used more cores "
-        "than this during any loader's epochs is set aside as disturbed",
-    )
+    add_round_options(parser, 10)
     parser.add_argument(
         "--no-control",
         dest="control",
@@ -457,12 +387,6 @@ def main() -> None:
         "that makes unbroken's per-batch seeding calls)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: small datasets, little timed work (numbers are noise)",
-    )
-    add_json_option(parser, "overhead")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.worker_reps, args.max_rounds = 2, 2, 2
@@ -549,22 +473,20 @@ def main() -> None:
             ),
         )
     )
-    print()
-    print("\n".join(f"- {note}" for note in notes))
-    print(load_line())
-    results.notes = notes
-    results.data = {
-        "seeding_us_per_call": costs,
-        "setup": {
-            "tiny_rows": args.tiny_rows,
-            "tiny_batch": args.tiny_batch,
-            "images": args.images,
-            "image_batch": args.image_batch,
-            "threads": args.threads,
+    results.finish(
+        notes,
+        {
+            "seeding_us_per_call": costs,
+            "setup": {
+                "tiny_rows": args.tiny_rows,
+                "tiny_batch": args.tiny_batch,
+                "images": args.images,
+                "image_batch": args.image_batch,
+                "threads": args.threads,
+            },
+            "rows": entries,
         },
-        "rows": entries,
-    }
-    results.write()
+    )
 
 
 if __name__ == "__main__":

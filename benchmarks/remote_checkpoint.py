@@ -7,7 +7,7 @@ measures every system against it, in the same process, on the same state:
 - ``unbroken blocking``: ``Checkpointer(url + "/unbroken", storage_options=...).save(step,
   {"model": model, "optimizer": optimizer})`` (keeping its local copies of the files, the
   default, in a temporary directory); loaded by a *new* Checkpointer's ``load_latest`` without
-  local copies (``ObjectStorage(..., cache=False)``: a new machine downloads, as every peer
+  local copies (``FsspecStorage(..., cache=False)``: a new machine downloads, as every peer
   does; its construction, which checks the bucket, is timed with the load).
 - ``unbroken background``: the same with ``save(..., blocking=False)`` (into
   ``url + "/unbroken-bg"``): the loop's stall is the time until ``save`` returns, the save time
@@ -45,10 +45,6 @@ where the time goes.
     .venv/bin/python benchmarks/remote_checkpoint.py --quick       # 25 MB, 1 round: a smoke run, ~25 s
     .venv/bin/python benchmarks/remote_checkpoint.py --mb 400 --repeats 5
 
-The numbers also go to ``bench_output/remote_checkpoint.json`` (``--json PATH``; ``--json ''``
-for none); a full run draws ``benchmarks/plots/remote_checkpoint.png`` (``--plot PATH``,
-``--plot ''`` for none) with ``benchmarks/report.py``'s figure helpers.
-
 The S3 server runs on this machine, so the network is loopback and the server's own CPU time
 (moto, in Python) competes with the client's: MB/s here are not what a real bucket gives, and
 on a machine with few cores every number moves with what else runs on it (the foreign load is
@@ -63,7 +59,6 @@ import hashlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -200,6 +195,12 @@ class System:
         raise NotImplementedError
 
     def load(self, model, optimizer) -> float:
+        _new_filesystems()
+        start = time.perf_counter()
+        self.restore(f"{self.url}/{PREFIX[self.name]}", self.options, model, optimizer)
+        return time.perf_counter() - start
+
+    def restore(self, path: str, options: dict[str, Any], model, optimizer) -> None:
         raise NotImplementedError
 
 
@@ -207,9 +208,9 @@ def unbroken_checkpointer(directory: str, options: dict[str, Any], cache: str | 
     """``Checkpointer(directory, storage_options=options)`` whose local copies of checkpoint
     files go to ``cache`` (False: none, as on a new machine, where every peer downloads too),
     checked as the plain constructor checks the bucket."""
-    from unbroken.checkpoint import Checkpointer, ObjectStorage
+    from unbroken.checkpoint import Checkpointer, FsspecStorage
 
-    storage = ObjectStorage(directory, options, cache=cache)
+    storage = FsspecStorage(directory, options, cache=cache)
     storage.check()
     return Checkpointer(directory, storage=storage)
 
@@ -260,11 +261,8 @@ class TorchSave(System):
         seconds = time.perf_counter() - start
         return seconds, seconds
 
-    def load(self, model, optimizer):
-        _new_filesystems()
-        start = time.perf_counter()
-        torchsave_load(f"{self.url}/{PREFIX[self.name]}", self.options, model, optimizer)
-        return time.perf_counter() - start
+    def restore(self, path, options, model, optimizer):
+        torchsave_load(path, options, model, optimizer)
 
 
 def torchsave_load(path: str, options: dict[str, Any], model, optimizer) -> None:
@@ -292,11 +290,8 @@ class DCP(System):
         seconds = time.perf_counter() - start
         return seconds, seconds
 
-    def load(self, model, optimizer):
-        _new_filesystems()
-        start = time.perf_counter()
-        dcp_load(f"{self.url}/{PREFIX[self.name]}", self.options, model, optimizer)
-        return time.perf_counter() - start
+    def restore(self, path, options, model, optimizer):
+        dcp_load(path, options, model, optimizer)
 
 
 def dcp_load(path: str, options: dict[str, Any], model, optimizer) -> None:
@@ -517,32 +512,12 @@ def _requests(counts: dict[str, int]) -> str:
 # --------------------------------------------------------------------------- the run
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def _spread(values: list[float]) -> str:
-    if not values:
-        return "-"
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.3f}"
-    return f"{med:.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=float, default=100.0, help="state size, MB (default 100)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     parser.add_argument(
         "--quick", action="store_true", help="--mb 20 (2 layers: 25 MB), 1 round: a smoke run"
-    )
-    parser.add_argument(
-        "--plot",
-        default=None,
-        metavar="PATH",
-        help="bar plot (default: benchmarks/plots/remote_checkpoint.png on a full run, none "
-        "with --quick; '' for none)",
     )
     parser.add_argument("--no-count", action="store_true", help="skip the request count pass")
     # A fresh process's resume (internal).
@@ -552,7 +527,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     sys.path.insert(0, str(HERE))
     if "--child" not in sys.argv:  # a --child process imports only what its system needs
-        from _common import add_json_option
+        from harness import add_json_option
 
         add_json_option(parser, "remote_checkpoint")
     args = parser.parse_args()
@@ -563,7 +538,9 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from _common import ForeignLoad, Results, environment, load_line, table, write_plot
+    from harness import ForeignLoad, Results, environment, table
+    from harness.stats import median as _median
+    from harness.stats import spread as _spread
 
     from unbroken.testing import S3Server
 
@@ -807,87 +784,28 @@ def run(args: argparse.Namespace) -> None:
         "new Checkpointer makes its own; their saves reuse fsspec's cached one, as unbroken's "
         "saves reuse their Checkpointer's"
     )
-    print()
-    for note in notes:
-        print(f"- {note}")
-    print()
-    print(load_line())
-    results.notes = notes
-    results.data = {
-        "megabytes": mb,
-        "bytes": nbytes,
-        "layers": args.layers,
-        "width": WIDTH,
-        "repeats": args.repeats,
-        "host_copy_s": copy_s,
-        "host_copy_median_s": copy_med,
-        "foreign_cores": {"in_process": inprocess_foreign, "fresh_process": fresh_foreign},
-        "systems": {
-            name: {"label": LABELS[name], "times_s": times[name], "median_s": med.get(name)}
-            for name in names
+    results.finish(
+        notes,
+        {
+            "megabytes": mb,
+            "bytes": nbytes,
+            "layers": args.layers,
+            "width": WIDTH,
+            "repeats": args.repeats,
+            "host_copy_s": copy_s,
+            "host_copy_median_s": copy_med,
+            "foreign_cores": {"in_process": inprocess_foreign, "fresh_process": fresh_foreign},
+            "systems": {
+                name: {"label": LABELS[name], "times_s": times[name], "median_s": med.get(name)}
+                for name in names
+            },
+            "checkpointer_construct_s": construct,
+            "ratios_to_best_peer": ratios,
+            "requests": requests,
+            "skipped": {k: v for k, v in skipped.items() if v},
+            "errors": errors,
         },
-        "checkpointer_construct_s": construct,
-        "ratios_to_best_peer": ratios,
-        "requests": requests,
-        "skipped": {k: v for k, v in skipped.items() if v},
-        "errors": errors,
-    }
-    results.write()
-    write_plot(args.plot, args.quick, "remote_checkpoint", draw, results)
-
-
-def draw(results: Any, path: str) -> None:
-    """Three panels (save and stall, load, fresh-process resume) with report.py's helpers."""
-    from report import bars, headroom, new_figure, save
-
-    data = results.data
-    payload = {
-        "quick": results.quick,
-        "command": results.command,
-        "environment": results.environment,
-    }
-    names = [
-        n for n in ("unbroken", "unbroken-bg", "torchsave", "dcp") if data["systems"][n]["median_s"]
-    ]
-    colors = {
-        "unbroken": "unbroken",
-        "unbroken-bg": "unbroken torch-only",
-        "torchsave": "torch",
-        "dcp": "#4d4d4d",
-    }
-    med = {n: data["systems"][n]["median_s"] for n in names}
-    fig, axes = new_figure(
-        payload,
-        f"Checkpoint of {data['megabytes']:.0f} MB (MLP + AdamW) to a local S3 server (moto)",
-        ncols=3,
-        width=13,
     )
-    groups = ["save\n(committed)", "loop stall\nper save"]
-    series = [(LABELS[n], colors[n], [med[n]["save"], med[n]["stall"]], []) for n in names]
-    series.append(("copy to host memory", "control", [None, data["host_copy_median_s"]], []))
-    bars(axes[0], groups, series, lambda v: f"{v:.2f}")
-    axes[0].set_ylabel("seconds (lower is better)")
-    axes[0].set_title("save", fontsize=9)
-    headroom(axes[0], 1.15)
-    bars(
-        axes[1],
-        ["load into a\nnew model"],
-        [(LABELS[n], colors[n], [med[n]["load"]], []) for n in names],
-        lambda v: f"{v:.2f}",
-    )
-    axes[1].set_ylabel("seconds (lower is better)")
-    axes[1].set_title("load, in the running process", fontsize=9)
-    headroom(axes[1], 1.15)
-    bars(
-        axes[2],
-        ["new process:\nspawn to loaded"],
-        [(LABELS[n], colors[n], [med[n]["fresh"]], []) for n in names],
-        lambda v: f"{v:.2f}",
-    )
-    axes[2].set_ylabel("seconds, imports included (lower is better)")
-    axes[2].set_title("fresh-machine resume", fontsize=9)
-    headroom(axes[2], 1.15)
-    save(fig, payload, Path(path), legend=axes[0], ncol=5)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,10 @@ is timed.
 
     .venv/bin/python benchmarks/resume_latency.py           # 10M samples, ~3.5 minutes
     .venv/bin/python benchmarks/resume_latency.py --quick   # smoke run, ~10 seconds
-
-The numbers also go to ``bench_output/resume_latency.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import pickle
@@ -42,7 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ForeignLoad, Results, add_json_option, environment, load_line, table
+from harness import ForeignLoad, Results, add_round_options, environment, load_line, table
+from harness import parser as harness_parser
+from harness.stats import probed_rounds
 
 import unbroken
 
@@ -143,8 +140,11 @@ def time_resume(lib: Library, blob: bytes | None) -> tuple[float, list[int]]:
     return seconds, as_ints(first)
 
 
+QUICK = "200k samples, 2 reps"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "resume_latency", QUICK)
     parser.add_argument("--samples", type=int, default=10_000_000, help="epoch length")
     parser.add_argument(
         "--reps", type=int, default=5, help="clean rounds; each times every point once per library"
@@ -156,27 +156,13 @@ def main() -> None:
         help="timed resumes of unbroken per point and round (it takes ~1 ms, so "
         "more samples cost nothing and steady its median)",
     )
-    parser.add_argument(
-        "--max-rounds",
-        type=int,
-        default=10,
-        help="rounds at most, counting those set aside as disturbed",
-    )
-    parser.add_argument(
-        "--max-foreign",
-        type=float,
-        default=0.2,
-        help="a round during which other processes used more cores than this is "
-        "set aside as disturbed",
-    )
+    add_round_options(parser, 10)
     parser.add_argument(
         "--global-rngs",
         default="torch,numpy,random",
         help="unbroken's global_rngs, comma-separated ('' for none); seeding "
         "makes the capture pass slower, not the resume",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 200k samples, 2 reps")
-    add_json_option(parser, "resume_latency")
     args = parser.parse_args()
     if args.quick:
         # Rounds this short are below the load probe's resolution: none is set aside.
@@ -226,32 +212,32 @@ def main() -> None:
     wrong = []
     for lib in libs:  # warm-up: imports, allocator, first-call costs
         time_resume(lib, blobs[lib.name][1])
+
     # Rounds time every point once per library (unbroken --fast-reps times). A round during
     # which other processes used more than --max-foreign cores is set aside and another run,
     # up to --max-rounds; the medians use the clean rounds (all, flagged, if fewer than 3).
-    monitor, rounds, clean = ForeignLoad(), [], []
-    while len(clean) < args.reps and len(rounds) < max(args.max_rounds, args.reps):
-        before = monitor.snapshot()
-        this_round = {lib.name: [[] for _ in labels] for lib in libs}
+    def one_round(index: int) -> dict[str, list[list[float]]]:
+        this_round: dict[str, list[list[float]]] = {lib.name: [[] for _ in labels] for lib in libs}
         for i in range(len(labels)):
-            order = libs if (len(rounds) + i) % 2 == 0 else libs[::-1]
-            for lib in order:
+            for lib in libs if (index + i) % 2 == 0 else libs[::-1]:
                 for _ in range(args.fast_reps if lib.name == "unbroken" else 1):
                     seconds, first = time_resume(lib, blobs[lib.name][i])
                     this_round[lib.name][i].append(seconds)
                     if expected[lib.name][i] is not None and first != expected[lib.name][i]:
                         wrong.append(f"{lib.name} at {labels[i]}")
-        foreign = ForeignLoad.cores(before, monitor.snapshot())
-        rounds.append((foreign, this_round))
-        if foreign <= args.max_foreign:
-            clean.append(this_round)
-        print(
-            f"[round {len(rounds)}: foreign load {foreign:.2f} cores, "
-            f"{'clean' if foreign <= args.max_foreign else 'set aside'}]",
-            file=sys.stderr,
-            flush=True,
-        )
-    used = clean if len(clean) >= min(3, args.reps) else [r for _, r in rounds]
+        print(f"[round {index + 1} done]", file=sys.stderr, flush=True)
+        return this_round
+
+    count = iter(range(10**6))
+    probed, foreign, n_clean = probed_rounds(
+        ["all"],
+        lambda _: one_round(next(count)),
+        args.reps,
+        args.max_rounds,
+        args.max_foreign,
+        ForeignLoad(),
+    )
+    used = [r["all"] for r in probed]
     times = {
         lib.name: [[t for r in used for t in r[lib.name][i]] for i in range(len(labels))]
         for lib in libs
@@ -312,11 +298,15 @@ def main() -> None:
     print("\n" + exact)
     counted = "clean" if args.max_foreign != float("inf") else "unfiltered (--quick)"
     timing = (
-        f"timing rounds: {len(clean)} {counted} of {len(rounds)} (other processes' CPU use per "
+        f"timing rounds: {n_clean} {counted} of {len(foreign)} (other processes' CPU use per "
         "round, cores: "
-        + ", ".join(f"{f:.2f}" for f, _ in rounds)
+        + ", ".join(f"{f:.2f}" for f in foreign)
         + ")"
-        + ("" if used is clean else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run")
+        + (
+            ""
+            if n_clean >= min(3, args.reps)
+            else "; TOO FEW CLEAN ROUNDS, all used: DISTURBED, re-run"
+        )
     )
     print("\n" + timing)
     results.notes = [exact, timing]
@@ -345,10 +335,10 @@ def main() -> None:
         "wrong": sorted(set(wrong)),
         "rounds": {
             "used": len(used),
-            "clean": len(clean),
-            "total": len(rounds),
-            "foreign_cores": [f for f, _ in rounds],
-            "disturbed": used is not clean,
+            "clean": n_clean,
+            "total": len(foreign),
+            "foreign_cores": foreign,
+            "disturbed": n_clean < min(3, args.reps),
         },
     }
     results.write()

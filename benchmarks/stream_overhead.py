@@ -30,15 +30,10 @@ fed the same batches in the same order.
 
     .venv/bin/python benchmarks/stream_overhead.py            # full run, ~1-3 minutes
     .venv/bin/python benchmarks/stream_overhead.py --quick    # smoke run, seconds
-
-The numbers also go to ``bench_output/stream_overhead.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
@@ -47,19 +42,13 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    ForeignLoad,
-    Results,
-    add_json_option,
-    command_line,
-    environment,
-    load_line,
-    table,
-)
+from harness import Results, command_line, environment, table
+from harness import parser as harness_parser
+from harness.stats import interleaved
+from harness.workloads import flat_weights, train_step
 
 import unbroken
 
@@ -120,14 +109,6 @@ def make_loader(name: str, rows: int, workers: int):
     return unbroken.DataLoader(dataset, seed=0, global_rngs=rngs, **common)
 
 
-def step(model, optimizer, batch) -> None:
-    out = model(batch)
-    loss = F.mse_loss(out, torch.ones_like(out))
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-
-
 def run_epochs(loader, model, optimizer, epochs: int) -> tuple[float, float, int]:
     """(wall seconds, seconds to the first batch summed over epochs, steps)."""
     steps, first = 0, 0.0
@@ -139,7 +120,7 @@ def run_epochs(loader, model, optimizer, epochs: int) -> tuple[float, float, int
             if fresh:
                 first += time.perf_counter() - epoch_start
                 fresh = False
-            step(model, optimizer, batch)
+            train_step(model, optimizer, batch)
             steps += 1
     return time.perf_counter() - start, first, steps
 
@@ -161,23 +142,14 @@ def bench(workers: int, args) -> tuple[list[list[str]], list[str], list[dict]]:
     for name in names:  # warm-up epoch, untimed
         run_epochs(*runs[name], 1)
 
-    monitor = ForeignLoad()
-    rounds, foreign = [], []
-    for r in range(args.reps):
-        shift = r % len(names)
-        this_round = {}
-        before = monitor.snapshot() if monitor else None
-        for name in names[shift:] + names[:shift]:
-            wall, first, steps = run_epochs(*runs[name], args.epochs)
-            this_round[name] = (wall, first, steps)
-        if monitor:
-            foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
-        rounds.append(this_round)
+    rounds, foreign = interleaved(
+        names, lambda name: run_epochs(*runs[name], args.epochs), args.reps
+    )
 
-    reference = _flat(runs["torch"][1])
-    differ = [n for n in names if not torch.equal(_flat(runs[n][1]), reference)]
+    reference = flat_weights(runs["torch"][1])
+    differ = [n for n in names if not torch.equal(flat_weights(runs[n][1]), reference)]
     steps = {n: {rd[n][2] for rd in rounds} for n in names}
-    del runs
+    runs.clear()  # shuts persistent workers down before the next configuration
 
     rows, entries = [], []
     for name in names:
@@ -252,23 +224,16 @@ def _steady(result: tuple[float, float, int], epochs: int) -> float:
     return (wall - first) / max(1, steps - epochs) * 1e6
 
 
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+QUICK = "256 rows, 2 rounds of 1 epoch (numbers mean nothing)"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "stream_overhead", QUICK)
     parser.add_argument("--workers", default="2,0", help="comma-separated num_workers values")
     parser.add_argument("--rows", type=int, default=4096, help="rows in the dataset")
     parser.add_argument("--reps", type=int, default=10, help="timed rounds per num_workers")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per loader per round")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in main")
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: 256 rows, 2 rounds of 1 epoch (numbers mean nothing)",
-    )
-    add_json_option(parser, "stream_overhead")
     args = parser.parse_args()
     if args.quick:
         args.rows, args.reps, args.epochs = 256, 2, 1
@@ -345,12 +310,9 @@ def main() -> None:
             ),
         )
     )
-    print()
-    print("\n".join(f"- {note}" for note in notes))
-    print(load_line())
-    results.notes = notes
-    results.data = {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
-    results.write()
+    results.finish(
+        notes, {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
+    )
 
 
 if __name__ == "__main__":

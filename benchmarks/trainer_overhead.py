@@ -42,15 +42,10 @@ by the number of saves). Every run's final weights are compared with the plain l
 
     .venv/bin/python benchmarks/trainer_overhead.py            # full run, ~2-3 minutes
     .venv/bin/python benchmarks/trainer_overhead.py --quick    # smoke run, seconds
-
-The numbers also go to ``bench_output/trainer_overhead.json`` (``--json PATH``; ``--json ''``
-for none), from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated
-section (``make bench``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
 import os
@@ -63,65 +58,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (
-    ForeignLoad,
-    Results,
+from harness import Results, command_line, environment, table
+from harness import parser as harness_parser
+from harness.stats import interleaved
+from harness.workloads import (
+    ImageDataset,
     RowDataset,
-    add_json_option,
-    command_line,
-    environment,
-    load_line,
-    table,
+    cnn_loss,
+    cnn_model,
+    flat_weights,
+    tiny_loss,
+    tiny_model,
 )
 
 import unbroken
 
 # --------------------------------------------------------------------------- workloads
-
-
-class ImageDataset(torch.utils.data.Dataset):
-    """Precomputed random float 3x32x32 images and labels in [0, 10)."""
-
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(2)
-        self.images = torch.randn(n, 3, 32, 32, generator=g)
-        self.labels = torch.randint(0, 10, (n,), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i):
-        return self.images[i], self.labels[i]
-
-
-def boring_model() -> torch.nn.Module:
-    return torch.nn.Linear(32, 2)
-
-
-def boring_step(model, batch):
-    out = model(batch)
-    return F.mse_loss(out, torch.ones_like(out))
-
-
-def cnn_model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(32 * 8 * 8, 10),
-    )
-
-
-def cnn_step(model, batch):
-    images, labels = batch
-    return F.cross_entropy(model(images), labels)
 
 
 @dataclass
@@ -148,17 +102,17 @@ def make_workload(name: str, args) -> Workload:
     torch.manual_seed(0)
     if name == "boring":
         return Workload(
-            name,
-            RowDataset(args.boring_rows),
-            2,
-            args.boring_epochs,
-            boring_model(),
-            boring_step,
-            0.1,
+            name, RowDataset(args.boring_rows), 2, args.boring_epochs, tiny_model(), tiny_loss, 0.1
         )
     if name == "cnn":
         return Workload(
-            name, ImageDataset(args.cnn_images), 32, args.cnn_epochs, cnn_model(), cnn_step, 0.01
+            name,
+            ImageDataset(args.cnn_images, augment=False),
+            32,
+            args.cnn_epochs,
+            cnn_model(),
+            cnn_loss,
+            0.01,
         )
     raise SystemExit(f"unknown workload {name!r}: expected boring or cnn")
 
@@ -213,10 +167,6 @@ class Run:
     tensorboard: bool = False  # the Trainer wrote TensorBoard events
 
 
-def _flat(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-
-
 def run_plain(work: Workload) -> Run:
     model, optimizer, loader = work.fresh()
     torch.manual_seed(0)  # as the Trainer seeds at its start (nothing here draws from it)
@@ -230,7 +180,7 @@ def run_plain(work: Workload) -> Run:
             optimizer.zero_grad()
             steps += 1
     loop = time.perf_counter() - start
-    return Run(loop, loop, steps, 0, _flat(model))
+    return Run(loop, loop, steps, 0, flat_weights(model))
 
 
 class Clock:
@@ -274,7 +224,9 @@ def run_trainer(work: Workload, options: dict, parent: str | None) -> Run:
         board = getattr(run_log, "board", None) is not None
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return Run(clock.end - clock.start, total, steps, clock.saves_in_loop, _flat(model), board)
+    return Run(
+        clock.end - clock.start, total, steps, clock.saves_in_loop, flat_weights(model), board
+    )
 
 
 def run_variant(work: Workload, options: dict | None, parent: str | None) -> Run:
@@ -292,16 +244,9 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
     for label in labels:  # warm-up round, untimed
         run_variant(work, options[label], args.dir)
 
-    monitor = ForeignLoad()
-    rounds, foreign, mismatches = [], [], []
-    for r in range(args.reps):
-        shift = r % len(labels)
-        this_round = {}
-        before = monitor.snapshot() if monitor else None
-        for label in labels[shift:] + labels[:shift]:
-            this_round[label] = run_variant(work, options[label], args.dir)
-        if monitor:
-            foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
+    mismatches = []
+
+    def check(r: int, this_round: dict[str, Run]) -> None:
         plain = this_round[labels[0]]
         for label, run in this_round.items():
             if run.steps != plain.steps:
@@ -310,9 +255,10 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
                 mismatches.append(
                     f"{label}: final weights differ from the plain loop's (round {r})"
                 )
-        rounds.append(this_round)
         print(f"[{work.name}: round {r + 1}/{args.reps}]", file=sys.stderr, flush=True)
 
+    run_one = lambda label: run_variant(work, options[label], args.dir)
+    rounds, foreign = interleaved(labels, run_one, args.reps, check)
     plain_us = statistics.median(rd[labels[0]].loop / rd[labels[0]].steps for rd in rounds) * 1e6
     rows, entries = [], []
     per_save = {}
@@ -419,8 +365,11 @@ def _tensorboard_version() -> str:
     return f"{tensorboard.__version__} installed"
 
 
+QUICK = "tiny datasets, 2 rounds (numbers are not meaningful)"
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness_parser(__doc__, "trainer_overhead", QUICK)
     parser.add_argument("--workloads", default="boring,cnn", help="comma-separated: boring,cnn")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per workload")
     parser.add_argument("--boring-rows", type=int, default=4096)
@@ -443,12 +392,6 @@ def main() -> None:
         "Unless off, a checkpoint_every_steps=None, tensorboard=False row is "
         "added to show what that logging costs",
     )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="smoke run: tiny datasets, 2 rounds (numbers are not meaningful)",
-    )
-    add_json_option(parser, "trainer_overhead")
     args = parser.parse_args()
     if args.quick:
         args.reps, args.boring_rows, args.boring_epochs = 2, 512, 1
@@ -529,12 +472,7 @@ def main() -> None:
             ),
         )
     )
-    print()
-    print("\n".join(f"- {note}" for note in notes))
-    print(load_line())
-    results.notes = notes
-    results.data = {"log_every": LOG_EVERY, "rows": entries}
-    results.write()
+    results.finish(notes, {"log_every": LOG_EVERY, "rows": entries})
 
 
 if __name__ == "__main__":

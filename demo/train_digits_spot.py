@@ -30,7 +30,7 @@ from pathlib import Path
 
 from train_digits import compare_runs, train  # the main demo's (demo/ is on sys.path)
 
-from unbroken.checkpoint import ObjectStorage
+from unbroken.checkpoint import FsspecStorage
 
 OUTPUT = Path(__file__).resolve().parent.parent / "demo_output" / "spot"
 URL = "s3://spot/runs/digits"
@@ -105,7 +105,7 @@ def main(seed: int | None) -> int:
                 break
             print(f"  machine {attempt}: {what} at training batch {batch}; {moved}")
         final = machines[-1]
-        storage = ObjectStorage(URL, s3.storage_options)
+        storage = FsspecStorage(URL, s3.storage_options)
         (final / "metrics.csv").write_bytes(storage.fs.cat_file(f"{URL}/metrics.csv"))
     reference = OUTPUT / "uninterrupted"
     reference.mkdir()
@@ -132,7 +132,7 @@ def _interrupt(
     if target is None:
         process.wait()
         return None
-    storage = ObjectStorage(URL, s3.storage_options)
+    storage = FsspecStorage(URL, s3.storage_options)
     while process.poll() is None:
         where = _status(machine)
         batch = int(where[1]) if where else 0
@@ -159,7 +159,7 @@ def _interrupt(
     return None
 
 
-def _uploading(storage: ObjectStorage) -> bool:
+def _uploading(storage: FsspecStorage) -> bool:
     """Whether a checkpoint is being uploaded: a step-* prefix without its manifest yet."""
     root = f"{URL}/checkpoints"
     try:

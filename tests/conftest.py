@@ -38,7 +38,7 @@ settings.load_profile("default")
 
 @pytest.fixture(autouse=True, scope="session")
 def _local_copies(tmp_path_factory):
-    """ObjectStorage keeps local copies of checkpoint files under $XDG_CACHE_HOME: the suite's
+    """FsspecStorage keeps local copies of checkpoint files under $XDG_CACHE_HOME: the suite's
     (and its subprocesses') go to a temporary directory, never the user's cache."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
 

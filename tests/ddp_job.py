@@ -137,11 +137,10 @@ class Chaos:
 
 
 if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
-    from unbroken.checkpoint import storage
-    from unbroken.checkpoint.objects import ObjectStorage
+    from unbroken.checkpoint import FsspecStorage, LocalStorage
 
     # The run directory's storage: object storage for a "url" option.
-    Writer = ObjectStorage if OPTIONS.get("url") else storage.LocalStorage
+    Writer = FsspecStorage if OPTIONS.get("url") else LocalStorage
     write = Writer.write
 
     def dying_write(self, path, fill):

@@ -111,10 +111,10 @@ report(
 )
 
 # 5b. What the ranks exchange to agree is small (verdicts, digests), never the state itself.
-from unbroken.checkpoint.group import Ranks  # noqa: E402
+from unbroken.checkpoint.group import CheckpointGroup  # noqa: E402
 
 sizes = []
-gather = Ranks._all_gather
+gather = CheckpointGroup._all_gather
 
 
 def measured(self, value, phase):
@@ -123,11 +123,11 @@ def measured(self, value, phase):
 
 
 exchange = unbroken.Checkpointer(OUT / "exchange")
-Ranks._all_gather = measured
+CheckpointGroup._all_gather = measured
 big = {"big": torch.zeros(1 << 20), "counter": PerRank(Counter(RANK))}  # 4 MB replicated
 exchange.save(7, big)
 exchange.load_latest(big)
-Ranks._all_gather = gather
+CheckpointGroup._all_gather = gather
 report("exchanged", largest=max(sizes), count=len(sizes))
 
 # 6. Each rank its own directory: refused on every rank when the Checkpointer is made.

@@ -10,10 +10,11 @@ import torch
 from pipelines import Augmented, Positioned
 
 import unbroken
-import unbroken.data.loader as loader_module
 from unbroken.data import keys
+from unbroken.data.bijection import derive_key
 from unbroken.data.epochs import EpochIterable
-from unbroken.data.shuffle import derive_key
+from unbroken.data.sources import SOURCES, register
+from unbroken.data.sources.base import BatchSource
 from unbroken.data.sources.orders import IndexSource
 from unbroken.errors import CorruptState, StateMismatch
 from unbroken.testing import assert_resumes_exactly
@@ -83,8 +84,20 @@ def test_an_iterator_takes_its_position_at_its_first_item():
     assert stream.epoch == 8
 
 
+class Halved(Augmented):
+    """A dataset that only ``EveryOther`` reads."""
+
+
 class EveryOther(IndexSource):
-    """The example of sources.py's docstring: the even positions of [0, n), one per batch."""
+    """The example of sources/base.py's docstring: the even positions of [0, n), one per batch."""
+
+    @classmethod
+    def matches(cls, arguments):
+        return isinstance(arguments.dataset, Halved)
+
+    @classmethod
+    def build(cls, arguments):
+        return cls(len(arguments.dataset))
 
     def __init__(self, n):
         super().__init__()
@@ -111,18 +124,38 @@ class EveryOther(IndexSource):
             yield [2 * k], key, k
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_adding_a_source_is_one_class(monkeypatch, workers):
-    monkeypatch.setattr(
-        loader_module, "make_source", lambda dataset, *args: EveryOther(len(dataset))
-    )
+@pytest.fixture
+def every_other():
+    register(EveryOther, first=True)
+    yield EveryOther
+    SOURCES.remove(EveryOther)
 
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_adding_a_source_is_one_class(every_other, workers):
     def make():
-        return unbroken.DataLoader(Augmented(9), batch_size=1, num_workers=workers, seed=4)
+        return unbroken.DataLoader(Halved(9), batch_size=1, num_workers=workers, seed=4)
 
     batches = list(make())
     assert [int(b["index"]) for b in batches] == [0, 2, 4, 6, 8]
+    assert list(make().sampler) == [0, 2, 4, 6, 8]  # torch's loader.sampler lists its order
     assert assert_resumes_exactly(make, epochs=2, cuts=range(0, 13, 3 if workers else 1))
+    # Other datasets still get the built-in sources.
+    assert len(list(unbroken.DataLoader(Augmented(9), batch_size=1, seed=4))) == 9
+
+
+def test_a_registered_source_must_say_what_it_reads():
+    class Unsaid(BatchSource):
+        pass
+
+    register(Unsaid, first=True)
+    try:
+        with pytest.raises(NotImplementedError, match="define the classmethod matches"):
+            unbroken.DataLoader(Halved(4), seed=0)
+    finally:
+        SOURCES.remove(Unsaid)
+    with pytest.raises(TypeError, match="BatchSource subclass"):
+        register(Halved)
 
 
 def test_no_two_purposes_share_a_key_tuple():

@@ -16,9 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from unbroken.checkpoint import MANIFEST, Checkpointer
+from unbroken.checkpoint import MANIFEST, Checkpointer, LocalStorage
 from unbroken.checkpoint.manifest import read
-from unbroken.checkpoint.storage import LocalStorage
 from unbroken.errors import CorruptCheckpoint, CorruptState, StateMismatch
 
 

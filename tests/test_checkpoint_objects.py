@@ -21,9 +21,8 @@ from torch import nn
 
 import unbroken
 import unbroken.cli
-from unbroken.checkpoint import Checkpointer, layout
-from unbroken.checkpoint.objects import ObjectStorage
-from unbroken.checkpoint.scan import classify
+from unbroken.checkpoint import Checkpointer, FsspecStorage, layout
+from unbroken.checkpoint.verdict import classify
 from unbroken.errors import RemoteUnavailable
 
 
@@ -95,7 +94,7 @@ def test_a_prefix_without_its_manifest_is_no_checkpoint_and_the_next_save_remove
     checkpointer = _fresh(url, s3)
     checkpointer.save(1, {"value": 1})
     checkpointer.save(2, {"value": 2})
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     storage.fs.rm_file(f"{url}/step-000000002/manifest.json")  # a writer killed before its seal
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not corrupt: not there
@@ -123,23 +122,23 @@ def test_a_damaged_object_in_the_newest_checkpoint_is_skipped_with_the_reason(s3
     checkpointer = _fresh(url, s3)
     checkpointer.save(1, {"model": _model(1)})
     checkpointer.save(2, {"model": _model(2)})
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     target = f"{url}/step-000000002/000-model.pt"
     data = bytearray(storage.fs.cat_file(target))
     data[len(data) // 2] ^= 1
     storage.fs.pipe_file(target, bytes(data))
     model = _model(9)
     # On a new machine (no local copies: this one's copy of the file is whole, and would do).
-    elsewhere = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
+    elsewhere = Checkpointer(url, storage=FsspecStorage(url, s3.storage_options, cache=False))
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002: .*sha256"):
         assert elsewhere.load_latest({"model": model}).step == 1
     assert torch.equal(model[0].weight, _model(1)[0].weight)
-    storage = ObjectStorage(url, s3.storage_options, cache=False)
+    storage = FsspecStorage(url, s3.storage_options, cache=False)
     verdict = classify(storage, f"{url}/step-000000002", 2)
     assert verdict.status == "corrupt" and "sha256" in verdict.problems[0]
 
 
-class _Failing(ObjectStorage):
+class _Failing(FsspecStorage):
     """Uploads that fail after ``after`` good ones, each attempt ``times`` times."""
 
     def __init__(self, *args, after: int, times: int, **kwargs) -> None:
@@ -180,7 +179,7 @@ def test_a_save_whose_uploads_keep_failing_raises_and_leaves_nothing_that_loads(
 
 
 def test_an_interrupted_multipart_upload_is_aborted(s3, url):
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     big = os.urandom(12 << 20)  # several parts of s3fs's multipart upload
 
     def fill(out):
@@ -203,7 +202,7 @@ def test_the_server_stopped_during_a_save_then_back(tmp_path):
         url = server.make_bucket("outage") + "/ckpt"
         options = server.storage_options
         Checkpointer(url, storage_options=options).save(1, {"value": 1})
-        storage = ObjectStorage(url, options, retries=1, backoff=0.01)
+        storage = FsspecStorage(url, options, retries=1, backoff=0.01)
         checkpointer = Checkpointer(url, storage=storage)
         real = storage._upload
         port = server.port
@@ -247,7 +246,7 @@ def test_a_file_url_is_a_local_directory(tmp_path):
 
 def test_object_storage_reads_one_download_per_file(s3, url, monkeypatch):
     _fresh(url, s3).save(1, {"model": _model(1)})
-    storage = ObjectStorage(url, s3.storage_options, cache=False)  # a new machine
+    storage = FsspecStorage(url, s3.storage_options, cache=False)  # a new machine
     downloads = []
     real = storage.fs.cat_file
     monkeypatch.setattr(
@@ -278,7 +277,7 @@ def test_unbroken_inspect_and_verify_a_url(s3, url, capsys):
     run = url.rpartition("/")[0]  # the run directory holding checkpoints/
     assert main(["inspect", run, "--json", *options]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "run"
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     storage.fs.pipe_file(f"{url}/step-000000002/000-model.pt", b"not a checkpoint")
     assert main(["verify", url, *options]) == 1
     said = capsys.readouterr().out
@@ -335,7 +334,7 @@ def test_a_sharded_entry_goes_through_dcp_to_s3_and_back(s3, url):
     assert _dcp_copies() <= before
 
 
-class _DyingInRetention(ObjectStorage):
+class _DyingInRetention(FsspecStorage):
     """Killed while deleting an old checkpoint's parts: one part gone, then the process dies."""
 
     armed = False
@@ -359,14 +358,14 @@ def test_a_writer_killed_while_dropping_an_old_checkpoint_leaves_none_half_in_vi
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # step 1 lost its manifest first: not corrupt, gone
         assert _fresh(url, s3).load_latest({"model": _model(0)}).step == 3
-    seen = layout.candidates(ObjectStorage(url, s3.storage_options), url)
+    seen = layout.candidates(FsspecStorage(url, s3.storage_options), url)
     assert [step for step, _ in seen] == [2, 3]  # no step 1 with a part missing
     assert (
         unbroken.cli.main(["verify", url, "--storage-options", json.dumps(s3.storage_options)]) == 0
     )
 
 
-class _FailingAfterCommit(ObjectStorage):
+class _FailingAfterCommit(FsspecStorage):
     """The store goes away right after a checkpoint's manifest is written (its commit)."""
 
     def write(self, path, fill):
@@ -404,14 +403,14 @@ def test_a_restart_on_the_same_machine_reads_its_verified_local_copies(
     s3, url, tmp_path, monkeypatch
 ):
     cache = str(tmp_path / "cache")
-    writer = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=cache))
+    writer = Checkpointer(url, storage=FsspecStorage(url, s3.storage_options, cache=cache))
     for step in (1, 2, 3):
         writer.save(step, {"model": _model(step)})
     copies = sorted(os.listdir(next((tmp_path / "cache").iterdir())))
     # The models of steps 2 and 3: step 1's was pruned, and so are the manifests' copies (a
     # manifest is always read from the store: it says which copies can be trusted).
     assert len(copies) == 2
-    storage = ObjectStorage(url, s3.storage_options, cache=cache)
+    storage = FsspecStorage(url, s3.storage_options, cache=cache)
     downloads = _downloads(storage, monkeypatch)
     model = _model(0)
     assert Checkpointer(url, storage=storage).load_latest({"model": model}).step == 3
@@ -422,7 +421,7 @@ def test_a_restart_on_the_same_machine_reads_its_verified_local_copies(
     for name in copies:
         path = next((tmp_path / "cache").iterdir()) / name
         path.write_bytes(b"x" * path.stat().st_size)
-    storage = ObjectStorage(url, s3.storage_options, cache=cache)
+    storage = FsspecStorage(url, s3.storage_options, cache=cache)
     downloads = _downloads(storage, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -434,15 +433,15 @@ def test_a_deleted_object_in_the_newest_checkpoint_is_skipped_with_the_reason(s3
     checkpointer = _fresh(url, s3)
     for step in (1, 2):
         checkpointer.save(step, {"model": _model(step), "step": step})
-    ObjectStorage(url, s3.storage_options).fs.rm_file(f"{url}/step-000000002/000-model.pt")
-    elsewhere = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
+    FsspecStorage(url, s3.storage_options).fs.rm_file(f"{url}/step-000000002/000-model.pt")
+    elsewhere = Checkpointer(url, storage=FsspecStorage(url, s3.storage_options, cache=False))
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-000000002: 000-model\.pt"):
         assert elsewhere.load_latest({"model": _model(0), "step": 0}).step == 1
 
 
 def test_a_local_copy_gone_since_it_was_found_is_downloaded(s3, url, tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
-    storage = ObjectStorage(url, s3.storage_options, cache=cache)
+    storage = FsspecStorage(url, s3.storage_options, cache=cache)
     Checkpointer(url, storage=storage).save(1, {"model": _model(1)})
     assert Checkpointer(url, storage=storage).load_latest({"model": _model(0)}).step == 1
     for copy in next((tmp_path / "cache").iterdir()).iterdir():
@@ -457,7 +456,7 @@ def test_a_local_copy_gone_since_it_was_found_is_downloaded(s3, url, tmp_path, m
 def test_a_large_object_is_uploaded_in_parts_and_downloaded_whole_in_parts(s3, url):
     # 40 MiB in one write (as torch.save writes a tensor): uploaded in parts of the filesystem's
     # block size, read back in ranged requests of transfer.DOWNLOAD_PART, a batch at a time.
-    storage = ObjectStorage(url, {**s3.storage_options, "default_block_size": 5 << 20}, cache=False)
+    storage = FsspecStorage(url, {**s3.storage_options, "default_block_size": 5 << 20}, cache=False)
     big = os.urandom(40 << 20)
     parts = []
     real = storage.fs.cat_ranges

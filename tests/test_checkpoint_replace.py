@@ -14,9 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
-from unbroken.checkpoint import Checkpointer, layout
-from unbroken.checkpoint.objects import ObjectStorage
-from unbroken.checkpoint.storage import LocalStorage, basename
+from unbroken.checkpoint import Checkpointer, FsspecStorage, LocalStorage, layout
+from unbroken.checkpoint.files import basename
 
 
 def _killed_while(save: Callable[[], object]) -> None:
@@ -63,7 +62,7 @@ def test_a_writer_killed_replacing_a_checkpoint_on_disk_leaves_the_old_one(tmp_p
     assert restored is not None and restored.values == {"value": "new"}
 
 
-class _KilledInTheStore(ObjectStorage):
+class _KilledInTheStore(FsspecStorage):
     """Killed as it deletes the old checkpoint's parts (after one of them went), or once it
     uploaded the new checkpoint's first file."""
 
@@ -95,7 +94,7 @@ def test_a_writer_killed_replacing_a_checkpoint_in_object_storage_leaves_no_mix(
             url, storage=_KilledInTheStore(url, s3.storage_options, cache=False, at=at)
         ).save(2, {"value": "new"})
     )
-    storage = ObjectStorage(url, s3.storage_options, cache=False)
+    storage = FsspecStorage(url, s3.storage_options, cache=False)
     assert [step for step, _ in layout.candidates(storage, url)] == [1]  # nothing half there
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # not a damaged step 2: none

@@ -14,10 +14,9 @@ from torch import nn
 
 import unbroken.cli
 from unbroken import PerRank
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import Checkpointer, LocalStorage
 from unbroken.checkpoint.manifest import MANIFEST
-from unbroken.checkpoint.scan import classify
-from unbroken.checkpoint.storage import LocalStorage
+from unbroken.checkpoint.verdict import classify
 
 
 def _two_ranks(checkpoint: Path, second: bytes) -> str:

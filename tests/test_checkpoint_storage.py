@@ -18,16 +18,15 @@ from torch import nn
 
 from unbroken import PerRank
 from unbroken.checkpoint import Checkpointer, Storage
-from unbroken.checkpoint.scan import classify
-from unbroken.checkpoint.storage import Digest, Entry
+from unbroken.checkpoint.files import Digest, Entry
+from unbroken.checkpoint.verdict import classify
 
 ROOT = "mem://bucket/runs/ckpt"
 
 
-class MemoryStorage:
-    """Files as bytes in a dict and directories as a set, keyed by their whole path."""
-
-    renames = True
+class MemoryStorage(Storage):
+    """Files as bytes in a dict and directories as a set, keyed by their whole path; the commit
+    protocol is ``Storage``'s default (a temporary directory renamed into place)."""
 
     def __init__(self) -> None:
         self.files: dict[str, bytes] = {}
@@ -97,11 +96,6 @@ class MemoryStorage:
 
     def free_space(self, path: str) -> int:
         return 1 << 40
-
-    def commit(self, staged: str, target: str, aside: str) -> None:
-        if self.exists(target):
-            self.remove_tree(target)
-        self.rename(staged, target)
 
 
 def _model(seed: int = 0) -> nn.Module:

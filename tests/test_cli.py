@@ -29,7 +29,7 @@ import unbroken
 from unbroken import cli
 from unbroken._units import human
 from unbroken.checkpoint import MANIFEST, Checkpointer
-from unbroken.cli import scan
+from unbroken.cli import checkpoints
 from unbroken.errors import StateMismatch
 from unbroken.preemption import EXIT_CODE
 
@@ -475,15 +475,15 @@ def test_verify_and_inspect_load_every_file_with_weights_only(saves, monkeypatch
 def test_large_entries_are_not_kept_for_positions_except_the_trainers_own(
     run_dir, monkeypatch, capsys
 ):
-    monkeypatch.setattr(scan, "READ_LIMIT", 0)  # every entry is "large" now
+    monkeypatch.setattr(checkpoints, "READ_LIMIT", 0)  # every entry is "large" now
     kept = []
-    real = scan.loaders
+    real = checkpoints.loaders
 
     def spy(states):
         kept.append(sorted(states))
         return real(states)
 
-    monkeypatch.setattr(scan, "loaders", spy)
+    monkeypatch.setattr(checkpoints, "loaders", spy)
     _, document = _json(["inspect", run_dir], capsys)
     assert kept and {tuple(names) for names in kept} == {("progress", "train_loader", "val_loader")}
     assert [c["position"] for c in document["checkpoints"]] == list(RUN.values())
@@ -584,14 +584,14 @@ def test_a_damaged_older_checkpoint_does_not_fail_verify(saves, tmp_path, capsys
 
 
 def test_a_manifest_of_another_format_version_fails_rather_than_is_skipped(saves, tmp_path, capsys):
-    from unbroken.checkpoint.manifest import SEAL, _digest
+    from unbroken.checkpoint.schema import SEAL, seal_of
 
     directory = _copy(saves[0], tmp_path)
     path = directory / "step-000000012" / MANIFEST
     manifest = json.loads(path.read_text())
     del manifest[SEAL]
     manifest["version"] = 99
-    path.write_text(json.dumps({**manifest, SEAL: _digest(manifest)}))  # sealed again: whole
+    path.write_text(json.dumps({**manifest, SEAL: seal_of(manifest)}))  # sealed again: whole
     status, out, _ = _run(["verify", directory], capsys)
     assert status == 1
     assert "is of another format version; a resume would fail" in out.splitlines()[-1]

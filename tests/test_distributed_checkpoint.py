@@ -273,10 +273,10 @@ def test_an_fsdp2_model_saved_on_2_ranks_to_s3_reloads_there(job, s3):
     ranks = _seen(job, "fsdp_s3")
     assert [(r["step"], r["equal"], r["counter"]) for r in ranks] == [(3, True, 70), (3, True, 71)]
     assert all(r["sent"] > 0 for r in ranks)  # each rank uploaded its own parts
-    from unbroken.checkpoint import ObjectStorage
+    from unbroken.checkpoint import FsspecStorage
 
     url = "s3://dist-checkpoint/ckpt/step-000000003"
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     names = sorted(p.rpartition("/")[2] for p in storage.fs.find(url))
     assert names == [
         ".metadata",

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import unbroken
+from unbroken.data.bijection import IndexShuffle, derive_key
 from unbroken.data.rng import sample_seed_at
-from unbroken.data.shuffle import IndexShuffle, derive_key
 
 
 class Probe(torch.utils.data.Dataset):

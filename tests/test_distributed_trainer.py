@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.data.shuffle import derive_key
+from unbroken.data.bijection import derive_key
 from unbroken.train.lock import DirectoryLock
 
 HERE = Path(__file__).parent
@@ -141,7 +141,7 @@ def test_ranks_killed_and_restarted_with_the_run_directory_in_s3_end_bit_exact(
     # As above, with the run directory in the S3 server: the checkpoints (each rank uploads its
     # parts), metrics.csv and the lease live there; every restarted process starts without any
     # local file of the run (its log's working copy is a new temporary directory).
-    from unbroken.checkpoint import ObjectStorage
+    from unbroken.checkpoint import FsspecStorage
 
     url = s3.make_bucket("ddp-spot") + "/runs/chaos"
     run = tmp_path / "chaos"
@@ -155,7 +155,7 @@ def test_ranks_killed_and_restarted_with_the_run_directory_in_s3_end_bit_exact(
     output = torchrun(run, options, restarts=3)
     assert output.count("exitcode: -9") == 3, output[-3000:]
     assert "resumed from checkpoint" in output and "step-000000010" in output
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     (run / "metrics.csv").write_bytes(storage.fs.cat_file(f"{url}/metrics.csv"))
     assert_same_run(run, reference)
 

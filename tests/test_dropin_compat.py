@@ -320,7 +320,7 @@ def _indices(batches) -> list[list[int]]:
 def _epoch(seed: int, epoch: int, n: int = 10, batch_size: int = 3) -> list[list[int]]:
     """An epoch's batches computed without the loader: unbroken's documented shuffle."""
     from unbroken.data import keys
-    from unbroken.data.shuffle import IndexShuffle
+    from unbroken.data.bijection import IndexShuffle
 
     order = IndexShuffle(n, keys.shuffle(seed, epoch)).range(0, n)
     return [list(order[i : i + batch_size]) for i in range(0, n, batch_size)]

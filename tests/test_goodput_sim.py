@@ -25,7 +25,7 @@ def sim():
     try:
         spec.loader.exec_module(module)
     finally:
-        sys.path[:] = path  # it puts benchmarks/ on the path for _common: not for other tests
+        sys.path[:] = path  # it puts benchmarks/ on the path for its harness: not for other tests
     yield module
     sys.modules.pop("goodput_sim", None)
 

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 import unbroken.hf
 import unbroken.hf.accelerate
+from unbroken.data.bijection import derive_key
 from unbroken.data.rng import batch_seeds
-from unbroken.data.shuffle import derive_key
 from unbroken.errors import CorruptCheckpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from unbroken.checkpoint import ObjectStorage
+from unbroken.checkpoint import FsspecStorage
 from unbroken.errors import DirectoryInUse
 from unbroken.train.lease import Lease
 
@@ -27,7 +27,7 @@ def _url(s3, name: str) -> str:
     return s3.make_bucket(f"{name}-{secrets.token_hex(4)}") + "/runs/exp1"
 
 
-def _leases(storage: ObjectStorage, url: str) -> dict[str, dict]:
+def _leases(storage: FsspecStorage, url: str) -> dict[str, dict]:
     """The lease objects under ``url``, by name, with their holders."""
     storage.fs.invalidate_cache()
     names = [p for p in storage.fs.ls(url, detail=False) if "/.lock" in p and "probe" not in p]
@@ -37,7 +37,7 @@ def _leases(storage: ObjectStorage, url: str) -> dict[str, dict]:
 def _serve(bucket, options, orders) -> None:
     """A child: takes leases under ``bucket`` as told, with one client made (and connected)
     first, so that a race is over the lease, not over the client's start."""
-    storage = ObjectStorage(bucket, options)
+    storage = FsspecStorage(bucket, options)
     storage.check()
     orders.send("ready")
     held = []
@@ -96,7 +96,7 @@ class Taker:
 
 def test_of_two_jobs_started_together_exactly_one_writes_20_times_over(s3):
     options, bucket = s3.storage_options, _url(s3, "pairs")
-    storage = ObjectStorage(bucket, options)
+    storage = FsspecStorage(bucket, options)
     urls = [f"{bucket}/{pair}" for pair in range(20)]
     killed = Taker(bucket, options)  # half the pairs race to take over a SIGKILLed job's lease
     for url in urls[1::2]:
@@ -165,7 +165,7 @@ def test_a_holder_frozen_past_its_lease_is_refused_its_next_change(s3):
         said = holder.answer()
         assert said.startswith("refused: the run directory") and f"pid {winner} on" in said, said
         assert "no longer this job's" in said
-        storage = ObjectStorage(url, options)
+        storage = FsspecStorage(url, options)
         assert not storage.exists(f"{url}/metrics.csv")  # nothing written
         leases = _leases(storage, url)
         assert leases[max(leases)]["pid"] == winner, leases
@@ -176,7 +176,7 @@ def test_a_holder_frozen_past_its_lease_is_refused_its_next_change(s3):
 
 def test_a_lease_deleted_under_its_holder_is_not_made_again_and_stops_its_writes(s3):
     url, options = _url(s3, "deleted"), s3.storage_options
-    storage = ObjectStorage(url, options)
+    storage = FsspecStorage(url, options)
     lease = Lease(storage, url, SECONDS)
     lease.acquire()
     storage.fence = getattr(lease, "fence", None)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import unbroken
-from unbroken.checkpoint import ObjectStorage
+from unbroken.checkpoint import FsspecStorage
 
 JOB = Path(__file__).with_name("trainer_job.py")
 CONFIG = {"workers": 0, "checkpoint_every_steps": 2, "pace": 0.05}
@@ -55,7 +55,7 @@ def _wait_for(process: subprocess.Popen, done, what: str, timeout: float = 180) 
         time.sleep(0.002)
 
 
-def _objects(storage: ObjectStorage, url: str) -> dict[str, str]:
+def _objects(storage: FsspecStorage, url: str) -> dict[str, str]:
     """Every object under ``url`` but the lease's, with its ETag."""
     storage.fs.invalidate_cache()
     found = storage.fs.find(url, detail=True)
@@ -69,7 +69,7 @@ def test_a_trainer_frozen_past_its_lease_and_resumed_changes_nothing_of_the_job_
     lease = 2.0
     config = {**CONFIG, "epochs": 2, "url": url, "storage_options": s3.storage_options}
     config["lease_seconds"] = lease
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     first = _start(tmp_path / "first", config)
     try:
         # Frozen in a batch's pause, after its first checkpoint (batch 4), before its second.

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import unbroken
-from unbroken.checkpoint import ObjectStorage
+from unbroken.checkpoint import FsspecStorage
 from unbroken.errors import CorruptState
 from unbroken.lightning import EXIT_CODE, AtomicCheckpointIO, ExactResume
 from unbroken.lightning.draws import crossed
@@ -140,7 +140,7 @@ def test_sigkill_with_the_checkpoints_in_s3_resumes_bit_exactly(single, s3, tmp_
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
     run(first, "--ckpt-url", url, "--kill-at", "21", expect=-signal.SIGKILL)
-    stored = ObjectStorage(url, s3.storage_options)
+    stored = FsspecStorage(url, s3.storage_options)
     assert [e.name for e in stored.list_directory(url)] == ["last.ckpt"]
     run(second, "--ckpt-url", url)
     whole, _ = single["unbroken"]

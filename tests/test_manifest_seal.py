@@ -11,9 +11,8 @@ import pytest
 from conftest import reseal
 
 import unbroken.cli
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import Checkpointer, LocalStorage
 from unbroken.checkpoint.manifest import MANIFEST, SEAL, read_manifest
-from unbroken.checkpoint.storage import LocalStorage
 from unbroken.errors import CorruptCheckpoint
 
 

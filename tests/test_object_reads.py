@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 import unbroken
-from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint.objects import ObjectStorage
+from unbroken.checkpoint import Checkpointer, FsspecStorage
 
 
 @pytest.fixture
@@ -28,10 +27,10 @@ def url(s3):
 def test_a_local_copy_is_read_only_if_all_of_it_matches(s3, url, tmp_path):
     cache = tmp_path / "cache"
     big = torch.arange(2 << 20, dtype=torch.float32)  # 8 MiB: two 4 MiB chunks of the hash
-    storage = ObjectStorage(url, s3.storage_options, cache=str(cache))
+    storage = FsspecStorage(url, s3.storage_options, cache=str(cache))
     Checkpointer(url, storage=storage).save(1, {"big": big})
     # A restart on this machine reads the whole copy from the disk: only the manifest comes.
-    reader = ObjectStorage(url, s3.storage_options, cache=str(cache))
+    reader = FsspecStorage(url, s3.storage_options, cache=str(cache))
     restored = Checkpointer(url, storage=reader).load_latest({"big": None})
     assert restored is not None and torch.equal(restored.values["big"], big)
     assert reader.received < 1000
@@ -45,14 +44,14 @@ def test_a_local_copy_is_read_only_if_all_of_it_matches(s3, url, tmp_path):
     manifest = json.loads(reader.fs.cat_file(f"{url}/step-000000001/manifest.json"))
     spec = manifest["files"]["000-big.pt"]
     # What a rank that does not hash the file itself reads (another rank verified it).
-    reader = ObjectStorage(url, s3.storage_options, cache=str(cache))
+    reader = FsspecStorage(url, s3.storage_options, cache=str(cache))
     reader.expect(name, spec["sha256"], spec["size"])
     with reader.open_read(name) as opened:
         assert opened.read() == good
     assert reader.received == len(good)  # downloaded, not read from the damaged copy
     assert copy.read_bytes() == good  # and the copy replaced by the download's
     copy.write_bytes(bytes(damaged))
-    reader = ObjectStorage(url, s3.storage_options, cache=str(cache))
+    reader = FsspecStorage(url, s3.storage_options, cache=str(cache))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing skipped: the copy is not trusted, not blamed
         restored = Checkpointer(url, storage=reader).load_latest({"big": None})
@@ -63,8 +62,8 @@ def test_a_local_copy_is_read_only_if_all_of_it_matches(s3, url, tmp_path):
 def test_an_object_deleted_since_a_listing_is_gone(s3, url):
     """Each question about an object asks the store, not fsspec's cache of the last listing:
     another process (a writer's retention, an operator) may have deleted it since."""
-    storage = ObjectStorage(url, s3.storage_options, cache=False)
-    other = ObjectStorage(url, s3.storage_options, cache=False).fs
+    storage = FsspecStorage(url, s3.storage_options, cache=False)
+    other = FsspecStorage(url, s3.storage_options, cache=False).fs
     folder = f"{url}/step-000000001"
     names = ["000-model.pt", "001-optimizer.pt", "002-rng.pt", "manifest.json"]
     for name in names:
@@ -102,12 +101,12 @@ def test_a_damaged_shard_downloaded_from_object_storage_is_not_given_to_dcp(s3, 
         net, adam = _net(step)
         writer.save(step, {"net": unbroken.Sharded(net, adam)})
     shard = f"{url}/step-000000002/000-net.dcp/__0_0.distcp"
-    fs = ObjectStorage(url, s3.storage_options, cache=False).fs
+    fs = FsspecStorage(url, s3.storage_options, cache=False).fs
     data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: DCP itself would not notice
     fs.pipe_file(shard, bytes(data))
     # Another machine: no local copies, every file downloaded.
-    reader = Checkpointer(url, storage=ObjectStorage(url, s3.storage_options, cache=False))
+    reader = Checkpointer(url, storage=FsspecStorage(url, s3.storage_options, cache=False))
     fresh, fresh_adam = _net(0)
     before = _dcp_copies()
     with pytest.warns(UserWarning, match=r"step-000000002: .*__0_0\.distcp does not match its sha"):

@@ -6,6 +6,7 @@ import torch
 from pipelines import Augmented
 
 import unbroken
+from unbroken.data.bijection import derive_key
 from unbroken.data.rng import (
     batch_seeds,
     check_global_rngs,
@@ -13,7 +14,6 @@ from unbroken.data.rng import (
     sample_seed_at,
     stream32,
 )
-from unbroken.data.shuffle import derive_key
 from unbroken.testing import assert_same
 
 

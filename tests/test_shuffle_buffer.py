@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from pipelines import Counting
 
 import unbroken
+from unbroken.data.buffered_shuffle import ShuffleBuffer, shuffle_buffer
 from unbroken.data.iterable import resumable
-from unbroken.data.shuffling import ShuffleBuffer, shuffle_buffer
 from unbroken.testing import assert_resumes_exactly
 
 SKIP_WARNING = r"ignore:.*costs O\(k\):UserWarning"

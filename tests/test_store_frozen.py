@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.checkpoint import Checkpointer, ObjectStorage, layout
+from unbroken.checkpoint import Checkpointer, FsspecStorage, layout
 from unbroken.errors import RemoteUnavailable
 from unbroken.testing import assert_same
 
@@ -131,7 +131,7 @@ def test_a_store_frozen_during_a_download_fails_it_and_deletes_nothing(
 
 def test_a_store_frozen_during_an_upload_fails_it_and_the_upload_is_aborted(server, freezer):
     url = _url(server, "upload")
-    storage = ObjectStorage(url, _options(server), timeout=TIMEOUT, cache=False)
+    storage = FsspecStorage(url, _options(server), timeout=TIMEOUT, cache=False)
 
     def fill(out):
         out.write(os.urandom(6 << 20))  # the multipart upload begins, its first part goes
@@ -162,7 +162,7 @@ class FreezeInASave:
     def __init__(self, freezer: Freezer, nth: int, monkeypatch) -> None:
         self.freezer, self.nth = freezer, nth
         self.saves, self.frozen = 0, False
-        real = ObjectStorage.write
+        real = FsspecStorage.write
 
         def write(storage, path, fill):
             if "/checkpoints/step-" in path and "/000-" in path:  # a save's first file
@@ -172,7 +172,7 @@ class FreezeInASave:
                     self.frozen = True
             return real(storage, path, fill)
 
-        monkeypatch.setattr(ObjectStorage, "write", write)
+        monkeypatch.setattr(FsspecStorage, "write", write)
 
     def on_train_batch_end(self, trainer, logs) -> None:
         if self.frozen and not trainer.checkpointer.in_flight:
@@ -204,7 +204,7 @@ def test_a_periodic_save_meeting_a_frozen_store_is_reported_and_training_goes_on
     assert time.monotonic() - began < 60
     weights, log = reference
     assert_same(model.state_dict(), weights, "weights")
-    storage = ObjectStorage(url, server.storage_options, cache=False)
+    storage = FsspecStorage(url, server.storage_options, cache=False)
     assert storage.fs.cat_file(f"{url}/metrics.csv") == log
     restored = Checkpointer(f"{url}/checkpoints", storage=storage).load_latest({"progress": None})
     assert restored.values["progress"]["epoch"] == 2  # the final save reached the store
@@ -221,7 +221,7 @@ def test_a_store_frozen_during_the_leases_renewal_fails_its_fence_in_time_not_a_
     from unbroken.train.lease import Lease
 
     url = _url(server, "lease")
-    storage = ObjectStorage(url, server.storage_options, timeout=TIMEOUT)
+    storage = FsspecStorage(url, server.storage_options, timeout=TIMEOUT)
     lease = Lease(storage, url, seconds=3.0)
     lease.acquire()
     try:

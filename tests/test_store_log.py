@@ -11,7 +11,7 @@ import secrets
 import pytest
 
 import unbroken.cli
-from unbroken.checkpoint import ObjectStorage
+from unbroken.checkpoint import FsspecStorage
 from unbroken.errors import CorruptState
 
 
@@ -30,7 +30,7 @@ def test_a_damaged_log_in_the_bucket_fails_verify_and_the_resume_naming_the_obje
     options = {"storage_options": s3.storage_options, "lease_seconds": 2.0}
     run(url, epochs=1, **options)
     log = f"{url}/metrics.csv"
-    fs = ObjectStorage(url, s3.storage_options, cache=False).fs
+    fs = FsspecStorage(url, s3.storage_options, cache=False).fs
     whole = fs.cat_file(log)
     for damage, found in [("truncated", f"has {len(whole) // 2} bytes"), ("deleted", "is missing")]:
         if damage == "truncated":

@@ -27,7 +27,7 @@ import pytest
 
 import unbroken
 import unbroken.cli
-from unbroken.checkpoint import Checkpointer, ObjectStorage, layout
+from unbroken.checkpoint import Checkpointer, FsspecStorage, layout
 from unbroken.errors import RemoteUnavailable
 
 
@@ -49,7 +49,7 @@ class Outage:
 
         def listed_then_down(storage, root):
             found = real(storage, root)
-            if isinstance(storage, ObjectStorage) and not self.down:
+            if isinstance(storage, FsspecStorage) and not self.down:
                 self.down.append((storage, storage.storage_options, storage.retries))
                 storage.storage_options = {**storage.storage_options, "endpoint_url": refused}
                 storage._fs, storage.retries, storage.backoff = None, 1, 0.01
@@ -67,7 +67,7 @@ def _url(s3, name: str) -> str:
 
 
 def _steps(s3, checkpoints: str) -> list[str]:
-    storage = ObjectStorage(checkpoints, s3.storage_options, cache=False)
+    storage = FsspecStorage(checkpoints, s3.storage_options, cache=False)
     return [name for _, name in layout.committed(storage, checkpoints)]
 
 
@@ -140,12 +140,12 @@ def test_verify_says_the_store_could_not_be_read_not_corrupt(s3, refused, monkey
 CHILD = textwrap.dedent(
     """
     import os, sys, time
-    from unbroken.checkpoint import ObjectStorage
+    from unbroken.checkpoint import FsspecStorage
 
     url, endpoint, marker, go = sys.argv[1:5]
     options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing",
                "default_block_size": 5 << 20}  # 5 MiB parts: S3's smallest
-    storage = ObjectStorage(url, options, retries=0, cache=False)
+    storage = FsspecStorage(url, options, retries=0, cache=False)
 
     def fill(out):
         out.write(os.urandom(6 << 20))  # the multipart upload begins, its first part goes
@@ -180,7 +180,7 @@ def test_a_failed_upload_whose_abort_fails_too_lets_the_process_exit(tmp_path, h
             if how == "store gone":
                 server.stop()
             else:  # another job's clean-up aborts every multipart upload of the bucket
-                storage = ObjectStorage(url, server.storage_options, cache=False)
+                storage = FsspecStorage(url, server.storage_options, cache=False)
                 storage.abort_uploads(url)
             go.touch()
             began = time.monotonic()

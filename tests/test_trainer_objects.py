@@ -23,7 +23,7 @@ import torch
 from trainer_job import kill_seed
 
 import unbroken
-from unbroken.checkpoint import ObjectStorage
+from unbroken.checkpoint import FsspecStorage
 from unbroken.errors import DirectoryInUse
 from unbroken.testing import assert_same
 
@@ -52,7 +52,7 @@ def _start(disk: Path, env: dict, config: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(JOB), str(disk), config], cwd=disk, env=env)
 
 
-def _uploading(storage: ObjectStorage, checkpoints: str) -> bool:
+def _uploading(storage: FsspecStorage, checkpoints: str) -> bool:
     """Whether a checkpoint is being written: a step-* prefix without its manifest yet."""
     try:
         names = [e.name for e in storage.list_directory(checkpoints) if e.name.startswith("step-")]
@@ -76,7 +76,7 @@ def reference(tmp_path_factory) -> Path:
     return done
 
 
-def _same_as(reference: Path, disk: Path, storage: ObjectStorage, url: str) -> None:
+def _same_as(reference: Path, disk: Path, storage: FsspecStorage, url: str) -> None:
     got = torch.load(disk / "final.pt", weights_only=True)
     want = torch.load(reference / "final.pt", weights_only=True)
     assert_same(dict(got), dict(want), "final weights")
@@ -92,7 +92,7 @@ def test_sigkill_with_the_run_directory_in_s3_and_every_restart_on_an_empty_disk
     config = json.dumps(
         {**job, "url": url, "storage_options": s3.storage_options, "lease_seconds": LEASE}
     )
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     seed = kill_seed()
     rng = random.Random(seed)
     kills = in_uploads = 0
@@ -208,7 +208,7 @@ def test_training_goes_on_through_an_outage_of_the_store_and_the_next_save_goes_
         assert "checkpoint at epoch 0, train batch 8, optimizer step 4 failed (could not" in said
         assert "training goes on" in said
         assert_same(model.state_dict(), reference.state_dict(), "weights")
-        storage = ObjectStorage(url, server.storage_options)
+        storage = FsspecStorage(url, server.storage_options)
         restored = unbroken.Checkpointer(f"{url}/checkpoints", storage=storage).load_latest(
             {"progress": None}
         )
@@ -235,7 +235,7 @@ def test_a_preemption_uploads_its_checkpoint_before_exit_75_and_a_new_machine_go
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGTERM)  # as a scheduler does: the whole process group
     assert process.wait(timeout=120) == 75
-    storage = ObjectStorage(url, s3.storage_options)
+    storage = FsspecStorage(url, s3.storage_options)
     saved = unbroken.Checkpointer(f"{url}/checkpoints", storage=storage).load_latest(
         {"progress": None}
     )

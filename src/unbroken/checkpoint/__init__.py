@@ -5,28 +5,34 @@
   ``PerRank`` entries; ``sharded``: ``Sharded`` entries, FSDP2 models and optimizers through
   DCP).
 - ``manifest``: the sealed manifest that makes a checkpoint directory verifiable.
-- ``storage``: the filesystem operations a checkpoint needs, as the protocol ``Storage``
-  (hashed, fsynced writes, renames, listing, free space), and ``LocalStorage``; ``space``: how
-  much a checkpoint needs, and the error that says the disk is full.
+- ``storage``: every operation on where checkpoints live, as the protocol ``Storage`` that a
+  backend subclasses, with the commit protocol as its methods; ``local``: ``LocalStorage``
+  (fsynced writes, renamed into place); ``fsspec_storage``: ``FsspecStorage``, any fsspec URL
+  (S3, GCS, ``memory://``: the manifest, written last, commits); ``stores``: ``storage_for``,
+  which picks one for a path or a URL; ``space``: how much a checkpoint needs, and the error
+  that says the disk is full.
 - ``background``: asynchronous saves; ``weights_only``: copies that ``torch.load(weights_only=
   True)`` can read back; ``restore``: loading entries into live objects (``Restored``).
 """
 
+from .fsspec_storage import FsspecStorage
+from .local import LocalStorage
 from .manager import Checkpointer
-from .manifest import MANIFEST
-from .objects import ObjectStorage
 from .per_rank import PerRank
 from .restore import Restored
+from .schema import MANIFEST
 from .sharded import Sharded
-from .storage import LocalStorage, Storage
+from .storage import Storage
+from .stores import storage_for
 
 __all__ = [
     "MANIFEST",
     "Checkpointer",
+    "FsspecStorage",
     "LocalStorage",
-    "ObjectStorage",
     "PerRank",
     "Restored",
     "Sharded",
     "Storage",
+    "storage_for",
 ]

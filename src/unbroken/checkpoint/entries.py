@@ -17,8 +17,6 @@ entry), so a new kind is one class here.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -26,10 +24,12 @@ import torch
 
 from .._state import has_state
 from ..errors import StateMismatch
-from .manifest import EntrySpec, Manifest, dcp_folder, file_name, load_entry_file, verify_file
+from .files import Digest, join
+from .manifest import dcp_folder, file_name, load_entry_file, verify_file
 from .per_rank import SKIP, PerRank, resized, unwrap
+from .schema import EntrySpec, Manifest
 from .sharded import Sharded, save_state, written_by
-from .storage import Digest, Storage, join, sha256
+from .storage import Storage
 from .weights_only import checked_copy
 
 
@@ -140,17 +140,13 @@ class ThroughDCP(Kind):
         self, storage: Storage, tmp: str, index: int, name: str, value: Any, rank: int, group: Any
     ) -> Part:
         folder = dcp_folder(index, name)
-        if not storage.renames:  # object storage: DCP writes on this machine, then uploaded
-            return Part(
-                self.tag, _uploaded(storage, join(tmp, folder), folder, value, rank, group), folder
-            )
-        save_state(value.state, join(tmp, folder), group)
-        names = [entry.name for entry in storage.list_directory(join(tmp, folder))]
-        files = [
-            (f"{folder}/{file}", _digest(storage, join(join(tmp, folder), file)))
-            for file in written_by(names, rank)
-        ]
-        return Part(self.tag, files, folder)
+
+        def fill(local: str) -> list[str]:  # DCP writes local files (its file system writer)
+            save_state(value.state, local, group)
+            return written_by(os.listdir(local), rank)
+
+        written = storage.write_directory(join(tmp, folder), fill)
+        return Part(self.tag, [(f"{folder}/{file}", digest) for file, digest in written], folder)
 
     def describe(self, spec: EntrySpec | None, part: Part) -> EntrySpec:
         spec = spec or EntrySpec(dcp=part.folder, shards=[])
@@ -160,12 +156,15 @@ class ThroughDCP(Kind):
     def read(self, at: Reading, index: int, name: str, spec: EntrySpec, wanted: Any) -> Any:
         if wanted is ABSENT:
             return ABSENT
-        if not at.storage.renames:  # object storage: the files downloaded, each verified
-            return _downloaded(at, spec)
-        for i, file in enumerate(spec["shards"]):  # each rank checks its share; DCP reads them
-            if i % at.world_size == at.rank:
-                verify_file(at.storage, at.where, at.manifest, file)
-        return join(at.where, spec["dcp"])
+        folder = spec["dcp"]
+        names = [file.rpartition("/")[2] for file in spec["shards"]]
+        mine = [n for i, n in enumerate(names) if i % at.world_size == at.rank]  # a share each
+        return at.storage.readable_directory(
+            join(at.where, folder),
+            names,
+            mine,
+            lambda file: verify_file(at.storage, at.where, at.manifest, f"{folder}/{file}"),
+        )
 
 
 REPLICATED, EACH_RANK, THROUGH_DCP = Replicated(), EachRank(), ThroughDCP()
@@ -220,57 +219,6 @@ def _cloned(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_cloned(item) for item in value)
     return value
-
-
-def _uploaded(
-    storage: Storage, remote: str, folder: str, value: Any, rank: int, group: Any
-) -> list[tuple[str, Digest]]:
-    """This rank's DCP files (``Sharded``), written by DCP into a local temporary directory
-    (only public DCP: its file system writer; each rank's own directory, as DCP's writes of one
-    rank never need another's), then uploaded under ``remote``."""
-    with tempfile.TemporaryDirectory(prefix="unbroken-dcp-") as local:
-        save_state(value.state, local, group)
-        files = []
-        for file in written_by(os.listdir(local), rank):
-            path = os.path.join(local, file)
-            digest = storage.write(join(remote, file), partial(_copy, path))  # retried whole
-            files.append((f"{folder}/{file}", digest))
-        return files
-
-
-def _downloaded(at: Reading, spec: EntrySpec) -> str:
-    """A ``Sharded`` entry's files, every rank's (DCP reshards: a rank may read any of them),
-    downloaded and verified into a local temporary directory, which DCP then reads;
-    ``LocalCopy`` so that the load removes it once done."""
-    local = LocalCopy(tempfile.mkdtemp(prefix="unbroken-dcp-"))
-    try:
-        for file in spec["shards"]:
-            verify_file(at.storage, at.where, at.manifest, file)  # downloads it; kept for one read
-            with (
-                at.storage.open_read(join(at.where, file)) as opened,
-                open(os.path.join(local, file.rpartition("/")[2]), "wb") as out,
-            ):
-                shutil.copyfileobj(opened, out, 1 << 22)
-    except BaseException:  # a damaged or unreadable shard: nothing of it stays on the disk
-        local.remove()
-        raise
-    return local
-
-
-def _copy(path: str, out: Any) -> None:
-    with open(path, "rb") as source:
-        shutil.copyfileobj(source, out, 1 << 22)
-
-
-class LocalCopy(str):
-    """The path of a local copy of a checkpoint's DCP directory, removed after the load."""
-
-    def remove(self) -> None:
-        shutil.rmtree(self, ignore_errors=True)
-
-
-def _digest(storage: Storage, path: str) -> Digest:
-    return Digest(sha256(storage, path), storage.size(path))
 
 
 __all__ = [

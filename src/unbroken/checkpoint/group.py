@@ -1,8 +1,8 @@
-"""The ranks of a job as the Checkpointer sees them: who writes what, and how they agree.
+"""``CheckpointGroup``: the Checkpointer's ranks (a ``World``) and how they agree.
 
 Under an initialized ``torch.distributed`` process group of more than one rank, every
 Checkpointer call is collective: each rank calls ``save`` (or ``load_latest``) with the same
-step, in the same order. The Checkpointer talks to the other ranks only through ``Ranks``:
+step, in the same order. The Checkpointer talks to the other ranks only through its ``CheckpointGroup``:
 
 - ``settle(outcome)``: every rank hands in what its part of a phase gave, a value or the
   exception it raised; all get the list of values, or every rank raises (its own error, or a
@@ -15,7 +15,7 @@ The collectives run on a gloo group of their own, made by the Checkpointer's con
 training's backend, a background save may run them in its thread while the training's own
 collectives go on in the main one, and a dead or stuck peer becomes a ``RankFailure`` naming
 the phase after ``timeout`` seconds, never a hang. One process (no process group, or a group
-of one) is ``Ranks`` with rank 0 of 1: the same code path, with nothing to exchange.
+of one) is a group of rank 0 of 1: the same code path, with nothing to exchange.
 
 ``check_shared`` refuses a checkpoint directory that the ranks do not all see (each node its
 own local disk): rank 0 writes a token there, every rank reads it back.
@@ -33,34 +33,34 @@ import torch.distributed as dist
 
 from ..distributed.world import World
 from ..errors import DirectoryNotShared, RankFailure
+from .files import join
 from .layout import SHARED
-from .storage import Storage, join
+from .storage import Storage
 
 T = TypeVar("T")
 
 
-class Ranks:
-    """This process's rank among the Checkpointer's ranks, and their collectives."""
+class CheckpointGroup:
+    """The Checkpointer's ranks: ``world``, this process's rank among them; ``process_group``,
+    their own gloo group (None for one process); the collectives over it (see the module)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self.group: Any = None
-        self.rank, self.world_size = 0, 1
-        world = World.current()
-        if world.distributed:
-            self.rank, self.world_size = world.rank, world.size
+        self.process_group: Any = None
+        self.world = World.current()
+        if self.world.distributed:
             try:
                 # gloo connects the new group's ranks with a few quick retries only: a rank
                 # still busy elsewhere (a slow start, a loaded machine) would fail it, so all
                 # meet first on the default group, whose own timeout applies.
                 dist.barrier()
-                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+                self.process_group = dist.new_group(
+                    backend="gloo", timeout=timedelta(seconds=timeout)
+                )
             except Exception as error:
                 raise self._lost("creating the Checkpointer's process group", error) from error
-
-    @property
-    def first_rank(self) -> bool:
-        return self.rank == 0
+        else:
+            self.world = World()  # a default group of one rank: nothing to exchange
 
     def settle(
         self, outcome: Any, phase: str, tolerate: type[BaseException] | tuple = ()
@@ -86,31 +86,32 @@ class Ranks:
         return outcomes
 
     def _all_gather(self, value: Any, phase: str) -> list[Any]:
-        if self.group is None:
+        if self.process_group is None:
             return [value]
-        out: list[Any] = [None] * self.world_size
+        out: list[Any] = [None] * self.world.size
         try:
-            dist.all_gather_object(out, value, group=self.group)
+            dist.all_gather_object(out, value, group=self.process_group)
         except Exception as error:
             raise self._lost(phase, error) from error
         return out
 
     def _lost(self, phase: str, error: BaseException) -> RankFailure:
         return RankFailure(
-            f"unbroken.Checkpointer on rank {self.rank} of {self.world_size}: {phase} failed: "
-            f"another rank died, did not answer within the timeout of {self.timeout:g} s, or "
-            "did not call the same Checkpointer method at the same step (every rank must call "
-            f"save and load_latest together). {type(error).__name__}: {error}"
+            f"unbroken.Checkpointer on rank {self.world.rank} of {self.world.size}: {phase} "
+            "failed: another rank died, did not answer within the timeout of "
+            f"{self.timeout:g} s, or did not call the same Checkpointer method at the same step "
+            "(every rank must call save and load_latest together). "
+            f"{type(error).__name__}: {error}"
         )
 
     def check_shared(self, storage: Storage, root: str) -> None:
         """Raise ``DirectoryNotShared`` on every rank unless all see rank 0's ``root``."""
-        if self.group is None:
+        if self.process_group is None:
             return
         token = secrets.token_hex(8)
         folder = join(root, f"{SHARED}{token}")  # a directory: what Storage removes whole
         made: Any = token
-        if self.first_rank:
+        if self.world.first:
             try:
                 storage.make_directories(root)
                 storage.make_directory(folder)
@@ -124,7 +125,7 @@ class Ranks:
         except OSError:
             seen = False
         everyone = self._all_gather(seen, "checking the directory")
-        if self.first_rank:
+        if self.world.first:
             storage.remove_tree(folder)
         blind = [rank for rank, saw in enumerate(everyone) if not saw]
         if blind:
@@ -148,7 +149,7 @@ def _portable(outcome: Any) -> Any:
 
 
 def attempt(function: Callable[..., T], *args: Any) -> T | BaseException:
-    """``function(*args)``, or the exception it raised: what a rank hands to ``Ranks.settle``,
+    """``function(*args)``, or the exception it raised: what a rank hands to ``CheckpointGroup.settle``,
     so that a failure on one rank reaches the others instead of leaving them waiting."""
     try:
         return function(*args)

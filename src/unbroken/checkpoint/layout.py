@@ -9,10 +9,11 @@
 - ``.shared-<hex>/``: the directory by which the ranks of a job check that they share the directory
   (``group``): removed.
 
-On a store that cannot rename (``Storage.renames`` false: object storage), a checkpoint is
-written in place, under ``step-000000123/``, and its manifest, written last, commits it: a
-``step-*`` prefix without a manifest is a killed writer's (or a deletion's) leftover, not in
-view, and removed. ``stage`` and ``retire`` are the two ways of writing and deleting.
+How a checkpoint is staged, committed and retired is the storage's (``Storage.stage``,
+``commit``, ``retire``, ``is_committed``): on a store without rename (``FsspecStorage``), a
+checkpoint is written in place, under ``step-000000123/``, and its manifest, written last,
+commits it; a ``step-*`` prefix without one is a killed writer's (or a deletion's) leftover, not
+in view, and removed.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import os
 import re
 import secrets
 
-from .manifest import MANIFEST
-from .storage import Storage, basename, join
+from .files import basename, join
+from .storage import Storage
 
 _FINAL = re.compile(r"step-(\d+)")
 _OLD = re.compile(r"\.old-step-(\d+)-[0-9a-f]+")
 _TMP, _DOOMED = ".tmp-", ".del-"
-SHARED = ".shared-"  # a token file of group.Ranks.check_shared
+SHARED = ".shared-"  # a token file of group.CheckpointGroup.check_shared
 
 
 def final_name(step: int) -> str:
@@ -48,26 +49,21 @@ def doomed_name(name: str) -> str:
 
 
 def clean(storage: Storage, root: str) -> None:
-    """Remove what killed writers left: temporary and half-deleted directories (on a store
-    without rename: prefixes without a manifest); put back a checkpoint moved aside whose
-    replacement never arrived; abort what a killed writer left of a multipart upload, where
-    the storage can (``ObjectStorage.abort_uploads``)."""
-    abort_uploads = getattr(storage, "abort_uploads", None)  # not part of the protocol
-    if abort_uploads is not None:
-        abort_uploads(root)
+    """Remove what killed writers left: temporary and half-deleted directories, and checkpoint
+    directories never committed (on a store without rename: prefixes without a manifest); put
+    back a checkpoint moved aside whose replacement never arrived; abort what a killed writer
+    left of an upload, where the store keeps it (``Storage.abort_uploads``)."""
+    storage.abort_uploads(root)
     for entry in storage.list_directory(root):
+        path = join(root, entry.name)
         old = _OLD.fullmatch(entry.name)
         final = join(root, f"step-{old.group(1)}") if old else ""
         if old and not storage.exists(final):
-            storage.rename(join(root, entry.name), final)
+            storage.rename(path, final)
         elif old or entry.name.startswith((_TMP, _DOOMED, SHARED)):
-            storage.remove_tree(join(root, entry.name))
-        elif (
-            not storage.renames
-            and _FINAL.fullmatch(entry.name)
-            and not _sealed(storage, root, entry.name)
-        ):
-            storage.remove_tree(join(root, entry.name))
+            storage.remove_tree(path)
+        elif _FINAL.fullmatch(entry.name) and not storage.is_committed(path):
+            storage.remove_tree(path)
 
 
 def committed(storage: Storage, root: str) -> list[tuple[int, str]]:
@@ -79,38 +75,21 @@ def committed(storage: Storage, root: str) -> list[tuple[int, str]]:
         for entry in storage.list_directory(root)
         if (m := _FINAL.fullmatch(entry.name))
         and entry.is_directory
-        and (storage.renames or _sealed(storage, root, entry.name))
+        and storage.is_committed(join(root, entry.name))
     ]
     return sorted(found)
 
 
-def _sealed(storage: Storage, root: str, name: str) -> bool:
-    return storage.exists(join(join(root, name), MANIFEST))
-
-
-def stage(storage: Storage, root: str, step: int, target: str) -> str:
-    """Where checkpoint ``step``, to be committed at ``target``, is written: a new temporary
-    directory, renamed into place by ``Storage.commit``; on a store without rename, ``target``
-    itself, once a checkpoint there (the same step saved again) is retired."""
-    if not storage.renames:
-        if storage.exists(target):  # the same step saved again
-            retire(storage, root, target)
-        return target
-    tmp = join(root, temporary_name(step))
-    storage.make_directory(tmp)
-    return tmp
+def stage(storage: Storage, root: str, step: int) -> str:
+    """Where checkpoint ``step`` is written (``Storage.stage``: by default a new temporary
+    directory, renamed into place by ``Storage.commit``)."""
+    return storage.stage(join(root, final_name(step)), join(root, temporary_name(step)))
 
 
 def retire(storage: Storage, root: str, path: str) -> None:
-    """Delete checkpoint ``path`` so that no reader ever sees a part of it: renamed out of
-    view first, or, on a store without rename, its manifest deleted first."""
-    if storage.renames:
-        aside = join(root, doomed_name(basename(path)))
-        storage.rename(path, aside)
-        storage.remove_tree(aside)
-    else:
-        storage.remove_tree(join(path, MANIFEST))
-        storage.remove_tree(path)
+    """Delete checkpoint ``path`` so that no reader ever sees a part of it (``Storage.retire``:
+    by default renamed out of view first)."""
+    storage.retire(path, join(root, doomed_name(basename(path))))
 
 
 def candidates(storage: Storage, root: str) -> list[tuple[int, str]]:

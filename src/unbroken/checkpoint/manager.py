@@ -20,9 +20,11 @@ writes each entry once (every rank its ``PerRank`` entries), and the manifest on
 files are durable. A rank's failure raises on every rank (``group``) and commits nothing; a
 checkpoint any rank finds corrupt is skipped by all, so ranks never load different steps.
 
-The parts: ``layout`` (names, cleanup), ``entries`` (replicated, per rank, DCP), ``writing``,
-``weights_only``, ``storage`` (the ``Storage`` protocol: another backend is one new class),
-``space``, ``manifest``, ``group`` (how ranks agree), ``per_rank``, ``background``, ``restore``.
+The parts: ``layout`` (names, cleanup), ``entries`` (replicated, per rank, DCP), ``writing``
+and ``loading`` (the write and read paths), ``weights_only``, ``storage`` (the ``Storage``
+protocol, with the commit protocol: another backend is one new class; ``local``,
+``fsspec_storage``), ``space``, ``manifest``, ``group`` (how ranks agree), ``per_rank``,
+``background``, ``restore``.
 
 Costs: a save writes each byte once, hashed on the way (sha256: ~1 GB/s a core), one fsync per
 file, two per directory; ``blocking=False`` blocks while the state is copied to CPU memory.
@@ -33,26 +35,25 @@ from __future__ import annotations
 
 import errno
 import os
-import time
-import warnings
 from typing import Any, TypeVar
 
 import torch
 
 from .._checks import is_int, is_number
-from .._state import has_state
-from ..distributed.reduction import is_exact, warn_inexact
-from ..errors import CorruptCheckpoint, RemoteUnavailable
+from ..errors import RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
-from .entries import ABSENT, Kind, LocalCopy, Part, Reading, check_loadable, kind_in, kind_of
-from .group import Ranks, attempt
-from .manifest import FORMAT, MANIFEST, VERSION, Manifest, ParamShapes, param_shapes, read_manifest
-from .objects import REMOTE_TIMEOUT, storage_for
-from .per_rank import SKIP, PerRank, unwrap
-from .restore import Restored, restore
-from .sharded import Sharded
-from .storage import Storage, join, parents
+from .entries import Kind, Part, kind_of
+from .files import join
+from .fsspec_storage import REMOTE_TIMEOUT
+from .group import CheckpointGroup, attempt
+from .loading import Loading
+from .manifest import param_shapes
+from .per_rank import PerRank
+from .restore import Restored
+from .schema import FORMAT, MANIFEST, VERSION, ParamShapes
+from .storage import Storage
+from .stores import storage_for
 from .writing import Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
@@ -115,20 +116,23 @@ class Checkpointer:
         self._storage: Storage = storage
         self._root = self.directory
         self._pending: BackgroundSave | None = None
-        self._ranks = Ranks(float(timeout))
-        self._ranks.settle(attempt(self._check_directory), "checking the directory")
-        self._ranks.check_shared(self._storage, self._root)
-        self._writing = Writing(self._storage, self._root, self._ranks, keep)
+        self._group = CheckpointGroup(float(timeout))
+        self._group.settle(attempt(self._check_directory), "checking the directory")
+        self._group.check_shared(self._storage, self._root)
+        self._writing = Writing(self._storage, self._root, self._group, keep)
+        self._loading = Loading(
+            self._storage, self._root, self._group, self._writing, self._check_directory
+        )
 
     @property
     def rank(self) -> int:
         """This process's rank (0 without ``torch.distributed``)."""
-        return self._ranks.rank
+        return self._group.world.rank
 
     @property
     def world_size(self) -> int:
         """The number of ranks (1 without ``torch.distributed``)."""
-        return self._ranks.world_size
+        return self._group.world.size
 
     def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> str:
         """Write ``state`` as checkpoint ``step``.
@@ -156,7 +160,7 @@ class Checkpointer:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
         _check_names(state, "save")
         self.wait()
-        ranks = self._ranks
+        ranks = self._group
         prepared = attempt(self._prepare, state, blocking)
         shown = (
             prepared if isinstance(prepared, BaseException) else (step, _every_rank(prepared[0]))
@@ -207,13 +211,12 @@ class Checkpointer:
         self, state: dict[str, Any], blocking: bool
     ) -> tuple[dict[str, tuple[Kind, Any]], dict[str, ParamShapes]]:
         """This rank's copies of what it writes, with their kind, and optimizers' shapes."""
-        if self._storage.renames:  # in object storage no file can stand where a prefix goes
-            self._check_directory()
+        self._check_directory()  # a file may have taken its place since
         mine: dict[str, tuple[Kind, Any]] = {}
         shapes: dict[str, ParamShapes] = {}
         for name, entry in state.items():
             kind = kind_of(entry)
-            if kind.every_rank or self._ranks.first_rank:  # rank 0 writes the replicated ones
+            if kind.every_rank or self._group.world.first:  # rank 0 writes the replicated ones
                 mine[name] = (kind, kind.prepare(entry, name, blocking))
             if isinstance(entry, torch.optim.Optimizer):
                 shapes[name] = param_shapes(entry)
@@ -270,7 +273,7 @@ class Checkpointer:
         _check_names(state, "load_latest")
         self.wait()
         try:
-            return self._load_latest(state)
+            return self._loading.latest(state)
         except RemoteUnavailable as error:
             raise RemoteUnavailable(
                 f"unbroken.Checkpointer: could not read the checkpoints in {self.directory}: "
@@ -278,102 +281,15 @@ class Checkpointer:
                 "store answers (or give a slow store a larger remote_timeout)."
             ) from error
 
-    def _load_latest(self, state: dict[str, Any]) -> Restored | None:
-        ranks = self._ranks
-        started = time.perf_counter()
-        listed = attempt(self._candidates if ranks.first_rank else self._check_directory)
-        found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
-        self._writing.seen([step for step, _ in found])
-        scanned = time.perf_counter()
-        for step, where in reversed(found):
-            path = where
-            read = attempt(self._read, where, step, state)
-            # Only the verdict travels (None: fine), never the state read.
-            verdict = read if isinstance(read, BaseException) else None
-            verdicts = ranks.settle(verdict, f"reading checkpoint {path}", CorruptCheckpoint)
-            corrupt = [(r, v) for r, v in enumerate(verdicts) if isinstance(v, CorruptCheckpoint)]
-            if corrupt:
-                why = "; ".join(
-                    f"rank {r}: {v}" if ranks.world_size > 1 else str(v) for r, v in corrupt
-                )
-                warnings.warn(
-                    f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=3
-                )
-                self._writing.damaged.add(path)  # read, and proven damaged: a save may drop it
-                if not isinstance(read, BaseException):  # this rank's downloads of it go
-                    for value in read[1].values():
-                        if isinstance(value, LocalCopy):
-                            value.remove()
-                continue
-            assert not isinstance(read, BaseException)
-            manifest, saved, skipped = read
-            was_read = time.perf_counter()
-            # DCP's entries last, and only once all the others are in: it loads collectively.
-            sharded = {n: o for n, o in state.items() if isinstance(o, Sharded) and n in saved}
-            objects = {
-                name: unwrap(obj)
-                for name, obj in state.items()
-                if name not in skipped and name not in sharded
-            }
-            restored = attempt(restore, objects, saved, manifest["entries"], path)
-            ranks.settle(restored, f"restoring checkpoint {path}")
-            for name, obj in sharded.items():
-                loaded = attempt(obj.load, saved[name], ranks.group)
-                if isinstance(saved[name], LocalCopy):  # downloaded from object storage
-                    saved[name].remove()
-                ranks.settle(loaded, f"loading state[{name!r}] of checkpoint {path} with DCP")
-            for obj in objects.values():  # a DDP model on 3+ ranks: exact only with a fix
-                if not is_exact(obj):
-                    warn_inexact("unbroken.Checkpointer", obj)
-            return Restored(
-                step=step,
-                path=path,
-                values={name: saved[name] for name, obj in objects.items() if not has_state(obj)},
-                unrequested={name: value for name, value in saved.items() if name not in state},
-                world_size=manifest["world_size"],
-                seconds={
-                    "scan": scanned - started,
-                    "read": was_read - scanned,
-                    "restore": time.perf_counter() - was_read,
-                },
-            )
-        return None
-
-    def _candidates(self) -> list[tuple[int, str]]:
-        self._check_directory()
-        return layout.candidates(self._storage, self._root)
-
-    def _read(
-        self, where: str, step: int, state: dict[str, Any]
-    ) -> tuple[Manifest, dict[str, Any], list[str]]:
-        """Checkpoint ``where``'s manifest, entries, and the ``PerRank`` names left as they are."""
-        ranks = self._ranks
-        manifest = read_manifest(self._storage, where, step)
-        at = Reading(self._storage, where, manifest, ranks.rank, ranks.world_size)
-        saved: dict[str, Any] = {}
-        skipped: list[str] = []
-        for index, (name, spec) in enumerate(manifest["entries"].items()):
-            wanted = state.get(name, ABSENT)
-            check_loadable(where, name, spec, wanted)
-            value = kind_in(spec).read(at, index, name, spec, wanted)
-            if value is SKIP:
-                skipped.append(name)
-            elif value is not ABSENT:
-                saved[name] = value
-        return manifest, saved, skipped
-
     def _check_directory(self) -> None:
         """Refuse a file where the directory should be (a Trainer would restart from step 0)."""
-        storage = self._storage
-        if storage.is_directory(self._root):
-            return
-        # Nothing there (the first save creates it), unless a file blocks the way to it.
-        blocker = next(
-            (p for p in parents(self._root) if storage.exists(p) and not storage.is_directory(p)),
-            None,
-        )
-        if blocker is not None or storage.exists(self._root):
-            what = f"{blocker} is a file" if blocker else "it exists and is not a directory"
+        blocker = self._storage.blocker(self._root)  # nothing there: the first save makes it
+        if blocker is not None:
+            what = (
+                f"{blocker} is a file"
+                if blocker != self._root
+                else "it exists and is not a directory"
+            )
             raise NotADirectoryError(
                 errno.ENOTDIR,
                 f"the Checkpointer directory {self.directory} is not a directory: {what}, so no "

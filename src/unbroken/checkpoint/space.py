@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from .._units import human
-from .storage import Storage, join
+from .files import join
+from .storage import Storage
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 

@@ -1,64 +1,28 @@
-"""The filesystem operations a Checkpointer performs, as a protocol, and their local implementation.
-
-``Storage`` names every operation the Checkpointer and the manifest reader need, with string
-paths, so that a remote filesystem (an fsspec one, say) is one new class implementing it, not a
-change to the save and load logic. ``LocalStorage`` implements it with ``os``: each new file is
-hashed as it is written (sha256, ~1 GB/s, so each byte is handled once), then flushed and
-fsynced; a new directory's entry is fsynced in its parent. Costs: one fsync per file and per
-directory entry made durable.
-
-``torch.save`` turns an error of the file it writes into ``RuntimeError: [enforce fail at
-inline_container.cc] unexpected pos``; ``LocalStorage.write`` keeps the real ``OSError`` (ENOSPC
-included, which ``space.disk_full`` turns into a message) and raises that instead.
-
-``os.fsync`` and ``open`` are looked up when called, not bound at import, so that tests (and
-tools) that patch them see every call.
+"""``Storage``: every operation on where checkpoints and run directories live, a protocol that
+a backend subclasses. It implements the primitives and inherits or overrides the rest: the commit
+protocol (by default a directory renamed into place: ``defaults``), DCP's local directories, the
+hooks, whole small objects with the store's time of each. No caller asks a storage's class.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-from collections.abc import Callable
-from pathlib import Path
-from typing import BinaryIO, NamedTuple, Protocol, cast
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from typing import BinaryIO, Protocol
 
-__all__ = [
-    "Digest",
-    "Entry",
-    "LocalStorage",
-    "Storage",
-    "basename",
-    "join",
-    "parent",
-    "parents",
-    "sha256",
-]
+from . import defaults
+from .files import Digest, Entry, Stat
 
-
-class Digest(NamedTuple):
-    """What ``Storage.write`` wrote: the sha256 (hex) and the size in bytes."""
-
-    sha256: str
-    size: int
-
-
-class Entry(NamedTuple):
-    """An entry of a directory: its name (not its path) and whether it is a directory."""
-
-    name: str
-    is_directory: bool
+__all__ = ["Storage"]
 
 
 class Storage(Protocol):
-    """Where checkpoints live. Paths are strings: a local path, or a URI for a remote store."""
+    """Where checkpoints live; a backend subclasses it (see the module). Paths are strings."""
 
-    renames: bool
-    """Whether ``rename`` moves a directory in one step (a local disk). Where it cannot (object
-    storage), a checkpoint is written in place and committed by its manifest, written last
-    (``layout``)."""
+    fence: Callable[[], None] | None = None
+    """Called before every change to the store (the Trainer's run directory: its lease's)."""
 
+    @abstractmethod
     def exists(self, path: str) -> bool:
         """Whether anything is at ``path``.
 
@@ -68,8 +32,8 @@ class Storage(Protocol):
         Returns:
             True if a file or a directory is there.
         """
-        ...
 
+    @abstractmethod
     def is_directory(self, path: str) -> bool:
         """Whether ``path`` is a directory.
 
@@ -79,8 +43,8 @@ class Storage(Protocol):
         Returns:
             True for a directory; False for a file or nothing.
         """
-        ...
 
+    @abstractmethod
     def list_directory(self, path: str) -> list[Entry]:
         """The entries of a directory.
 
@@ -90,36 +54,36 @@ class Storage(Protocol):
         Returns:
             Its entries, in no particular order.
         """
-        ...
 
+    @abstractmethod
     def make_directory(self, path: str) -> None:
         """Create one directory.
 
         Args:
             path: The new directory. Its parent exists; an existing ``path`` is an error.
         """
-        ...
 
+    @abstractmethod
     def make_directories(self, path: str) -> None:
         """Create a directory and its missing parents, like ``mkdir -p``.
 
         Args:
             path: The directory. Each new directory's entry is made durable in its parent.
         """
-        ...
 
+    @abstractmethod
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
         """Create a file durably with what ``fill(file)`` writes.
 
         Args:
             path: The new file; an existing one is an error.
-            fill: Called once with the open binary file; writes its content.
+            fill: Writes the content into the open binary file (again, whole, on a retry).
 
         Returns:
             The sha256 and size of what was written.
         """
-        ...
 
+    @abstractmethod
     def open_read(self, path: str) -> BinaryIO:
         """Open a file for reading bytes.
 
@@ -129,8 +93,8 @@ class Storage(Protocol):
         Returns:
             The open file; the caller closes it.
         """
-        ...
 
+    @abstractmethod
     def size(self, path: str) -> int:
         """The size of a file.
 
@@ -140,44 +104,44 @@ class Storage(Protocol):
         Returns:
             Its size in bytes.
         """
-        ...
 
+    @abstractmethod
     def is_link(self, path: str) -> bool:
-        """Whether ``path`` is a symbolic link.
+        """Whether ``path`` is a symbolic link (never, on a store that has none).
 
         Args:
             path: A local path or a URI.
 
         Returns:
-            True for a link; always False on a store that has none.
+            True for a link.
         """
-        ...
 
+    @abstractmethod
     def rename(self, source: str, target: str) -> None:
-        """Rename a file or a directory in one step.
+        """Rename a file or a directory (in one step where the commit protocol relies on it).
 
         Args:
             source: The current path.
             target: The new path.
         """
-        ...
 
+    @abstractmethod
     def remove_tree(self, path: str) -> None:
         """Remove a path and everything under it, ignoring what cannot be removed.
 
         Args:
             path: The file or directory.
         """
-        ...
 
+    @abstractmethod
     def sync_directory(self, path: str) -> None:
         """Make a directory's entries (new files, renames) durable.
 
         Args:
             path: The directory.
         """
-        ...
 
+    @abstractmethod
     def free_space(self, path: str) -> int:
         """The bytes free for new data on the filesystem holding ``path``.
 
@@ -187,154 +151,200 @@ class Storage(Protocol):
         Returns:
             The free bytes.
         """
-        ...
+
+    def stage(self, target: str, temporary: str) -> str:
+        """Where a checkpoint to be committed at ``target`` is written, manifest last.
+
+        Args:
+            target: Its final directory.
+            temporary: A free name beside it, for a store that commits by a rename.
+
+        Returns:
+            The directory; by default ``temporary``, made now.
+        """
+        self.make_directory(temporary)
+        return temporary
 
     def commit(self, staged: str, target: str, aside: str) -> None:
         """Make a staged checkpoint appear whole at ``target``, durably.
 
-        Afterwards ``target`` holds all of the new checkpoint. If the process died during the
-        commit, it holds the old one (maybe at ``aside``, which ``layout.clean`` puts back) or
-        nothing; never a mix. A local disk renames the directory. A store without renames gets
-        ``staged == target`` (``layout.stage``): the manifest, written last, committed it.
+        If the process dies during it, ``target`` holds the old one (maybe at ``aside``, which
+        ``layout.clean`` puts back) or nothing; never a mix. By default a rename.
 
         Args:
             staged: The directory the checkpoint was written in, manifest last.
             target: Where the checkpoint appears, replacing one there.
             aside: A free name where the old checkpoint is moved during the swap.
         """
-        ...
+        defaults.rename_into_place(self, staged, target, aside)
 
+    def abandon(self, staged: str) -> None:
+        """Remove what a save that failed wrote at ``staged``, unless it was committed.
 
-class LocalStorage:
-    """``Storage`` on the local filesystem."""
+        Args:
+            staged: What ``stage`` returned; by default removed (a commit renamed it away).
+        """
+        self.remove_tree(staged)
 
-    renames = True
+    def retire(self, path: str, aside: str) -> None:
+        """Delete checkpoint ``path`` so that no reader ever sees a part of it.
 
-    def exists(self, path: str) -> bool:
-        return Path(path).exists()
+        Args:
+            path: The checkpoint's directory.
+            aside: A free name out of view; by default it is renamed there first.
+        """
+        defaults.rename_and_remove(self, path, aside)
 
-    def is_directory(self, path: str) -> bool:
-        return Path(path).is_dir()
+    def is_committed(self, path: str) -> bool:
+        """Whether the checkpoint directory ``path`` (named ``step-*``) was committed.
 
-    def list_directory(self, path: str) -> list[Entry]:
-        with os.scandir(path) as entries:
-            return [Entry(entry.name, entry.is_dir()) for entry in entries]
+        Args:
+            path: The directory.
 
-    def make_directory(self, path: str) -> None:
-        os.mkdir(path)
+        Returns:
+            By default True: it got its name by the commit's rename.
+        """
+        return True
 
-    def make_directories(self, path: str) -> None:
-        missing, directory = [], Path(path)
-        while not directory.exists():
-            missing.append(directory)
-            directory = directory.parent
-        for new in reversed(missing):
-            new.mkdir(exist_ok=True)
-            self.sync_directory(str(new.parent))
+    def blocker(self, path: str) -> str | None:
+        """What keeps a directory from being at ``path``: a file there or above it.
 
-    def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
-        with open(path, "xb") as file:
-            out = _HashingWriter(file)
-            try:
-                fill(cast(BinaryIO, out))  # torch.save uses only write() and flush()
-            finally:
-                if out.error is not None:
-                    raise out.error from None  # the cause; torch's own error is only its symptom
-            file.flush()
-            os.fsync(file.fileno())
-        return Digest(out.sha256.hexdigest(), out.size)
+        Args:
+            path: Where a directory is wanted.
 
-    def open_read(self, path: str) -> BinaryIO:
-        return open(path, "rb")
+        Returns:
+            The file in the way, or None (a directory there, or nothing yet).
+        """
+        return defaults.file_in_the_way(self, path)
 
-    def size(self, path: str) -> int:
-        return os.stat(path).st_size
+    def write_directory(
+        self, path: str, fill: Callable[[str], Sequence[str]]
+    ) -> list[tuple[str, Digest]]:
+        """Files written by a writer of local files, durable under ``path``.
 
-    def is_link(self, path: str) -> bool:
-        return os.path.islink(path)
+        Args:
+            path: The directory in the storage.
+            fill: Writes files into the local directory it is given; returns those to keep.
 
-    def rename(self, source: str, target: str) -> None:
-        os.rename(source, target)
+        Returns:
+            Each kept file's name and digest.
+        """
+        return defaults.copied_in(self, path, fill)
 
-    def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path, ignore_errors=True)
+    def readable_directory(
+        self, path: str, files: Sequence[str], mine: Sequence[str], verify: Callable[[str], None]
+    ) -> str:
+        """A local directory holding ``files`` of ``path``, for a reader of local files.
 
-    def sync_directory(self, path: str) -> None:
-        if os.name == "posix":  # elsewhere directories cannot be opened, and renames are journaled
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        Args:
+            path: The directory in the storage.
+            files: Its files' names, every one that may be read.
+            mine: Those this process must ``verify`` (another process checks the rest).
+            verify: Raises if a file (by name) is not what was written.
 
-    def free_space(self, path: str) -> int:
-        return shutil.disk_usage(path).free
+        Returns:
+            The local directory; by default a ``CopiedDirectory`` (``remove()`` it once read).
+        """
+        return defaults.copied_out(self, path, files, verify)
 
-    def commit(self, staged: str, target: str, aside: str) -> None:
-        old = None
-        try:
-            if self.exists(target):  # a directory cannot be renamed over a non-empty one
-                self.rename(target, aside)
-                old = aside
-            self.rename(staged, target)  # the commit
-            self.sync_directory(parent(target))
-        except BaseException:
-            if old is not None and not self.exists(target):
-                self.rename(old, target)
-            raise
-        if old is not None:
-            self.remove_tree(old)
+    def abort_uploads(self, prefix: str) -> None:
+        """Abort what writers killed mid-upload left under ``prefix`` (by default, nothing).
 
+        Args:
+            prefix: The path under which uploads are aborted.
+        """
+        return None
 
-class _HashingWriter:
-    """A write-only file that hashes what passes through, so each byte is handled once."""
+    def prune_cache(self, kept: list[str]) -> None:
+        """Delete the local copies that no kept checkpoint lists (none by default).
 
-    def __init__(self, file: BinaryIO) -> None:
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
-        self.error: OSError | None = None
+        Args:
+            kept: The kept checkpoints' directories.
+        """
+        return None
 
-    def write(self, data: bytes) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as error:  # torch.save replaces it with "unexpected pos": keep it
-            self.error = self.error or error
-            raise
-        self.sha256.update(data)
-        self.size += memoryview(data).nbytes
-        return written
+    def expect(self, path: str, sha256: str, size: int) -> None:
+        """Say what a file holds, from a manifest, so a local copy may serve its reads.
 
-    def flush(self) -> None:
-        self.file.flush()
+        Args:
+            path: The file.
+            sha256: Its content's sha256 (hex), as the manifest lists it.
+            size: Its size in bytes.
+        """
+        return None
 
+    def _fenced(self) -> None:  # ``fence`` raises if this job may change the store no more
+        if self.fence is not None:
+            self.fence()
 
-def sha256(storage: Storage, path: str) -> str:
-    """The sha256 (hex) of file ``path``, read in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with storage.open_read(path) as file:
-        while chunk := file.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    def tried_once(self) -> Storage:
+        """This storage with each operation tried once, for a caller that tries again itself.
 
+        Returns:
+            By default the storage itself: it has no retries.
+        """
+        return self
 
-def parent(path: str) -> str:
-    """The directory holding ``path`` (a local path or a URI)."""
-    head = path.rstrip("/").rpartition("/")[0]
-    return head if head else ("/" if path.startswith("/") else ".")
+    def create(self, path: str, data: bytes) -> None:
+        """Create a file holding ``data``; ``FileExistsError`` if something is there.
 
+        Args:
+            path: The new file.
+            data: Its content.
+        """
+        self.write(path, lambda out: out.write(data))
 
-def parents(path: str) -> list[str]:
-    """Every directory above ``path``, the outermost first (``/``, or a URI's first part)."""
-    found, current = [], path.rstrip("/")
-    while "/" in current.strip("/"):
-        current = parent(current)
-        found.append(current)
-    return found[::-1]
+    def read_bytes(self, path: str) -> bytes:
+        """A file's content, whole.
 
+        Args:
+            path: The file.
 
-def basename(path: str) -> str:
-    return path.rstrip("/").rpartition("/")[2]
+        Returns:
+            Its bytes.
+        """
+        with self.open_read(path) as opened:
+            return opened.read()
 
+    def overwrite(self, path: str, data: bytes) -> None:
+        """Replace a file's content with ``data`` at once (or create it).
 
-def join(directory: str, name: str) -> str:
-    """``directory/name`` with "/", which local paths and URIs both take."""
-    return f"{directory.rstrip('/')}/{name}" if directory.rstrip("/") else f"/{name}"
+        Args:
+            path: The file.
+            data: Its new content.
+        """
+        self.remove_tree(path)
+        self.write(path, lambda out: out.write(data))
+
+    def delete(self, path: str) -> None:
+        """Delete one file.
+
+        Args:
+            path: The file.
+        """
+        self.remove_tree(path)
+
+    def stat(self, path: str) -> Stat:
+        """When a file was last written, by the store's clock, and its version.
+
+        Args:
+            path: The file.
+
+        Returns:
+            Its ``Stat``.
+
+        Raises:
+            NotImplementedError: the backend cannot tell (it must, to hold a lease).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot tell when {path} was written")
+
+    def tree_size(self, path: str) -> int:
+        """The bytes of every file under ``path``.
+
+        Args:
+            path: A directory (or a file).
+
+        Returns:
+            Their sum.
+        """
+        return defaults.summed_sizes(self, path)

@@ -1,4 +1,4 @@
-"""The bytes of one object on their way to and from object storage, for ``ObjectStorage``.
+"""The bytes of one object on their way to and from a store, for ``FsspecStorage``.
 
 - ``download``: a whole object, in one ranged request if it is small, else in parts of
   ``DOWNLOAD_PART`` bytes, ``fs.max_concurrency`` in flight at a time (as s3fs itself does);
@@ -10,7 +10,6 @@
 - ``discard``: a failed upload aborted and its file marked closed in every case. An fsspec file
   left open tries to finish its upload when it is collected, at the interpreter's exit too; if
   the store is gone, the process never exits.
-- ``LocalCopy``: a file being copied into the local cache, named by its sha256 once whole.
 
 Costs: a download holds the object in memory once (the parts, then the joined bytes: twice, for
 the moment of the join); an upload's pieces are views, not copies.
@@ -19,11 +18,10 @@ the moment of the join); an upload's pieces are views, not copies.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from typing import Any
 
 from ..retry import progressed
+from .copies import LocalCopy
 
 DOWNLOAD_PART = 16 << 20
 """Bytes per ranged request of a large download."""
@@ -61,67 +59,6 @@ def discard(out: Any) -> None:
         pass
     finally:
         out.closed = True  # its close (at garbage collection) must not upload
-
-
-def cache_directory(url: str, cache: str | bool) -> str | None:
-    """The folder of ``url``'s local copies in ``cache`` (``True``: the user's cache)."""
-    if cache is False:
-        return None
-    if cache is True:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        cache = os.path.join(base, "unbroken", "checkpoints")
-    return os.path.join(cache, hashlib.sha256(url.encode()).hexdigest()[:16])
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-class LocalCopy:
-    """A file being copied into the cache: written under a temporary name, then named by its
-    sha256 once whole (a copy is never half there under that name). Best effort: a full or
-    read-only disk only means no copy."""
-
-    def __init__(self, cache: str | None) -> None:
-        self.file: Any = None
-        self.path = ""
-        if cache is not None:
-            try:
-                os.makedirs(cache, exist_ok=True)
-                handle, self.path = tempfile.mkstemp(prefix=".part-", dir=cache)
-                self.file = os.fdopen(handle, "wb")
-            except OSError:
-                self.file = None
-
-    def write(self, data: Any) -> None:
-        if self.file is not None:
-            try:
-                self.file.write(data)
-            except OSError:
-                self.drop()
-
-    def keep(self, sha256: str) -> None:
-        if self.file is not None:
-            try:
-                self.file.close()
-                os.replace(self.path, os.path.join(os.path.dirname(self.path), sha256))
-            except OSError:
-                self.drop()
-            self.file = None
-
-    def drop(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-        if self.path:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
 
 
 class Hashing:

@@ -18,11 +18,13 @@ import torch
 
 from . import layout
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
-from .group import Ranks, attempt
-from .manifest import MANIFEST, EntrySpec, ParamShapes, param_shapes, seal
+from .files import Digest, basename, join
+from .group import CheckpointGroup, attempt
+from .manifest import param_shapes, seal
+from .schema import MANIFEST, EntrySpec, ParamShapes
 from .sharded import Sharded
 from .space import FULL, disk_full
-from .storage import Digest, Storage, basename, join
+from .storage import Storage
 
 Written = dict[str, Part]  # one rank's files, by entry name
 
@@ -30,8 +32,8 @@ Written = dict[str, Part]  # one rank's files, by entry name
 class Writing:
     """The write path of a ``Checkpointer`` (``manager``) over its storage and ranks."""
 
-    def __init__(self, storage: Storage, root: str, ranks: Ranks, keep: int) -> None:
-        self.storage, self.root, self.ranks, self.keep = storage, root, ranks, keep
+    def __init__(self, storage: Storage, root: str, group: CheckpointGroup, keep: int) -> None:
+        self.storage, self.root, self.group, self.keep = storage, root, group, keep
         self.damaged: set[str] = set()
         """Checkpoints that ``load_latest`` read and skipped as corrupt: a save may drop them."""
         self.newest: int | None = None  # the largest committed step seen (None: not listed)
@@ -51,7 +53,7 @@ class Writing:
         """Every rank: rank 0 opens the temporary directory, each writes its files into it,
         rank 0 seals and commits it once all are durable, then, once all know, drops the
         oldest."""
-        ranks, storage, first = self.ranks, self.storage, self.ranks.first_rank
+        ranks, storage, first = self.group, self.storage, self.group.world.first
         phase = f"writing checkpoint step {step}"
         tmp = None
         try:
@@ -63,8 +65,8 @@ class Writing:
             # Only once every rank knows the new checkpoint is committed: the old ones go.
             ranks.settle(attempt(self._drop_old, step) if first else None, phase)
         except BaseException as error:
-            if first and tmp is not None and not _committed(storage, tmp):
-                storage.remove_tree(tmp)
+            if first and tmp is not None:
+                storage.abandon(tmp)
             if isinstance(error, OSError) and error.errno in FULL:  # this rank's own
                 raise disk_full(
                     error,
@@ -118,8 +120,8 @@ class Writing:
             self._seal(step, tmp, final, written, shapes)
             self._drop_old(step)
         except BaseException:
-            if tmp is not None and not _committed(self.storage, tmp):
-                self.storage.remove_tree(tmp)
+            if tmp is not None:
+                self.storage.abandon(tmp)
             raise
 
     def _open(self, step: int) -> str:
@@ -129,7 +131,7 @@ class Writing:
         layout.clean(storage, root)
         if self.newest is None or step < self.newest:  # a larger step may be there
             self._refuse_newer(step)
-        return layout.stage(storage, root, step, join(root, layout.final_name(step)))
+        return layout.stage(storage, root, step)
 
     def _refuse_newer(self, step: int) -> None:
         """Raise if a checkpoint of a larger step than ``step`` is committed and was not found
@@ -158,8 +160,8 @@ class Writing:
         numbered by their ``order`` in the state (so an entry every rank writes has the same
         number on every rank). DCP's entries first: its collectives must not wait for a rank
         that failed on another file."""
-        storage, group = self.storage, self.ranks.group
-        rank = self.ranks.rank if rank is None else rank
+        storage, group = self.storage, self.group.process_group
+        rank = self.group.world.rank if rank is None else rank
         by_order = sorted(mine.items(), key=lambda item: order[item[0]])
         by_order.sort(key=lambda item: item[1][0] is not THROUGH_DCP)  # stable: order kept
         return {
@@ -220,18 +222,4 @@ class Writing:
         doomed += [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             layout.retire(storage, root, path)
-        prune_cache = getattr(storage, "prune_cache", None)  # ObjectStorage's local copies
-        if prune_cache is not None:
-            prune_cache([path for _, path in committed if path not in doomed])
-
-
-def _committed(storage: Storage, staged: str) -> bool:
-    """Whether the checkpoint written in ``staged`` was committed before the save failed (on a
-    store without rename it is written in place: its manifest says so); if that cannot be told,
-    it is left for ``layout.clean``."""
-    if storage.renames:
-        return False  # renamed away if committed: what is left at ``staged`` is not
-    try:
-        return storage.exists(join(staged, MANIFEST))
-    except Exception:
-        return True
+        storage.prune_cache([path for _, path in committed if path not in doomed])

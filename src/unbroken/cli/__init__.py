@@ -19,7 +19,7 @@ newest sealed folder, skipping the newer ones, and none sealed (or one folder na
 fails. ``inspect`` reads a sealed folder's position from rank 0's ``unbroken-state-rank0.json``
 (its loader) and ``trainer_state.json`` (the global step, as ``optimizer_step``).
 
-A checkpoint *verifies* when ``unbroken.checkpoint.scan.classify`` finds it ``ok``: the one
+A checkpoint *verifies* when ``unbroken.checkpoint.verdict.classify`` finds it ``ok``: the one
 judgement ``Checkpointer.load_latest`` makes too (its manifest intact, every listed file there with
 its size and sha256, every file but DCP's shards loading with ``torch.load(weights_only=True)``
 and fitting its manifest entry), so a file resealed over garbage or a pickle that would run code
@@ -99,8 +99,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .checkpoints import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, UsageError
 from .report import report, text
-from .scan import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, UsageError
 
 __all__ = ["main"]  # the console script; the rest is internal
 

@@ -18,12 +18,12 @@ import re
 from datetime import datetime, timezone
 from typing import Any
 
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint.local import LocalStorage
 from ..hf.seal import SEAL, checkpoints
 from ..hf.seal import check as check_seal
 from ..hf.state import FORMAT as STATE_FORMAT
 from ..hf.state import state_file
-from .scan import CheckpointReport, Position, _size, loaders
+from .checkpoints import CheckpointReport, Position, _size, loaders
 
 HF_RUN, HF_CHECKPOINT = "hf-run", "hf-checkpoint"
 KINDS = (HF_RUN, HF_CHECKPOINT)

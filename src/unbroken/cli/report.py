@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._units import human
-from ..checkpoint.objects import is_url, storage_for
-from ..checkpoint.storage import Storage, basename, join, parent
+from ..checkpoint.files import basename, join, parent
+from ..checkpoint.storage import Storage
+from ..checkpoint.stores import is_url, storage_for
 from ..train.rundir import CHECKPOINTS, METRICS
 from . import hf
-from .scan import (
+from .checkpoints import (
     CheckpointReport,
     LoaderReport,
     LogReport,

@@ -1,22 +1,26 @@
 """Resumable data: loaders whose position is a few integers, and the pieces they are built from.
 
-- ``loader``: ``DataLoader``, torch's loader around a *source* of batches (the subpackage
-  ``sources``: map-style orders, samplers, iterable datasets, a rank's share; one table picks
-  one), resumed in O(1); ``iterator``: what ``iter(loader)`` returns; ``views``: torch's
-  sampler attributes onto the loader's order; ``arguments``: torch's argument checks.
+- ``loader``: ``DataLoader``, its attributes and state; it runs torch's loader (``inner``) around
+  a *source* of batches (the subpackage ``sources``: map-style orders, samplers, iterable
+  datasets, a rank's share; one class each, registered in ``sources.SOURCES``), resumed in
+  O(1); ``iterator``: what ``iter(loader)`` returns; ``torch_api``: torch's arguments and
+  attributes, both ways (argument checks, samplers taken in and shown, the seed's draw).
 - ``epochs``: the epoch protocol every resumable iterable here shares (``iter()`` continues a
   loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
-- ``combined``, ``iterable`` (``resumable``), ``shuffling`` (``shuffle_buffer``): iterables
-  built on that protocol.
-- ``rng`` and ``shuffle``: per-batch and per-sample randomness and the per-index shuffle, pure
-  functions of (seed, epoch, position); ``workers``: what DataLoader workers do with preemption signals.
+- ``combined``, ``iterable`` (``resumable``), ``buffered_shuffle`` (``shuffle_buffer``):
+  iterables built on that protocol.
+- ``rng`` and ``bijection``: per-batch and per-sample randomness and the per-index shuffle, pure
+  functions of (seed, epoch, position); ``keys``: the named seed derivations; ``states``: every
+  state's schema; ``workers``: what DataLoader workers do with preemption signals.
+
+Importing it imports torch; nothing runs at import time.
 """
 
+from .buffered_shuffle import ShuffleBuffer, shuffle_buffer
 from .combined import CombinedLoader
 from .iterable import Resumable, resumable
 from .loader import DataLoader
 from .rng import sample_rng, sample_seed
-from .shuffling import ShuffleBuffer, shuffle_buffer
 
 __all__ = [
     "CombinedLoader",

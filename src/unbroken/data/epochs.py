@@ -17,7 +17,7 @@ alike, and so does anything built on this class):
 - ``set_epoch(n)`` makes the next ``iter()`` start epoch ``n`` from its first item.
 - ``load_state_dict`` changes nothing unless the whole state is valid: each class reads the
   whole state into a new position first, and only then swaps it in with ``_restore``. Until
-  the restored position yields an item, ``_restored`` says so (``views``: a sampler's
+  the restored position yields an item, ``_restored`` says so (``torch_api.OrderView``: a sampler's
   ``set_epoch`` keeps such a position).
 
 Two iterations open at once (``zip(loader, loader)``, ``next(iter(loader))`` inside a loop over
@@ -44,8 +44,10 @@ A subclass says what a *position* inside an epoch is and how to go on from one:
                 yield value
 
 ``_run`` updates the position *before* each yield, so a state taken while the user holds an
-item counts it. An iteration that drives ``_run`` itself (the ``DataLoader``'s iterator
-object) reports to the bookkeeping below: ``_bind``, ``_yielded``, ``_finished``, ``_abandoned``.
+item counts it. An iterator object that does the work of ``_run`` itself (the ``DataLoader``'s)
+takes its place with an ``Iteration`` at its first ``next()`` and reports through it
+(``yielded``, ``finished``, ``abandoned``, ``interrupted``); ``upcoming`` says where one would
+start now.
 """
 
 from __future__ import annotations
@@ -159,13 +161,20 @@ class EpochIterable(Generic[P]):
 
     # The bookkeeping of one iteration, for _iterate and for iterator objects of subclasses.
     def _bind(self) -> Binding[P]:
-        """The place of an iteration that starts now: the current position, unless (for an
-        independent class) another iteration holds it: then the epoch from its first item."""
-        if self._independent and self._owner is not None:
-            return Binding(self._start_position(None), self._epoch, self._generation)
-        binding = Binding(self._pos, self._epoch, self._generation)
-        self._owner = binding
+        """The place of an iteration that starts now (``_upcoming``), taken."""
+        position, epoch = self._upcoming()
+        binding = Binding(position, epoch, self._generation)
+        if position is self._pos:
+            self._owner = binding
         return binding
+
+    def _upcoming(self) -> tuple[P, int]:
+        """The position and epoch an iteration that started now would take: the current
+        position, unless (for an independent class) another iteration holds it: then the epoch
+        from its first item."""
+        if self._independent and self._owner is not None:
+            return self._start_position(None), self._epoch
+        return self._pos, self._epoch
 
     def _yielded(self, binding: Binding[P]) -> None:
         """``binding``'s iteration is handing the user an item (its position already counts it)."""
@@ -216,6 +225,47 @@ class EpochIterable(Generic[P]):
     def _end_epoch(self, ended: P) -> None:
         self._close_epoch(ended)
         self._move(self._epoch + 1, self._start_position(ended))
+
+
+class Iteration(Generic[P]):
+    """One iteration of an ``EpochIterable`` driven by an iterator object of its own: its place
+    (``position``, ``epoch``; taken when it is made) and its reports to the iterable. It holds
+    the iterable, which holds only its ``Binding``: no cycle keeps either alive."""
+
+    __slots__ = ("_binding", "_of")
+
+    def __init__(self, of: EpochIterable[P]) -> None:
+        self._of, self._binding = of, of._bind()
+
+    @property
+    def position(self) -> P:
+        return self._binding.position
+
+    @property
+    def epoch(self) -> int:
+        return self._binding.epoch
+
+    def yielded(self) -> None:
+        """It is handing the user an item (its position already counts it)."""
+        self._of._yielded(self._binding)
+
+    def finished(self) -> None:
+        """It was asked past its last item."""
+        self._of._finished(self._binding)
+
+    def abandoned(self) -> None:
+        """It was closed, freed or broken out of before its end."""
+        self._of._abandoned(self._binding)
+
+    def interrupted(self) -> None:
+        """It failed and cannot go on; the next iteration continues from its position."""
+        self._of._interrupted(self._binding)
+
+
+def upcoming(of: EpochIterable[P]) -> tuple[P, int]:
+    """The position and epoch an iteration of ``of`` would take if it started now (to prepare
+    it ahead, e.g. start workers), without taking it."""
+    return of._upcoming()
 
 
 def check_epoch(epoch: Any) -> int:

@@ -23,7 +23,7 @@ the batch starting at a position (``batch_seeds``), a sample's ``sample_seed_at`
 
 from __future__ import annotations
 
-from .shuffle import derive_key
+from .bijection import derive_key
 
 _SHUFFLE, _TORCH_WORKERS, _STREAM_WORKER, _WINDOW = 1, 2, 3, 4
 

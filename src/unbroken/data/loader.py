@@ -1,12 +1,13 @@
 """``unbroken.DataLoader``: torch's DataLoader, resumable exactly; O(1) for map-style datasets.
 
-It wraps a real ``torch.utils.data.DataLoader`` (workers, pinning, prefetching are torch's)
-around a *source* of batches (``sources``: one class per kind of dataset and sampler), chosen
-once by ``make_source``; the epoch protocol is ``EpochIterable``'s (``epochs``). For each
-iteration the loader seeds torch's worker seeds, lets the source plan the epoch from the cursor
-(``begin``), starts the inner loader and moves the cursor as each batch is *received*: batches
-prefetched by workers are never counted, so ``state_dict()`` describes exactly what the user
-received.
+It wraps a real ``torch.utils.data.DataLoader`` (workers, pinning, prefetching are torch's;
+``inner``) around a *source* of batches (``sources``: one class per kind of dataset and
+sampler), chosen once by ``make_source``; the epoch protocol is ``EpochIterable``'s
+(``epochs``), torch's arguments and attributes are ``torch_api``'s. For each iteration
+(``iterator``) the inner loader seeds its workers' seeds, lets the source plan the epoch from the
+cursor (``begin``) and starts; the cursor moves as each batch is *received*: batches prefetched
+by workers are never counted, so ``state_dict()`` describes exactly what the user received.
+Here: the loader's attributes, its state and the checks of a loaded one.
 
 State: ``LoaderState`` (``states``), a few integers plus the source's part (a user sampler's
 or the dataset's own state, if it has one).
@@ -25,19 +26,23 @@ import torch
 
 from .._state import StateReader, same
 from ..errors import CorruptState, StateMismatch
-from .arguments import refuse_what_torch_refuses
-from .epochs import EpochIterable
-from .iterator import LoaderIterator, Started
+from .inner import InnerLoader
+from .iterator import Loader, LoaderIterator
 from .rng import GLOBAL_RNGS, check_global_rngs
-from .seeds import SEED_LIMIT, choose_seed
 from .sources import make_source
 from .sources.base import Cursor
-from .sources.orders import NativeOrder
-from .sources.ranks import RANK_FIELDS, check_ranks, rank_fields
+from .sources.rank_checks import RANK_FIELDS, check_ranks, rank_fields
 from .sources.sharding import world_of
-from .sources.streams import StreamSource
-from .states import LOADER, LoaderState
-from .views import OrderView, adopt, default_collate_of, samplers
+from .states import LOADER, LoaderState, refuse_seeded_per_sample
+from .torch_api import (
+    SEED_LIMIT,
+    OrderView,
+    adopt,
+    choose_seed,
+    collate_of,
+    refuse_what_torch_refuses,
+    samplers,
+)
 
 T_co = TypeVar("T_co", covariant=True)
 # torch's DataLoader refuses to change these once built; so does this one.
@@ -46,11 +51,11 @@ _FIXED = frozenset(
 )
 
 
-class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
+class DataLoader(Loader, torch.utils.data.DataLoader[T_co]):
     """A drop-in for ``torch.utils.data.DataLoader`` whose position survives a restart.
 
     A subclass of torch's DataLoader (``isinstance`` holds) with its attributes (``sampler``,
-    ``batch_sampler``, ``collate_fn``, ``generator``, ``prefetch_factor``, ...; ``views``), built
+    ``batch_sampler``, ``collate_fn``, ``generator``, ``prefetch_factor``, ...; ``torch_api``), built
     on a torch DataLoader of its own rather than on torch's ``__init__``. Takes torch's
     arguments plus keyword-only ``seed``, ``global_rngs``, ``rank`` and ``world_size``.
 
@@ -128,23 +133,27 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
+        # torch's arguments that are not about batching: the inner torch loader takes them as is.
+        running = dict(
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+        )
         refuse_what_torch_refuses(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
-            num_workers=num_workers,
             collate_fn=collate_fn,
-            pin_memory=pin_memory,
             drop_last=drop_last,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context,
             generator=generator,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
+            **running,
         )
         if not in_order:
             raise ValueError(
@@ -152,7 +161,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
                 "the received position ambiguous, so a resume could repeat or skip batches"
             )
         # A sampler that describes unbroken's own order (this class's ``sampler``, torch's
-        # Sequential/Random/DistributedSampler over the dataset) becomes settings (``views``).
+        # Sequential/Random/DistributedSampler over the dataset) becomes settings (``torch_api``).
         taken = adopt(dataset, shuffle, sampler, batch_sampler, batch_size, drop_last)
         sampler, batch_sampler = taken.sampler, taken.batch_sampler
         batch_size, drop_last, shuffle = taken.batch_size, taken.drop_last, taken.shuffle
@@ -164,46 +173,27 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         ranks = world_of(rank, world_size) or taken.ranks
         self.seed, self._seed_given = choose_seed(seed, generator, taken, ranks)
         self.rank, self.world_size = ranks if ranks is not None else (0, 1)
-        self._source = make_source(
+        self._source = source = make_source(
             dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, num_workers, ranks
         )
-        self._rank_fields = rank_fields(self._source, ranks)  # per-rank sources on W > 1 ranks
-        self._plans_reads = self._source if isinstance(self._source, NativeOrder) else None
-        if isinstance(self._source, StreamSource):
-            persistent_workers = False  # each epoch starts every worker from another state
-
-        # The inner loader draws its workers' base seed from this private generator, never from
-        # torch's global one, so iterating a loader leaves the training process's RNG untouched.
-        self._worker_seeds = torch.Generator()
-        self._user_worker_init = worker_init_fn
-        inner_dataset, batching = self._source.torch_dataset(
-            dataset, collate_fn, batch_size, self.global_rngs
+        self._rank_fields = rank_fields(source, ranks)  # per-rank sources on W > 1 ranks
+        # It wraps the user's worker_init_fn as the workers start.
+        self._inner = InnerLoader(
+            source, dataset, batch_size, collate_fn, self.global_rngs, **running
         )
-        self._inner = inner = torch.utils.data.DataLoader(
-            inner_dataset,
-            **batching,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,  # wrapped by _run, which starts the workers
-            multiprocessing_context=multiprocessing_context,
-            generator=self._worker_seeds,
-            prefetch_factor=prefetch_factor,
-            persistent_workers=persistent_workers,
-            pin_memory_device=pin_memory_device,
-        )
-        self._reported_length: int | None = None  # len(dataset) of a stream, once len() asked
-        self._on_workers: Started | None = None  # the iteration on persistent workers
+        inner = self._inner.torch
         self._init_epochs()
         # torch's attributes, as torch's DataLoader sets them (after torch's checks of them).
-        self.sampler, self.batch_sampler = samplers(self, sampler, batch_sampler)
-        self.collate_fn = collate_fn if collate_fn is not None else default_collate_of(self)
+        self.sampler, self.batch_sampler = samplers(
+            self, source, self._seed_given, sampler, batch_sampler
+        )
+        self.collate_fn = collate_of(collate_fn, batch_size, self.batch_sampler)
         self.generator = generator
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = inner.multiprocessing_context
         self.pin_memory, self.pin_memory_device = inner.pin_memory, inner.pin_memory_device
         self.timeout, self.prefetch_factor = inner.timeout, inner.prefetch_factor
-        self.persistent_workers, self.in_order = persistent_workers, in_order
+        self.persistent_workers, self.in_order = inner.persistent_workers, in_order
         self._built = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -219,8 +209,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
     def __getstate__(self) -> dict[str, Any]:
         # A copy has no iteration open: it goes on from the position, as a loaded state would.
         state = self.__dict__.copy()
-        state.update(_owner=None, _live=[], _open=False, _restored=True, _on_workers=None)
-        state.pop("_before_last", None)
+        state.update(_owner=None, _live=[], _open=False, _restored=True, _pos=self._pos.copy())
         return state
 
     def _current_changed(self) -> None:
@@ -230,22 +219,14 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
 
     def __iter__(self) -> LoaderIterator:  # type: ignore[override]
         """An iterator object, as torch's (``next``, ``len``, ``close``; ``iterator``)."""
-        return LoaderIterator(self)
+        return LoaderIterator(self, self._inner)
 
     def __len__(self) -> int:
         """Batches in a whole epoch (like torch's DataLoader), not in what remains of it."""
-        if isinstance(self._source, StreamSource):  # torch warns if the stream yields more
-            self._reported_length = len(self.dataset)  # type: ignore[arg-type]
+        self._inner.length_asked()  # torch warns if a stream then yields more
         if not self._open and self._pos.batches == 0:  # the epoch to come: the length now
-            self._follow_length()
+            self._inner.follow_length()
         return len(self._source)
-
-    def _follow_length(self) -> None:
-        """Order the dataset's length now, at an epoch's start: a dataset may grow or shrink
-        between epochs (torch's samplers read ``len()`` at each pass too)."""
-        source = self._source
-        if isinstance(source, NativeOrder) and source.n != (n := len(self.dataset)):  # type: ignore[arg-type]
-            source.resize(n)
 
     def _start_position(self, ended: Cursor | None) -> Cursor:
         return Cursor(source=self._source.fresh())
@@ -267,8 +248,8 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         """The state as it was before the last batch was received, if that batch is of the
         current epoch (else None): for a consumer that fetches a batch ahead of its user
         (Lightning's prefetch of a loader without ``len()``; ``unbroken.lightning``)."""
-        cursor, before = self.__dict__.get("_before_last", (None, None))
-        return None if cursor is not self._pos else self._state(*before)
+        before = self._pos.before_last
+        return None if before is None else self._state(*before)
 
     def _state(self, samples: int, batches: int, source: Any) -> LoaderState:
         self._source.check_saveable(source)
@@ -301,20 +282,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         """
         what = "unbroken.DataLoader"
         reader = StateReader(state, what, LOADER)
-        if reader.version != LOADER.version:  # an older one: the Format reads no other
-            raise StateMismatch(
-                what,
-                "version",
-                reader.version,
-                LOADER.version,
-                message=(
-                    f"{what}: the state was saved with version={reader.version}, which seeded the "
-                    "global generators once per sample (and sample_rng() from other seeds); this "
-                    f"version={LOADER.version} seeds them once per batch, so the rest of the epoch "
-                    "would draw other random numbers than the run that saved it. Finish that run "
-                    "with the unbroken release that started it (0.1.x), or start a new one."
-                ),
-            )
+        refuse_seeded_per_sample(reader.version, what)
         saved_seed = reader.int("seed", 0, SEED_LIMIT - 1)
         if self._seed_given and saved_seed != self.seed:
             raise StateMismatch(
@@ -325,7 +293,7 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
                 "Pass the saved seed, or seed=None to adopt it.",
             )
         saved_print = reader.dict("fingerprint")
-        self._follow_length()  # a state is compared with the dataset as it is now
+        self._inner.follow_length()  # a state is compared with the dataset as it is now
         current_print = self._fingerprint()
         for field, current in current_print.items():
             if field in RANK_FIELDS:
@@ -354,11 +322,9 @@ class DataLoader(EpochIterable[Cursor], torch.utils.data.DataLoader[T_co]):
         self._restore(epoch, cursor)
 
     def _fingerprint(self) -> dict[str, Any]:
-        source = self._source  # the length this epoch is ordered over (``_follow_length``)
+        ordered = self._source.ordered_length()  # the length this epoch is ordered over
         return {
-            "dataset_length": source.n
-            if isinstance(source, NativeOrder)
-            else _length(self.dataset),
+            "dataset_length": ordered if ordered is not None else _length(self.dataset),
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "global_rngs": list(self.global_rngs),

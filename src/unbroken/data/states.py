@@ -17,8 +17,9 @@ Versions:
 
 On several ranks, a ``DataLoader`` whose dataset each rank iterates on its own (a user sampler,
 an iterable dataset other than a global-cursor stream with ``len()``) also saves ``rank`` and
-``world_size`` in its fingerprint, and loads only on that rank and world size (``ranks``). A
-fingerprint without them is a single process's, as every state was before, so the version stays.
+``world_size`` in its fingerprint, and loads only on that rank and world size
+(``sources.rank_checks``). A fingerprint without them is a single process's, as every state was
+before, so the version stays.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 from .._state import Format
+from ..errors import StateMismatch
 
 
 class LoaderState(TypedDict):
@@ -105,3 +107,22 @@ LOADER = Format("unbroken.DataLoader", 3, LoaderState, readable=(1, 2))
 RESUMABLE = Format("unbroken.resumable", 1, ResumableState)
 SHUFFLE_BUFFER = Format("unbroken.shuffle_buffer", 2, ShuffleBufferState)
 COMBINED = Format("unbroken.CombinedLoader", 1, CombinedState)
+
+
+def refuse_seeded_per_sample(version: int | None, what: str) -> None:
+    """Refuse a loader state of a version ``LOADER`` reads but cannot continue (``StateMismatch``):
+    versions 1 and 2 seeded the global generators once per sample, this one once per batch."""
+    if version != LOADER.version:
+        raise StateMismatch(
+            what,
+            "version",
+            version,
+            LOADER.version,
+            message=(
+                f"{what}: the state was saved with version={version}, which seeded the "
+                "global generators once per sample (and sample_rng() from other seeds); this "
+                f"version={LOADER.version} seeds them once per batch, so the rest of the epoch "
+                "would draw other random numbers than the run that saved it. Finish that run "
+                "with the unbroken release that started it (0.1.x), or start a new one."
+            ),
+        )

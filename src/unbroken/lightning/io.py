@@ -7,7 +7,7 @@ the directory, so the rename survives a power loss (``_files.atomic_write``). Co
 directory per checkpoint.
 
 A URL (``ModelCheckpoint(dirpath="s3://bucket/run/ckpt")``) is written through
-``unbroken.checkpoint.ObjectStorage``: an object store shows an object once its upload completed,
+``unbroken.checkpoint.FsspecStorage``: an object store shows an object once its upload completed,
 never part of it; a failed upload is aborted (S3's multipart upload too) and retried with backoff,
 and Lightning's draws-nothing rule holds (botocore's jittered retries are off). Its
 ``storage_options`` are the filesystem's (endpoint, credentials), else fsspec's defaults (the
@@ -23,8 +23,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .._files import atomic_write
-from ..checkpoint.objects import ObjectStorage, is_url
-from ..checkpoint.storage import LocalStorage
+from ..checkpoint import FsspecStorage, LocalStorage
+from ..checkpoint.stores import is_url
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -42,15 +42,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def __init__(self, storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.storage_options = dict(storage_options or {})
-        self._stores: dict[str, ObjectStorage] = {}
+        self._stores: dict[str, FsspecStorage] = {}
 
-    def _store(self, url: str) -> ObjectStorage:
+    def _store(self, url: str) -> FsspecStorage:
         import fsspec
 
         protocol = fsspec.core.split_protocol(url)[0] or ""
         if protocol not in self._stores:
             # No local copies: Lightning's files are not the Checkpointer's, which prunes them.
-            self._stores[protocol] = ObjectStorage(url, self.storage_options, cache=False)
+            self._stores[protocol] = FsspecStorage(url, self.storage_options, cache=False)
         return self._stores[protocol]
 
     def save_checkpoint(
@@ -75,7 +75,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_write(target, lambda out: torch.save(checkpoint, out))
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> Any:
-        """Load a checkpoint as Lightning does; a URL's through ``ObjectStorage``, with retries."""
+        """Load a checkpoint as Lightning does; a URL's through ``FsspecStorage``, with retries."""
         source = os.fspath(path)
         if not is_url(source):
             return super().load_checkpoint(path, map_location, weights_only)
@@ -86,7 +86,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return torch.load(opened, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove a checkpoint as Lightning does; a URL's through ``ObjectStorage``."""
+        """Remove a checkpoint as Lightning does; a URL's through ``FsspecStorage``."""
         target = os.fspath(path)
         if not is_url(target):
             super().remove_checkpoint(path)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..data.shuffle import IndexShuffle, derive_key
+from ..data.bijection import IndexShuffle, derive_key
 
 _SHARDS, _ROWS, _GROUPS = 0, 1, 2  # the purposes of the epoch key
 

@@ -25,7 +25,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..data.shuffle import derive_key
+from ..data.bijection import derive_key
 from ..errors import CorruptState, StateMismatch
 
 TRAIN, VAL = 1, 2  # the phase in a step's seed

@@ -24,7 +24,7 @@ time, torchrun's run id and restart count.
   again by its old holder), rewrites its own, then lists them again. At its end it marks its
   generation released, for the next job to take at once.
 - **The fence.** Every write, delete, rename and upload abort of the run directory's
-  ``ObjectStorage`` calls ``fence()`` first, and an upload again before it completes. It lets
+  ``Storage`` calls ``fence()`` first, and an upload again before it completes. It lets
   the call through if the last confirmed renewal began less than ``2/3 * seconds`` ago (on a
   clock that counts time the machine was suspended); otherwise it renews and confirms from the
   store first. A lease lost raises ``DirectoryInUse`` naming the new holder, which ends the job
@@ -58,17 +58,15 @@ import secrets
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any
 
-from ..checkpoint.objects import ObjectStorage
-from ..checkpoint.storage import join
+from ..checkpoint.files import Stat, join
+from ..checkpoint.storage import Storage
 from ..errors import DirectoryInUse
-from ..retry import retrying
 from .lock import describe, gone, identity
 from .progress import say
 
-T = TypeVar("T")
 NAME, DIGITS = ".lock.", 12  # generation n is .lock.000000000007
 _BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
 _held: set[str] = set()  # the URLs whose lease this process holds or is taking
@@ -88,8 +86,9 @@ def _generation(name: str) -> bool:
 class Lease:
     """This job's lease on the run directory ``directory`` (a URL; see the module)."""
 
-    def __init__(self, storage: ObjectStorage, directory: str, seconds: float) -> None:
+    def __init__(self, storage: Storage, directory: str, seconds: float) -> None:
         self.storage, self.directory, self.seconds = storage, directory.rstrip("/"), seconds
+        self._once = storage.tried_once()
         self.me = {"token": secrets.token_hex(8), **identity()}
         self.generation = 0  # this job's, once acquired
         self.confirmed = -math.inf  # _clock() as the last confirmed renewal began
@@ -101,15 +100,12 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # The store.
-    def _call(self, what: str, path: str, call: Callable[[], T]) -> T:
-        """``call()`` through the storage's retries and deadline; on the heartbeat's thread,
-        one attempt (the next beat tries again), so that a store that does not answer keeps
-        the heartbeat from holding up a write's own confirmation for a whole retry cycle."""
-        if threading.current_thread() is not self._thread:
-            return self.storage._call(what, path, call)
-        url = self.storage._url(path)
-        return retrying(what, url, call, 0, 0.0, deadline=self.storage.deadline)
+    # The store, through the storage's public operations (their retries and deadline).
+    def _store(self) -> Storage:
+        """The storage; on the heartbeat's thread, tried once (the next beat tries again), so
+        that a store that does not answer keeps the heartbeat from holding up a write's own
+        confirmation for a whole retry cycle."""
+        return self._once if threading.current_thread() is self._thread else self.storage
 
     def _path(self, generation: int) -> str:
         return join(self.directory, f"{NAME}{generation:0{DIGITS}d}")
@@ -119,43 +115,35 @@ class Lease:
         return json.dumps({**self.me, "renewal": self._renewals, "released": released}).encode()
 
     def _generations(self) -> list[int]:
-        fs, where = self.storage.fs, self.directory
-        try:
-            names = self._call("list", where, lambda: fs.ls(where, detail=False, refresh=True))
-        except FileNotFoundError:
-            return []
-        finally:  # not kept: s3fs would answer later reads of new objects "not found" from it
-            fs.invalidate_cache(where)
-        found = (str(name).rstrip("/").rpartition("/")[2] for name in names)
+        found = (entry.name for entry in self._store().list_directory(self.directory))
         return sorted(int(n[len(NAME) :]) for n in found if _generation(n))
 
-    def _info(self, generation: int) -> dict[str, Any] | None:
-        path, fs = self._path(generation), self.storage.fs
+    def _stat(self, generation: int) -> Stat | None:
         try:
-            return dict(self._call("look at", path, lambda: fs.info(path, refresh=True)))
+            return self._store().stat(self._path(generation))
         except FileNotFoundError:
             return None
 
-    def _read(self, generation: int) -> tuple[tuple[Any, Any], Any, dict[str, Any]] | None:
-        """``((ETag, LastModified), LastModified, holder)`` of a generation, ``None`` if gone."""
-        info, path, fs = self._info(generation), self._path(generation), self.storage.fs
+    def _read(self, generation: int) -> tuple[Stat, dict[str, Any]] | None:
+        """A generation's ``Stat`` (its version and the store's time of its last renewal) and
+        holder, ``None`` if gone."""
+        stat = self._stat(generation)
         try:
-            if info is None:
+            if stat is None:
                 return None
-            data = self._call("read", path, lambda: fs.cat_file(path))
+            data = self._store().read_bytes(self._path(generation))
         except FileNotFoundError:
             return None
         try:
             holder = json.loads(data)
         except ValueError:
             holder = None  # unreadable: an unknown holder
-        modified = info.get("LastModified")
-        return (info.get("ETag"), modified), modified, holder if isinstance(holder, dict) else {}
+        return stat, holder if isinstance(holder, dict) else {}
 
     def _create(self, generation: int) -> bool:
-        path, fs, began = self._path(generation), self.storage.fs, _clock()
+        began = _clock()
         try:
-            self._call("lock", path, lambda: fs.pipe_file(path, self._body(), mode="create"))
+            self._store().create(self._path(generation), self._body())
         except FileExistsError:
             return False
         self.generation, self.confirmed = generation, began
@@ -163,7 +151,7 @@ class Lease:
 
     # Taking it.
     def acquire(self) -> None:
-        key = self.storage._url(self.directory)
+        key = self.directory
         with _registry:
             if key in _held:
                 raise DirectoryInUse(
@@ -199,7 +187,8 @@ class Lease:
             read = self._read(top)
             if read is None:
                 continue  # deleted as an older generation: a newer one is there now
-            tag, modified, holder = read
+            stat, holder = read
+            tag, modified = stat.version, stat.modified
             why = gone(holder, self.me)
             if why is None and watched is None:
                 watched, since = (top, tag), _clock()
@@ -219,14 +208,14 @@ class Lease:
                 return None if holder.get("released") else f"from {describe(holder)} ({why})"
             time.sleep(min(1.0, self.seconds / 6))
 
-    def _stale(self, modified: Any) -> str | None:
+    def _stale(self, modified: datetime) -> str | None:
         """Whether generation's last renewal (``modified``) is over ``seconds`` old by the
         store's clock (a probe object's time of creation)."""
-        fs, probe = self.storage.fs, f"{self.directory}/.lock-probe-{self.me['token']}"
+        store, probe = self._store(), join(self.directory, f".lock-probe-{self.me['token']}")
         try:
-            self._call("probe", probe, lambda: fs.pipe_file(probe, b""))
-            now = fs.info(probe, refresh=True).get("LastModified")
-            fs.rm_file(probe)
+            store.overwrite(probe, b"")
+            now = store.stat(probe).modified
+            store.delete(probe)
             age = (now - modified).total_seconds()
         except Exception:
             return None  # not known: watched instead
@@ -235,13 +224,13 @@ class Lease:
             f"not renewed for {age:.0f} s by the store's clock" if age > self.seconds + 1 else None
         )
 
-    def _take_over(self, top: int, tag: Any) -> None:
+    def _take_over(self, top: int, tag: str | None) -> None:
         """Create the generation above ``top`` (last seen as ``tag``), or be refused."""
         if not self._create(top + 1):
             read = self._read(top + 1)
-            raise self._in_use(read[2] if read else {}, "it took the lease first")
-        seen = (self._info(top) or {}) if top else {}
-        if top and (seen.get("ETag"), seen.get("LastModified")) != tag:
+            raise self._in_use(read[1] if read else {}, "it took the lease first")
+        seen = self._stat(top) if top else None
+        if top and (seen is None or seen.version != tag):
             # Its holder renewed while this job took the lease over, and may still trust that
             # renewal: it sees the new generation within `seconds` and stops writing.
             time.sleep(self.seconds)
@@ -254,7 +243,7 @@ class Lease:
         """Delete the generations below this job's (best effort: they mean nothing now)."""
         for generation in self._older:
             try:
-                self.storage.fs.rm_file(self._path(generation))
+                self.storage.delete(self._path(generation))
             except Exception:
                 pass
 
@@ -275,9 +264,8 @@ class Lease:
             began = _clock()
             if unless_fresh and began - self.confirmed < self.seconds * 2 / 3:
                 return  # the heartbeat confirmed it while this waited
-            path, fs = self._path(self.generation), self.storage.fs
             self._check(self._generations())  # never writes a lease deleted under it again
-            self._call("renew", path, lambda: fs.pipe_file(path, self._body()))
+            self._store().overwrite(self._path(self.generation), self._body())
             self._check(self._generations())  # nobody took it before the renewal landed
             self.confirmed = began
 
@@ -306,13 +294,11 @@ class Lease:
         try:
             with self._lock:
                 if self.lost is None and self._generations()[-1:] == [self.generation]:
-                    path, body = self._path(self.generation), self._body(released=True)
-                    fs = self.storage.fs
-                    self._call("release", path, lambda: fs.pipe_file(path, body))
+                    self.storage.overwrite(self._path(self.generation), self._body(released=True))
         except Exception:
             pass  # not marked: the next job takes it as its holder's end shows, or after `seconds`
         with _registry:
-            _held.discard(self.storage._url(self.directory))
+            _held.discard(self.directory)
 
     # Errors.
     def _in_use(self, holder: dict[str, Any], why: str) -> DirectoryInUse:
@@ -331,7 +317,7 @@ class Lease:
         else:
             read = self._read(newer)
             why = (
-                f"{describe(read[2]) if read else 'another job'} took its lease over (generation "
+                f"{describe(read[1]) if read else 'another job'} took its lease over (generation "
                 f"{newer}) as this job did not renew it for {self.seconds:g} s (lease_seconds: "
                 "a process frozen, or cut off from the store?)"
             )

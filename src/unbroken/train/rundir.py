@@ -4,8 +4,8 @@ A local run directory holds ``checkpoints/``, ``metrics.csv``, ``tensorboard/`` 
 file, written in place. A run directory at a URL (``s3://bucket/runs/exp1``) holds the same
 names, so that a job restarted on another machine, with an empty disk, finds everything:
 
-- **checkpoints** go through ``ObjectStorage`` (``checkpoint.objects``: the manifest, written
-  last, commits a checkpoint);
+- **checkpoints** go through its ``Storage``, an ``FsspecStorage`` (any fsspec URL: the
+  manifest, written last, commits a checkpoint);
 - **the lock** is a lease object with a heartbeat (``lease``);
 - **metrics.csv** cannot be appended to in an object store. It is written to a local working
   copy (in a temporary directory) and the copy is uploaded whole each time a checkpoint records
@@ -27,8 +27,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.objects import REMOTE_TIMEOUT, ObjectStorage, is_url
-from ..checkpoint.storage import join
+from ..checkpoint.files import join
+from ..checkpoint.fsspec_storage import REMOTE_TIMEOUT
+from ..checkpoint.storage import Storage
+from ..checkpoint.stores import is_url, storage_for
 from .agreement import Agreement
 from .lease import Lease
 from .lock import DirectoryLock, Lock, held_by_every_rank, not_writable
@@ -51,7 +53,7 @@ class RunDirectory:
             )
         self.location = text.rstrip("/") if self.remote else text.removeprefix("file://")
         self.storage_options = dict(storage_options or {})
-        self.storage: ObjectStorage | None = None
+        self.storage: Storage | None = None
         self.local = Path(self.location) if not self.remote else Path()  # set by open()
         self.lease: Lease | None = None  # rank 0's, held while locked() runs (a URL)
 
@@ -67,10 +69,9 @@ class RunDirectory:
         URL, the local working directory of the log; ``remote_timeout``: seconds an operation
         on the store may go without progress before it fails (``RemoteUnavailable``)."""
         if self.remote:
-            self.storage = ObjectStorage(
-                self.location, self.storage_options, timeout=remote_timeout
-            )
-            self.storage.check()
+            self.storage = storage_for(self.location, self.storage_options, timeout=remote_timeout)[
+                0
+            ]
             self.local = Path(tempfile.mkdtemp(prefix="unbroken-run-"))
             return
         try:

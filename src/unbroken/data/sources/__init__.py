@@ -1,94 +1,74 @@
 """Where an ``unbroken.DataLoader``'s batches come from: one ``BatchSource`` class per kind of
-dataset and sampler (``base``: the protocol), chosen once by ``make_source`` from torch's
-arguments, by the one table below (first match wins).
+dataset and sampler (``base``: the protocol), each saying which datasets it reads (``matches``);
+``make_source`` builds the first class of ``SOURCES`` that matches torch's arguments, and
+``register`` adds one.
 
 - ``orders``: map-style datasets in unbroken's order (``NativeOrder``), and what a dataset may
   say of its order (``DatasetOrder``); ``samplers``: the user's sampler or batch sampler;
 - ``streams``, ``worker_streams``, ``replicas``: iterable datasets, by how they resume;
-- ``sharding``: one rank's share of a global order (data parallelism); ``ranks``: the rank and
-  world size of sources iterated per rank;
+- ``sharding``: one rank's share of a global order (data parallelism); ``rank_checks``: the
+  rank and world size of sources iterated per rank;
 - ``fetch``, ``standin``: what the inner torch loader's workers run (the seeded fetch, and the
   dataset standing in for the user's).
+
+Cost: ``make_source`` asks each class's ``matches`` once, when a loader is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..._checks import is_int
-from ..._state import has_state
-from .base import BatchSource
-from .orders import DatasetOrder, NativeOrder
+from .base import Arguments, BatchSource
+from .orders import NativeOrder
 from .replicas import ReplayStream, SamplerPatternStream, StatefulStream
 from .samplers import UserBatchSampler, UserSampler
 from .sharding import ShardedOrder, ShardedRangeStream
 from .streams import RangeStream, is_stream, warn_if_buffer_shuffled
 
-
-@dataclass(frozen=True)
-class Arguments:
-    """torch's arguments that choose the source, after torch's own checks of them."""
-
-    stream: bool  # an iterable dataset (``streams.is_stream``)
-    dataset: Any
-    batch_size: int | None
-    shuffle: bool | None
-    sampler: Any
-    batch_sampler: Any
-    drop_last: bool
-    num_workers: int
-    ranks: tuple[int, int] | None  # (rank, world size) of a data-parallel job
-
-
-def _reads_ranges(a: Arguments) -> bool:
-    return callable(getattr(a.dataset, "read_range", None))
-
-
-def _stream(a: Arguments, kind: type) -> BatchSource:
-    return kind(a.dataset, a.batch_size, a.drop_last, a.num_workers)
-
-
-def _sharded(a: Arguments, rank: int, world: int) -> BatchSource:
-    order = DatasetOrder(a.dataset)
-    return ShardedOrder(
-        len(a.dataset), a.batch_size, a.drop_last, bool(a.shuffle), rank, world, order
-    )
-
-
-def _native(a: Arguments) -> BatchSource:
-    order = DatasetOrder(a.dataset)
-    return NativeOrder(len(a.dataset), a.batch_size, a.drop_last, bool(a.shuffle), order)
-
-
-# (what the dataset and arguments are, the source that reads them); first match wins.
-SOURCES: list[tuple[Callable[[Arguments], bool], Callable[[Arguments], BatchSource]]] = [
-    # Iterable datasets, by what they offer to resume with.
-    (
-        lambda a: a.stream and a.ranks is not None and _reads_ranges(a),
-        lambda a: ShardedRangeStream(
-            a.dataset, a.batch_size, a.drop_last, a.num_workers, *(a.ranks or (0, 1))
-        ),
-    ),
-    (lambda a: a.stream and _reads_ranges(a), lambda a: _stream(a, RangeStream)),
-    (lambda a: a.stream and has_state(a.dataset), lambda a: _stream(a, StatefulStream)),
-    (
-        lambda a: (
-            a.stream
-            and hasattr(a.dataset, "sampler")
-            and callable(getattr(a.dataset, "__next__", None))
-        ),
-        lambda a: _stream(a, SamplerPatternStream),
-    ),
-    (lambda a: a.stream, lambda a: _stream(a, ReplayStream)),
-    # Map-style datasets: the user's batch sampler or sampler (torch's own samplers of
-    # unbroken's order were taken in before, by views.adopt), else unbroken's order.
-    (lambda a: a.batch_sampler is not None, lambda a: UserBatchSampler(a.batch_sampler)),
-    (lambda a: a.sampler is not None, lambda a: UserSampler(a.sampler, a.batch_size, a.drop_last)),
-    (lambda a: a.ranks is not None, lambda a: _sharded(a, *(a.ranks or (0, 1)))),
-    (lambda a: True, _native),
+# The source classes, tried in this order: the first whose ``matches`` takes the arguments builds
+# the loader's source. Iterable datasets by what they offer to resume with, then map-style ones:
+# the user's batch sampler or sampler (torch's own samplers of unbroken's order were taken in
+# before, by ``torch_api.adopt``), else unbroken's order (``NativeOrder`` matches any).
+SOURCES: list[type[BatchSource]] = [
+    ShardedRangeStream,
+    RangeStream,
+    StatefulStream,
+    SamplerPatternStream,
+    ReplayStream,
+    UserBatchSampler,
+    UserSampler,
+    ShardedOrder,
+    NativeOrder,
 ]
+
+
+def register(source: type[BatchSource], *, first: bool = False) -> type[BatchSource]:
+    """Make ``source`` a candidate for every loader built from now on.
+
+    Args:
+        source: A ``BatchSource`` class with the classmethods ``matches`` and ``build``.
+        first: Try it before the built-in sources (to take datasets one of them would read).
+            Otherwise it is tried after the streams and user samplers and before unbroken's
+            own orders (``ShardedOrder``, ``NativeOrder``), which take any other map-style
+            dataset.
+
+    Returns:
+        ``source``, so that ``register`` can decorate the class. ``SOURCES.remove(source)``
+        takes it out again.
+
+    Raises:
+        TypeError: ``source`` is not a ``BatchSource`` class.
+    """
+    if not (isinstance(source, type) and issubclass(source, BatchSource)):
+        raise TypeError(
+            f"register() takes a BatchSource subclass, got {source!r}: subclass "
+            "unbroken.data.sources.base.BatchSource (or orders.IndexSource for map-style data)"
+        )
+    if source in SOURCES:
+        SOURCES.remove(source)
+    SOURCES.insert(0 if first else SOURCES.index(ShardedOrder), source)
+    return source
 
 
 def make_source(
@@ -130,7 +110,7 @@ def make_source(
         )
     elif sampler is not None and shuffle:
         raise ValueError("sampler option is mutually exclusive with shuffle")
-    return next(build(arguments) for matches, build in SOURCES if matches(arguments))
+    return next(source.build(arguments) for source in SOURCES if source.matches(arguments))
 
 
 def _check_batch_size(batch_size: Any) -> None:

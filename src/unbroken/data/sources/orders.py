@@ -21,7 +21,7 @@ import itertools
 import math
 from abc import abstractmethod
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -30,10 +30,10 @@ from torch.utils.data import Dataset, default_collate, default_convert
 
 from ...errors import CorruptState
 from .. import keys
-from ..shuffle import IndexShuffle
-from .base import BatchSource, Cursor, Receiver
+from ..bijection import IndexShuffle
+from .base import Arguments, BatchSource, Cursor, Receiver
 from .fetch import Keys, SeededDataset, collating
-from .ranks import refuse_a_global_cursor
+from .rank_checks import refuse_a_global_cursor
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block
 # keeps the per-index cost at ~0.1 us without holding more than a block in memory.
@@ -85,6 +85,7 @@ class IndexSource(BatchSource):
     """A map-style source: the epoch's batches of indices, each recorded when it is drawn."""
 
     batched_by_user = False  # a batch_sampler: torch must batch even with batch_size=None
+    lists_indices = True
 
     def __init__(self) -> None:
         self._plan: tuple[int, int, Cursor, deque] | None = None
@@ -93,6 +94,10 @@ class IndexSource(BatchSource):
     def batches(self, seed: int, epoch: int, cursor: Cursor, done: deque) -> Iterator[Keys]:
         """The epoch's batches from ``cursor``; before yielding one, append to ``done`` the
         ``(samples, source)`` the cursor holds once that batch is received."""
+
+    def epoch_indices(self, seed: int, epoch: int) -> Iterator[Sequence[int]]:
+        start = Cursor(source=self.fresh())
+        return (keys[0] for keys in self.batches(seed, epoch, start, deque()))
 
     def torch_dataset(
         self, dataset: Any, collate_fn: Any, batch_size: int | None, global_rngs: tuple[str, ...]
@@ -138,7 +143,17 @@ class _EpochPlan(torch.utils.data.Sampler):
 
 
 class NativeOrder(IndexSource):
-    """Sequential or shuffled order over a map-style dataset of length ``n``."""
+    """Sequential or shuffled order over a map-style dataset of length ``n``: unbroken's own,
+    for a map-style dataset without a sampler (the last of ``SOURCES``: it matches any)."""
+
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return True
+
+    @classmethod
+    def build(cls, a: Arguments) -> BatchSource:
+        order = DatasetOrder(a.dataset)
+        return cls(len(a.dataset), a.batch_size, a.drop_last, bool(a.shuffle), order)
 
     def __init__(
         self,
@@ -154,10 +169,19 @@ class NativeOrder(IndexSource):
         self.resize(n)
 
     def resize(self, n: int) -> None:
-        """Order ``n`` samples from now on: the loader calls it at each epoch's start, where
-        a dataset may have grown or shrunk (as torch's samplers read ``len()`` at each pass)."""
+        """Order ``n`` samples from now on."""
         step = self.batch_size or 1
         self.n, self.epoch_samples = n, n - n % step if self.drop_last else n
+
+    def follow_length(self, dataset: Any) -> None:
+        if self.n != (n := len(dataset)):
+            self.resize(n)
+
+    def ordered_length(self) -> int:
+        return self.n
+
+    def epoch_length(self, seed: int, epoch: int) -> int:
+        return self.epoch_samples
 
     def fingerprint(self) -> dict[str, Any]:
         if self.order.fingerprint is None:  # the fields of every state since version 1
@@ -180,8 +204,7 @@ class NativeOrder(IndexSource):
             )
 
     def plan_reads(self, seed: int, epoch: int, cursor: Cursor) -> Any:
-        """The dataset's ``plan_reads`` of this iteration's batches from ``cursor`` (the live
-        cursor, which moves as batches are received), or None if it has none."""
+        """The dataset's ``plan_reads`` (``DatasetOrder``) of this iteration's batches."""
         if self.order.plan_reads is None:
             return None
         start = cursor.batches

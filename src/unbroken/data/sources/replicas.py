@@ -10,7 +10,8 @@
 - ``ReplayStream``: neither: a resume re-reads and skips the worker's consumed items (O(k),
   with a warning).
 
-``sources.SOURCES`` picks the source of an iterable dataset (these, or ``RangeStream``).
+``sources.SOURCES`` picks the source of an iterable dataset (these, or ``RangeStream``), each
+class saying which datasets it reads (``matches``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from ..._state import COUNT_LIMIT, check_user_state, encode_or_defer, from_jsonable
+from ..._state import COUNT_LIMIT, check_user_state, encode_or_defer, from_jsonable, has_state
 from ...errors import CorruptState
 from ..rng import clear_sample, keep_main_torch_rng
+from .base import Arguments
 from .streams import set_epoch
 from .worker_streams import Opened, PerWorkerStream, ReplicaStart
 
@@ -33,6 +35,11 @@ class StatefulStream(PerWorkerStream):
     """A replica with ``state_dict``/``load_state_dict``: restored in O(1)."""
 
     tag = "stateful"
+
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.stream and has_state(a.dataset)
+
     _UNTAKEN = object()
 
     def __init__(self, *args: Any) -> None:
@@ -114,6 +121,14 @@ class SamplerPatternStream(PerWorkerStream):
 
     tag = "sampler"
 
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return (
+            a.stream
+            and hasattr(a.dataset, "sampler")
+            and callable(getattr(a.dataset, "__next__", None))
+        )
+
     def open(self, start: ReplicaStart) -> Opened:
         plan, saved, worker = start.plan, start.saved, start.worker
         dataset = self.dataset
@@ -151,6 +166,10 @@ class ReplayStream(PerWorkerStream):
     """A replica with no state: resumed by re-reading and dropping its consumed items."""
 
     tag = "replay"
+
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.stream  # any iterable: the last of the streams in ``SOURCES``
 
     def open(self, start: ReplicaStart) -> Opened:
         plan, saved, worker, seed, key, global_rngs = start

@@ -26,7 +26,7 @@ from ..._state import (
 )
 from ...errors import CorruptState, StateMismatch
 from .. import keys
-from .base import Cursor
+from .base import Arguments, BatchSource, Cursor
 from .fetch import Keys
 from .orders import IndexSource
 
@@ -159,6 +159,14 @@ class _UserOrder(IndexSource):
 class UserSampler(_UserOrder):
     """A user ``sampler`` (yields dataset indices), batched by ``batch_size``."""
 
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.sampler is not None  # torch's own samplers of unbroken's order were adopted
+
+    @classmethod
+    def build(cls, a: Arguments) -> BatchSource:
+        return cls(a.sampler, a.batch_size, a.drop_last)
+
     def __init__(self, sampler: Any, batch_size: int | None, drop_last: bool) -> None:
         super().__init__(sampler)
         self.batch_size, self.drop_last = batch_size, drop_last
@@ -213,6 +221,14 @@ class UserBatchSampler(_UserOrder):
     """A user ``batch_sampler`` (yields lists of dataset indices)."""
 
     batched_by_user = True
+
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.batch_sampler is not None
+
+    @classmethod
+    def build(cls, a: Arguments) -> BatchSource:
+        return cls(a.batch_sampler)
 
     def __len__(self) -> int:
         return len(self.sampler)

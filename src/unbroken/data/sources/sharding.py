@@ -39,10 +39,10 @@ from ...distributed.world import World
 from ...errors import CorruptState
 from .. import keys
 from ..rng import make_seeder
-from .base import Cursor
+from .base import Arguments, BatchSource, Cursor
 from .fetch import Keys
 from .orders import DatasetOrder, NativeOrder, Permutation, check_no_source
-from .streams import RangeStream, StreamWorker, Tagged, read_items, set_epoch
+from .streams import RangeStream, StreamWorker, Tagged, read_items, reads_ranges, set_epoch
 
 _BLOCK = 4096  # positions per numpy call, as in NativeOrder
 
@@ -81,6 +81,17 @@ class ShardedOrder(NativeOrder):
 
     shared_by_ranks = True
 
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.ranks is not None
+
+    @classmethod
+    def build(cls, a: Arguments) -> BatchSource:
+        assert a.ranks is not None
+        order = DatasetOrder(a.dataset)
+        shuffle = bool(a.shuffle)
+        return cls(len(a.dataset), a.batch_size, a.drop_last, shuffle, *a.ranks, order)
+
     def __init__(
         self,
         n: int,
@@ -101,6 +112,11 @@ class ShardedOrder(NativeOrder):
 
     def __len__(self) -> int:
         return math.ceil(self.epoch_samples / self.global_batch)
+
+    def epoch_length(self, seed: int, epoch: int) -> int:
+        if self.world == 1:
+            return self.epoch_samples
+        return BatchSource.epoch_length(self, seed, epoch)  # counted: the tail is split
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
         check_global_cursor(cursor, self.n, what)
@@ -147,6 +163,15 @@ class ShardedRangeStream(RangeStream):
     where the epoch's last global batch is and yields as many batches as the others."""
 
     shared_by_ranks = True
+
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.stream and a.ranks is not None and reads_ranges(a.dataset)
+
+    @classmethod
+    def build(cls, a: Arguments) -> BatchSource:
+        assert a.ranks is not None
+        return cls(a.dataset, a.batch_size, a.drop_last, a.num_workers, *a.ranks)
 
     def __init__(
         self,

@@ -39,8 +39,8 @@ from torch.utils.data import (
 from ...errors import CorruptState
 from .. import keys
 from ..rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
-from .base import SKIP, BatchSource, Cursor, Receiver
-from .ranks import refuse_a_global_cursor
+from .base import SKIP, Arguments, BatchSource, Cursor, Receiver
+from .rank_checks import refuse_a_global_cursor
 from .standin import StandIn
 
 PLACEHOLDER = -1  # Tagged.items of a placeholder: a worker's turn that already came
@@ -83,6 +83,11 @@ def is_stream(dataset: Any) -> bool:
     return callable(getattr(dataset, "__iter__", None)) and not callable(
         getattr(dataset, "__getitem__", None)
     )
+
+
+def reads_ranges(dataset: Any) -> bool:
+    """A global-cursor stream: one that reads any range of its items (``read_range``)."""
+    return callable(getattr(dataset, "read_range", None))
 
 
 def set_epoch(dataset: Any, epoch: int) -> None:
@@ -171,6 +176,12 @@ class StreamSource(BatchSource):
     """An iterable dataset as a source: the main-process side, and ``read`` for the workers."""
 
     tag: str  # saved in the fingerprint: how the stream resumes
+    allows_persistent_workers = False  # each epoch starts every worker from another state
+    warns_past_length = True
+
+    @classmethod
+    def build(cls, a: Arguments) -> BatchSource:
+        return cls(a.dataset, a.batch_size, a.drop_last, a.num_workers)
 
     def __init__(
         self, dataset: Any, batch_size: int | None, drop_last: bool, num_workers: int
@@ -222,6 +233,10 @@ class RangeStream(StreamSource):
     number of workers."""
 
     tag = "range"
+
+    @classmethod
+    def matches(cls, a: Arguments) -> bool:
+        return a.stream and reads_ranges(a.dataset)
 
     def check_cursor(self, cursor: Cursor, what: str) -> None:
         step = self.batch_size or 1

@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from datetime import datetime, timezone
+from datetime import timezone
 from typing import Any, TypedDict, cast
 
 from ..checkpoint import layout
-from ..checkpoint.manifest import MANIFEST, Manifest
-from ..checkpoint.objects import ObjectStorage
-from ..checkpoint.scan import classify
-from ..checkpoint.storage import Storage, basename, join, parent
+from ..checkpoint.files import basename, join, parent
+from ..checkpoint.schema import MANIFEST, Manifest
+from ..checkpoint.storage import Storage
+from ..checkpoint.stores import is_url
+from ..checkpoint.verdict import classify
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
 from ..train.checkpointing import LOG, PROGRESS, TRAIN_LOADER, VAL_LOADER
 from ..train.progress import COUNTERS, PHASES
@@ -151,7 +152,7 @@ def _manifest_step(storage: Storage, directory: str) -> int:
 
 
 def check(storage: Storage, path: str, step: int, read_states: bool) -> CheckpointReport:
-    """One checkpoint: judged as ``load_latest`` judges it (``checkpoint.scan.classify``), and
+    """One checkpoint: judged as ``load_latest`` judges it (``checkpoint.verdict.classify``), and
     (``read_states``) where it stands, from its small entries whose files verified; always,
     the size of the Trainer's log that it records (``log_bytes``: what a resume needs)."""
     states: dict[str, Any] = {}
@@ -169,7 +170,7 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
     manifest = verdict.manifest
     return CheckpointReport(
         name=basename(path),
-        path=path if isinstance(storage, ObjectStorage) else os.path.abspath(path),
+        path=path if is_url(path) else os.path.abspath(path),
         step=step,
         written=_written(storage, join(path, MANIFEST)),
         bytes=_size(storage, path),
@@ -185,32 +186,19 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
 
 
 def _written(storage: Storage, manifest: str) -> str | None:
+    """The store's time of the seal (a file's mtime on a disk), in UTC."""
     try:
-        if isinstance(storage, ObjectStorage):  # the store's time of the upload
-            fs = storage.fs  # through _call: its retries, under the store's deadline
-            when = storage._call("look at", manifest, lambda: fs.info(manifest, refresh=True))
-            when = when["LastModified"]
-        else:
-            when = datetime.fromtimestamp(os.stat(manifest).st_mtime, timezone.utc)
-    except (OSError, KeyError):
+        when = storage.stat(manifest).modified
+    except (OSError, ValueError):
         return None
     return str(when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
 def _size(storage: Storage, directory: str) -> int:
-    if isinstance(storage, ObjectStorage):
-        try:
-            return int(storage._call("measure", directory, lambda: storage.fs.du(directory)))
-        except OSError:
-            return 0
-    total = 0
-    for folder, _, files in os.walk(directory):
-        for file in files:
-            try:
-                total += os.lstat(os.path.join(folder, file)).st_size
-            except OSError:
-                pass
-    return total
+    try:
+        return storage.tree_size(directory)
+    except OSError:
+        return 0
 
 
 def _is_progress(value: Any) -> bool:

@@ -1,42 +1,96 @@
-"""torch's sampler API onto an ``unbroken.DataLoader``'s own order, in both directions.
+"""torch's DataLoader API, both ways: what it takes and what it gives back.
 
-Code written for torch's DataLoader reads ``loader.sampler`` and ``loader.batch_sampler``:
-Lightning re-creates a loader from its attributes, calls ``sampler.set_epoch`` at every epoch,
-and under DDP replaces any sampler that is not a ``DistributedSampler`` with torch's own. So:
+``unbroken.DataLoader`` takes torch's arguments and shows torch's attributes. Code written for
+torch's loader relies on both: it matches torch's errors, reads ``loader.sampler`` and
+``loader.batch_sampler`` (Lightning re-creates a loader from its attributes, calls
+``sampler.set_epoch`` at every epoch, and under DDP replaces any sampler that is not a
+``DistributedSampler`` with torch's own), and seeds torch's global generator to fix the order.
 
-- ``OrderView`` is ``loader.sampler`` for a map-style dataset in unbroken's order: the indices
-  this rank reads in an epoch, from its start, in the loader's order. It is a
-  ``DistributedSampler`` because that is what it is (this rank's share of the dataset, one rank's
-  being all of it; ``set_epoch``), and so Lightning keeps the loader's sharding.
-- ``adopt`` goes the other way: a sampler or batch sampler that describes unbroken's own order
-  (a view, torch's ``SequentialSampler``/``RandomSampler``/``DistributedSampler`` over the
-  dataset, torch's ``BatchSampler`` around one of them) becomes the loader's own settings, so a
-  loader re-created from its attributes is the same loader, resumable in O(1).
+- **Arguments in**: ``refuse_what_torch_refuses`` lets torch itself check them (torch's
+  exception and message); ``adopt`` turns a sampler or batch sampler that describes unbroken's
+  own order (a view, torch's ``SequentialSampler``/``RandomSampler``/``DistributedSampler`` over
+  the dataset, torch's ``BatchSampler`` around one of them) into the loader's own settings, so a
+  loader re-created from its attributes is the same loader, resumable in O(1); ``choose_seed``
+  picks the data seed as torch's ``RandomSampler`` would draw it.
+- **Attributes out**: ``samplers`` and ``collate_of`` set ``sampler``,
+  ``batch_sampler`` and ``collate_fn`` as torch does. ``OrderView`` is ``loader.sampler`` for a
+  map-style dataset in unbroken's order: the indices this rank reads in an epoch, from its
+  start, in the loader's order. It is a ``DistributedSampler`` because that is what it is (this
+  rank's share of the dataset, one rank's being all of it; ``set_epoch``), and so Lightning
+  keeps the loader's sharding.
+
+Cost: at construction, one torch DataLoader built and dropped (it builds samplers and starts no
+worker) and, without a seed, one draw from a copy of torch's generator (one broadcast on several
+ranks); ``OrderView`` lists indices only when iterated.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
+import torch.distributed as dist
 from torch.utils.data import (
     BatchSampler,
     DistributedSampler,
+    IterableDataset,
     RandomSampler,
     SequentialSampler,
     default_collate,
     default_convert,
 )
 
-from .sources.base import Cursor
-from .sources.orders import IndexSource, NativeOrder
+from .._checks import is_int
+from ..distributed.world import World
+from .sources.base import BatchSource
 from .sources.streams import is_stream
 
-if TYPE_CHECKING:
-    from .loader import DataLoader
+SEED_LIMIT = 1 << 64
+
+
+class Viewed(Protocol):
+    """What a sampler view reads of its loader (``DataLoader`` is one)."""
+
+    dataset: Any
+    batch_size: int | None
+    rank: int
+    world_size: int
+    drop_last: bool
+    seed: int
+    _restored: bool  # the epoch protocol's: a restored position that yielded nothing yet
+
+    @property
+    def epoch(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+def refuse_what_torch_refuses(dataset: Any, **arguments: Any) -> None:
+    """Raise what ``torch.utils.data.DataLoader(dataset, **arguments)`` raises, if anything.
+
+    An iterable that is not an ``IterableDataset`` (``unbroken.shuffle_buffer``, ``resumable``)
+    is left to unbroken's checks: torch would take it for a map-style dataset."""
+    if is_stream(dataset) and not isinstance(dataset, IterableDataset):
+        return
+    if arguments.get("shuffle") and _empty(dataset):
+        # torch's RandomSampler refuses an empty dataset when it is built; unbroken orders the
+        # dataset's length at each epoch's start (it may grow), so it takes an empty one.
+        arguments = {**arguments, "shuffle": False}
+    with warnings.catch_warnings():
+        # Its warnings (too many workers, ...) come from the loader that runs, not this one.
+        warnings.simplefilter("ignore")
+        torch.utils.data.DataLoader(dataset, **arguments)
+
+
+def _empty(dataset: Any) -> bool:
+    try:
+        return len(dataset) == 0
+    except TypeError:
+        return False
 
 
 class OrderView(DistributedSampler):
@@ -46,18 +100,17 @@ class OrderView(DistributedSampler):
 
     # DistributedSampler.__init__ is not called: it asks the process group for what the loader
     # already knows, and fixes seed and epoch, which here follow the loader (``follow``).
-    def __init__(self, loader: DataLoader) -> None:
-        assert isinstance(loader._source, IndexSource), "a view of a map-style source only"
+    def __init__(self, loader: Viewed, source: BatchSource, seed_given: bool) -> None:
         # The loader only weakly: it must be freed (and its workers stopped) as soon as the user
         # drops it, which a cycle through its own sampler would delay until a GC pass; the view
         # outlives it with the last seed and epoch it was told.
-        self._loader_ref: Callable[[], DataLoader | None] = weakref.ref(loader)
-        self._source = loader._source
+        self._loader_ref: Callable[[], Viewed | None] = weakref.ref(loader)
+        self._source = source  # one that lists_indices
         self.dataset = loader.dataset
         self.num_replicas, self.rank = loader.world_size, loader.rank
         self.shuffle = bool(getattr(self._source, "shuffle", False))
         self.drop_last = loader.drop_last
-        self.seed_given = loader._seed_given
+        self.seed_given = seed_given
         self.follow(loader.seed, loader.epoch)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -93,19 +146,15 @@ class OrderView(DistributedSampler):
         """Samples in the epoch over all ranks (the dataset's length, less what drop_last drops)."""
         return getattr(self._source, "epoch_samples", len(self) * self.num_replicas)
 
-    def _batches(self) -> Iterator[Any]:
-        source = self._source
-        start = Cursor(source=source.fresh())
-        return (keys[0] for keys in source.batches(self._seed, self._epoch, start, deque()))
+    def _batches(self) -> Iterator[Sequence[int]]:
+        return self._source.epoch_indices(self._seed, self._epoch)
 
     def __iter__(self) -> Iterator[int]:
         for indices in self._batches():
             yield from indices
 
     def __len__(self) -> int:
-        if self.num_replicas == 1 and isinstance(self._source, NativeOrder):
-            return self._source.epoch_samples
-        return sum(len(indices) for indices in self._batches())
+        return self._source.epoch_length(self._seed, self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the loader's next iteration start ``epoch`` from its first batch, as torch's
@@ -194,21 +243,69 @@ def _order_of(
     return None
 
 
-def samplers(loader: DataLoader, sampler: Any, batch_sampler: Any) -> tuple[Any, Any]:
+def samplers(
+    loader: Viewed, source: BatchSource, seed_given: bool, sampler: Any, batch_sampler: Any
+) -> tuple[Any, Any]:
     """``sampler`` and ``batch_sampler`` as torch's DataLoader sets them: the user's, else the
-    loader's own order seen as torch's samplers (``views``); none for an iterable dataset."""
+    loader's own order seen as torch's samplers (``OrderView``, for a source that
+    ``lists_indices``); none for an iterable dataset."""
     if is_stream(loader.dataset):
         return None, None
     if batch_sampler is not None:
         # As torch: set, and never used.
-        return SequentialSampler(loader.dataset), batch_sampler  # type: ignore[arg-type]
-    if sampler is None:
-        sampler = OrderView(loader)
-    if loader.batch_size is None:
+        return SequentialSampler(loader.dataset), batch_sampler
+    if sampler is None and source.lists_indices:
+        sampler = OrderView(loader, source, seed_given)
+    if loader.batch_size is None or sampler is None:
         return sampler, None
     return sampler, BatchSampler(sampler, loader.batch_size, loader.drop_last)
 
 
-def default_collate_of(loader: DataLoader) -> Any:
-    auto_collation = loader.batch_size is not None or loader.batch_sampler is not None
+def collate_of(collate_fn: Any, batch_size: int | None, batch_sampler: Any) -> Any:
+    """``collate_fn`` as torch's DataLoader sets it: the user's, else torch's default."""
+    if collate_fn is not None:
+        return collate_fn
+    auto_collation = batch_size is not None or batch_sampler is not None
     return default_collate if auto_collation else default_convert
+
+
+def choose_seed(
+    seed: int | None,
+    generator: torch.Generator | None,
+    taken: Adopted,
+    ranks: tuple[int, int] | None,
+) -> tuple[int, bool]:
+    """The data seed and whether the user chose it (then a saved state must have the same)."""
+    if seed is not None:
+        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        return seed, True
+    if generator is not None:
+        return generator.initial_seed() % SEED_LIMIT, True
+    if taken.seed is not None:
+        return taken.seed % SEED_LIMIT, taken.seed_given
+    # The draw torch's RandomSampler would make from torch's global generator, so that
+    # torch.manual_seed (or Lightning's seed_everything) reproduces the order and the samples'
+    # randomness; made on a copy, so that building a loader never moves the training process's
+    # draws (Lightning builds a val loader lazily, at a point a resumed run does not repeat).
+    copy = torch.Generator()
+    copy.set_state(torch.get_rng_state())
+    drawn = int(torch.empty((), dtype=torch.int64).random_(generator=copy).item())
+    if ranks is not None and ranks[1] > 1:
+        drawn = _rank0_seed(drawn, ranks[1])
+    return drawn, False
+
+
+def _rank0_seed(drawn: int, world_size: int) -> int:
+    """Rank 0's seed, so that every rank derives one global order even if their global
+    generators differ: one broadcast, which every rank makes as it builds its loader."""
+    world = World.current()
+    if not world.initialized or world.size != world_size:
+        raise ValueError(
+            f"unbroken.DataLoader on {world_size} ranks needs seed= (or an initialized process "
+            "group of that size, to take rank 0's): every rank derives the same global order "
+            "from it"
+        )
+    box = [drawn]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
