@@ -1,7 +1,8 @@
 """What the Trainer's per-batch agreement costs under torchrun (gloo, CPU): the all-reduce of two
 flags (``unbroken.train.agreement.Agreement.any_of``) against the all-gather of four float64
 numbers a rank that just-in-time saves use (``unbroken.train.jit.JustInTime.agree``), and two
-alternatives that carry the same numbers. A tight loop of 3,000 calls each, after 200 to warm up, timed on rank 0.
+alternatives that carry the same numbers. A tight loop of 3,000 calls each, after 200 to warm
+up, timed on rank 0.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=3 benchmarks/agreement.py
 """
