@@ -24,7 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import BinaryIO, cast
 
-from .files import Digest, Entry, Stat, join, parent, sha256
+from .._files import atomic_write, sync_directory
+from .files import Digest, Entry, Stat, basename, join, parent, sha256
 from .storage import Storage
 
 __all__ = ["LocalStorage"]
@@ -89,12 +90,7 @@ class LocalStorage(Storage):
         shutil.rmtree(path, ignore_errors=True)
 
     def sync_directory(self, path: str) -> None:
-        if os.name == "posix":  # elsewhere directories cannot be opened, and renames are journaled
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        sync_directory(path)
 
     def free_space(self, path: str) -> int:
         return shutil.disk_usage(path).free
@@ -126,10 +122,8 @@ class LocalStorage(Storage):
         self.sync_directory(parent(path))
 
     def overwrite(self, path: str, data: bytes) -> None:
-        temporary = f"{path}.{secrets.token_hex(4)}.tmp"
-        self.create(temporary, data)
-        os.replace(temporary, path)  # readers see the old content or the new, never a part
-        self.sync_directory(parent(path))
+        # Readers see the old content or the new, never a part.
+        atomic_write(path, data, temporary=f"{basename(path)}.{secrets.token_hex(4)}.tmp")
 
     def delete(self, path: str) -> None:
         os.unlink(path)
