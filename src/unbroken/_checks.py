@@ -30,5 +30,5 @@ def check_keep(name: str, value: Any) -> None:
     if not is_int(value) or value < 2:
         raise ValueError(
             f"{name} must be an int >= 2, got {value!r}: with a single checkpoint, one that is "
-            "corrupted leaves nothing to resume from"
+            "corrupted (a disk error, a truncated copy) leaves nothing to resume from"
         )

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._checks import is_int, is_number
+from .._checks import check_keep, is_int, is_number
 from ..errors import RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
@@ -100,11 +100,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         remote_timeout: float = REMOTE_TIMEOUT,
     ) -> None:
-        if not is_int(keep) or keep < 2:
-            raise ValueError(
-                f"keep must be an int >= 2, got {keep!r}: with a single checkpoint, one that is "
-                "corrupted (a disk error, a truncated copy) leaves nothing to resume from"
-            )
+        check_keep("keep", keep)
         if not is_number(timeout) or not timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.keep = keep

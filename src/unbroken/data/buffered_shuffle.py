@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import is_int
+from .._checks import check_seed, is_int
 from .._state import (
     COUNT_LIMIT,
     StateReader,
@@ -107,8 +107,7 @@ class ShuffleBuffer(EpochIterable[_WindowPosition]):
     def __init__(self, iterable: Any, size: int, *, seed: int) -> None:
         if not is_int(size) or size < 1:
             raise ValueError(f"size must be an int >= 1 (items per window), got {size!r}")
-        if not is_int(seed) or not 0 <= seed < 1 << 64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        check_seed("seed", seed)
         stateful = has_state(iterable) and isinstance(iterable, Iterable)
         self.upstream = iterable if stateful else Resumable(iterable)
         # An upstream made here has no other consumer: its position is the buffer's, checked on

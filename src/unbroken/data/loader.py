@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._checks import SEED_LIMIT
 from .._state import StateReader, same
 from ..errors import CorruptState, StateMismatch
 from .inner import InnerLoader
@@ -35,7 +36,6 @@ from .sources.rank_checks import RANK_FIELDS, check_ranks, rank_fields
 from .sources.sharding import world_of
 from .states import LOADER, LoaderState, refuse_seeded_per_sample
 from .torch_api import (
-    SEED_LIMIT,
     OrderView,
     adopt,
     choose_seed,

@@ -44,12 +44,10 @@ from torch.utils.data import (
     default_convert,
 )
 
-from .._checks import is_int
+from .._checks import SEED_LIMIT, check_seed
 from ..distributed.world import World
 from .sources.base import BatchSource
 from .sources.streams import is_stream
-
-SEED_LIMIT = 1 << 64
 
 
 class Viewed(Protocol):
@@ -277,8 +275,7 @@ def choose_seed(
 ) -> tuple[int, bool]:
     """The data seed and whether the user chose it (then a saved state must have the same)."""
     if seed is not None:
-        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        check_seed("seed", seed)
         return seed, True
     if generator is not None:
         return generator.initial_seed() % SEED_LIMIT, True
