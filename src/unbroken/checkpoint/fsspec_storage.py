@@ -46,8 +46,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, BinaryIO, TypeVar, cast
 
-from fsspec.utils import tokenize
-
 from ..retry import Deadline, filesystem, retrying
 from . import protocols
 from .copies import Copies
@@ -338,6 +336,8 @@ class FsspecStorage(Storage):
         def look() -> Stat:
             self.fs.invalidate_cache(path)  # the store's answer, not a listing's
             info = dict(self.fs.info(path))
+            from fsspec.utils import tokenize  # here: `import unbroken` imports no fsspec
+
             return Stat(protocols.modified(self.protocol, self.fs, path, info), tokenize(info))
 
         return self._call("look at", path, look)
