@@ -143,6 +143,7 @@ def run_job(run: Path, options: dict[str, Any], trace: list[Failure], cap: float
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
     events, deadline = Events(run), time.monotonic() + cap
+    stopped: list[tuple[int, int, int]] = []  # (pid, rank, attempt) of each SIGSTOP sent
     try:
         for attempt, failure in enumerate(trace):
             started = None
@@ -154,18 +155,62 @@ def run_job(run: Path, options: dict[str, Any], trace: list[Failure], cap: float
                 break  # the job ended (or the cap came) before this failure
             time.sleep(max(0.0, started + failure.gap - time.time()))
             pid = int(events.of(failure.rank, "pid", attempt)[0][2])
-            if job.poll() is not None:
-                break
+            events.read()
+            if job.poll() is not None or (
+                failure.kind == "hang"
+                and last_begun(events, failure.rank, attempt) >= options["steps"]
+            ):
+                break  # a rank stopped in or after the last step can leave its peers done
             os.kill(pid, signal.SIGKILL if failure.kind == "kill" else signal.SIGSTOP)
             failure.attempt, failure.at = attempt, time.time()
+            if failure.kind == "hang":
+                stopped.append((pid, failure.rank, attempt))
+        while job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            events.read()
+            for pid, rank, attempt in stopped:
+                if peers_finished(events, rank, attempt):
+                    resume(pid)  # torchrun would wait on the stopped rank until the cap
         return job.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         return -1
     finally:
+        for pid, _, _ in stopped:
+            resume(pid)  # never leave a process stopped
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)  # the cap: every rank, stopped ones included
             job.wait()
         log.close()
+
+
+def last_begun(events: Events, rank: int, attempt: int) -> int:
+    """The last step ``rank`` began in ``attempt`` (0: none yet)."""
+    return max((int(e[2]) for e in events.of(rank, "b", attempt)), default=0)
+
+
+def peers_finished(events: Events, rank: int, attempt: int) -> bool:
+    """Whether every rank of ``attempt`` but ``rank`` left ``fit`` without a failure and exited:
+    the stopped rank then hangs nobody's collective, and torchrun waits on it alone."""
+    peers = [events.of(r, "pid", attempt)[:1] for r in range(RANKS) if r != rank]
+    if any(events.of(r, "x", attempt) for r in range(RANKS) if r != rank):
+        return False  # the hang did its work: torchrun ends the attempt after its stop grace
+    return all(pid and not alive(int(pid[0][2])) for pid in peers)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by torchrun, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def analyse(run: Path, trace: list[Failure], rc: int, reference: Path | None) -> dict[str, Any]:
