@@ -1,20 +1,6 @@
 """How long ``Checkpointer.save`` blocks the training loop: ``blocking=True`` against ``False``.
 
-State: a stack of ``--layers`` ``Linear(2048, 2048)`` layers (default 6: 25.2 M float32
-parameters, 101 MB) and its Adam optimizer after one step (exp_avg and exp_avg_sq: 201 MB more),
-so each checkpoint writes about 302 MB, every file fsynced.
-
-Per round, in an order that alternates between rounds, with ``keep=2`` in a fresh directory:
-
-- ``save(blocking=True)``: time until it returns, i.e. until the checkpoint is committed.
-- ``save(blocking=False)``: time until it returns (the copy of the state to CPU memory), then
-  ``wait()``: time until the write is committed.
-- the same two saves each followed by ``--steps`` training steps (forward, backward, Adam step on
-  a batch of 64) and ``wait()``: time from the save to the end of the last step with the write
-  committed. This shows how much of the write the loop really hides: on a machine with few cores
-  the background write competes with training for CPU and memory bandwidth.
-
-Reported: medians over ``--reps`` rounds, and the ratio async/sync of each median.
+How it measures, and what the numbers mean: ``docs/benchmarks/checkpoint-blocking.md``.
 
     .venv/bin/python benchmarks/checkpoint_blocking.py            # ~1 minute
     .venv/bin/python benchmarks/checkpoint_blocking.py --quick    # smoke run, seconds

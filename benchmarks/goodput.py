@@ -2,77 +2,11 @@
 machine running a job is killed or preempted at random, for a plain PyTorch loop, Lightning,
 Lightning with unbroken, and unbroken's Trainer.
 
-The job is ``benchmarks/goodput_job.py`` (its docstring has the details), the same math for
-every system: an MLP ``3072 -> 1536 -> 1536 -> 10`` (7.1M parameters; 85 MB of tensors with
-Adam's state in a checkpoint) on 4096 synthetic augmented images, batch 64, ``--steps``
-optimizer steps (a whole number of 64-step epochs), one thread, ``num_workers=0``. This script
-is its supervisor: it starts the job in a new session (``start_new_session=True``), signals
-its whole process group as schedulers do (``os.killpg``), and starts it again at once whenever
-it stops without having finished.
-
-**Failure traces.** For each mean time between failures (``--mtbf``, seconds), a stream of
-failure times from the run's start, with exponential gaps (``random.Random(seed + mtbf)``),
-each a SIGKILL (75%) or a preemption (25%: SIGTERM, then SIGKILL ``--grace`` seconds later if
-the process it was sent to still lives). The same trace (the same times and kinds) is applied
-to every system. A run is stopped at ``--cap`` times the reference time below; it is then
-reported as not finished, and a last process (``goodput_job.py --probe``) loads its
-checkpoint as a restart would, to tell how many steps it had kept.
-
-**Finished** means the job wrote its final weights and ``done``, not that it exited 0:
-Lightning 2.6 without unbroken exits 0 after a SIGTERM (its ``SIGTERMException`` is a
-``SystemExit`` without a code) having saved nothing. A scheduler that trusts the status would
-stop such a run there; this supervisor starts it again, and counts those sessions ("exit 0,
-unfinished"). Three sessions in a row that fail on their own before any step (e.g. a checkpoint
-file cut short by a kill, which Lightning writes in place) end the run as not finished, as a
-scheduler's requeue limit would.
-
-**References.** First the job without failures: ``plain`` with no checkpoint at all (the
-goodput numerator: the time the work takes, spawn to exit, imports and the final save
-included, measured once; its step rate converts intervals to steps), then every configuration
-once, whose final weights are the ones its runs under failures are compared with, and whose
-wall time is its own failure-free time (its checkpoint cost shows there). For each reference,
-every sample is checked to be trained exactly once an epoch; which of them end with
-bit-identical weights is reported (a checkpoint must not change the math, so a system's
-configurations agree with one another). A full run measures the numerator once more at the end,
-to show how far the machine's speed drifted (not used in the goodput).
-
-**Per trace**, ``unbroken.Trainer`` with a fixed ``checkpoint_every_seconds`` for each of
-``--intervals``; the best of them (highest goodput) is the trace's best fixed interval. Then
-the Trainer with ``checkpoint_every_seconds="auto"`` (the default in this version: the user
-who sets nothing) and with the default before it, a fixed 600 s (with an older unbroken whose
-default is not "auto", the run with no checkpoint option at all instead). Then the peers,
-which checkpoint every N optimizer steps, where N is the trace's best fixed interval in steps
-at the failure-free step rate: they are given the same, good,
-checkpoint frequency, chosen knowing the trace, which a user of them could not know. Their
-references use the N of the median of ``--intervals``.
-
-**The run directory in object storage.** The Trainer with ``"auto"`` runs once more with its
-run directory on an S3 server (moto's, started by this script on 127.0.0.1: no network latency,
-so what it adds is the protocol's requests): checkpoints, ``metrics.csv`` and the run's lease
-live there, and every restart's way to its first step includes taking the lease of the process
-killed before it (known dead on this machine: taken at once, not after ``lease_seconds``) and
-reading the checkpoint back (the files from this machine's local copies, the manifest from the
-store). Its jobs get a cache directory of their own (``XDG_CACHE_HOME``), and its objects are
-deleted after each run.
-
-Reported per system and trace: the wall time; **goodput** = reference time / wall time (for a
-run not finished: times the fraction of the steps it had kept); the kills and preemptions it
-received; the steps it trained again; samples **trained twice** and **never trained**: from
-``events.log``, the steps the final model contains (a session resumed from step r and the next
-one from r', so its steps in (r, r'] are kept; the last session's from r to its end), each
-sample's count over those steps against its expected count (the number of epochs), summed
-over the samples as max(0, count - expected) and max(0, expected - count) (a finished run
-keeps exactly ``--steps`` batches, so the two sums are equal); the median time from a
-restart's spawn to its first optimizer step, and the fresh start's; whether ``final.pt``
-equals (``torch.equal``, every tensor) the same configuration's uninterrupted run's.
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput.md``.
 
     .venv/bin/python benchmarks/goodput.py             # 4 traces x 9 configurations: 45-50 min
     .venv/bin/python benchmarks/goodput.py --quick     # 1 short trace, every system: 3-4 min
     .venv/bin/python benchmarks/goodput.py --mtbf 60 --intervals 5 10
-
-The jobs run one at a time, in a temporary directory (``--keep`` keeps it). One run per configuration and trace on a shared 2-core machine: a
-failure that lands in a checkpoint save or just before one changes a run's time by seconds, so
-read differences of a few percent as noise.
 """
 
 from __future__ import annotations

@@ -1,48 +1,10 @@
 """Goodput of a 3-rank torchrun job under failures of one rank at a time: periodic saves alone
 against periodic saves with just-in-time saves (``Trainer(just_in_time=True)``).
 
-The job is ``benchmarks/goodput_ranks_job.py`` (its docstring has the details): ``torchrun
---standalone --nproc-per-node=3 --max-restarts=K``, gloo on CPU, one thread a rank, an
-``unbroken.Trainer`` over a DDP MLP of 1.6M parameters (Adam) and an ``unbroken.DataLoader``
-with per-sample random augmentation, ``--steps`` optimizer steps (~33 ms each here). torchrun
-restarts the group after each failure; the Trainer resumes from the newest checkpoint.
-
-**Runs.** First the reference: no periodic save, no just-in-time save, no failure. Its training
-time (from its first step's start to its last step's end) is the work; its final weights are
-what every other run must end with. Then, under the same failure trace: ``periodic``
-(``checkpoint_every_seconds=--interval``, ``just_in_time=False``) and ``jit`` (the same periodic
-saves and ``just_in_time=True``).
-
-**The failure trace** (``random.Random(--seed)``): ``--kills`` SIGKILLs, then one hang (a
-SIGSTOP; the process group's timeout, ``--pg-timeout``, turns it into a failure of the others'
-collective, and torchrun SIGKILLs the stopped rank once its 30-s stop grace is over), each of
-one rank drawn at random. Failure ``i`` strikes ``gap_i`` seconds after every rank of the
-attempt it strikes began its first step, so each failure strikes training, never a start-up;
-the gaps, drawn uniformly and scaled to fill 80% of the reference's work, are the same for both
-policies. A rank's pid is read from its events file (one line per attempt). The hang comes last
-because its restart is ~35 s longer than a kill's: ``goodput_sim.py --check`` replays the
-failure times with one restart cost, which then stays aligned with the kills.
-
-**Reported** per policy: wall time (first step's start to the last step's end: the first start
-is not counted, as in ``goodput_sim.py``); goodput = work / wall time; per failure the steps
-recomputed (the steps begun before it, the one in flight included, that the next attempt began
-again: the last step begun minus the step the next attempt resumed from; the completed ones
-alone are beside them), what the victim was doing (in a step, in a save), the seconds of the
-just-in-time save (the Trainer prints "... just in time: PATH, X s after ..."), the seconds
-until the last survivor left ``fit`` (its save done: the job's ``x`` event), the restart
-(from the failure to the next attempt's first step, less the just-in-time save); whether the
-final weights equal the reference's (``torch.equal``, every tensor). The costs for
-``goodput_sim.py --measured``: ``step_seconds`` (the median time between two steps' starts with
-no save or epoch end between), ``save_seconds`` (the median time between the starts of the
-steps around a periodic save, less a step), ``jit_save_seconds`` (the median X),
-``restart_seconds`` (the kills' median; the hang's is reported beside it).
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput-ranks.md``.
 
     .venv/bin/python benchmarks/goodput_ranks.py           # 5 kills + 1 hang: ~5 min on 2 cores
     .venv/bin/python benchmarks/goodput_ranks.py --quick   # 1 kill + 1 hang: ~3 min
-
-Writes ``bench_output/goodput_ranks.json`` (``--json``): the benchmarks' usual layout, and at its
-top ``measured`` and ``runs`` as ``goodput_sim.py --measured/--check`` read them. One run per
-policy on a shared 2-core machine: read differences of a few percent in goodput as noise.
 """
 
 from __future__ import annotations

@@ -1,39 +1,6 @@
 """Training-loop overhead of unbroken.DataLoader against torch's DataLoader, side by side.
 
-Two loops, each with num_workers 0 and 2:
-
-- tiny (Lightning's BoringModel style): Linear(32, 2) on random 32-float rows, batch 2,
-  SGD(lr=0.1), MSE loss. The step is so cheap that the loader's per-batch cost shows.
-- realistic: a small CNN (2 conv + linear, 10 classes) on random uint8 3x32x32 images with
-  random crop (pad 4) and horizontal flip drawn from the global torch RNG, batch 32, SGD,
-  cross-entropy.
-
-Loaders: torch.utils.data.DataLoader(shuffle=True); unbroken.DataLoader(shuffle=True, seed=0)
-with global_rngs default (torch, numpy, random), ("torch",) and (); torchdata's
-StatefulDataLoader(shuffle=True) with its defaults. With workers, every loader gets
-persistent_workers=True so worker start-up is not timed.
-
-Method: each loader has its own copy of the same model (same initial weights, trained
-independently). One untimed warm-up epoch per loader, then timed rounds in which every loader
-runs in turn, in an order rotated each round so drift hits all alike. Each loader's time in a
-round is divided by torch's in the same round (a paired ratio); the table reports the median
-of those ratios (with a bootstrap 95% confidence interval and the interquartile range), so a
-burst of other work that hits some rounds moves it little. Between whole runs the ratios still
-move by about +-1.5% on this VM (memory placement, the host): compare runs, not one number.
-
-- num_workers=0: loaders are interleaved finely. A round gives each loader ``--tiny-chunk`` /
-  ``--realistic-chunk`` training steps (timed), then as many batches without training (timed, the
-  "data-only" column); iterators persist across rounds and restart at each epoch's end inside
-  the timed chunk. Rounds last tens of milliseconds, so the machine's speed barely changes
-  within one: this shared 2-core VM varies by tens of percent over seconds.
-- num_workers>0: a round is one whole training epoch per loader (workers prefetch in the
-  background, so loaders cannot be paused mid-epoch fairly), ``--worker-reps`` rounds. Other
-  processes' CPU use is measured around each epoch (``/proc``); a round where it exceeded
-  ``--max-foreign`` cores is set aside and another run, up to ``--max-rounds``.
-
-Also printed: the cost of each global seeding call alone (timeit), and a "control" loader:
-torch's DataLoader over a dataset that makes exactly unbroken's per-batch seeding calls,
-which separates the seeding's cost from the rest of unbroken's machinery.
+How it measures, and what the numbers mean: ``docs/benchmarks/overhead.md``.
 
     .venv/bin/python benchmarks/overhead.py            # full run, ~3 minutes on 2 idle cores
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run, ~15 seconds

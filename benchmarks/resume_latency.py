@@ -1,23 +1,6 @@
 """Resume latency: load_state_dict on a fresh loader -> first batch, early vs late in an epoch.
 
-A shuffled epoch of ``--samples`` (default 10 million) samples whose ``__getitem__`` returns
-``torch.tensor(i)``, batch_size 64, num_workers 0, a collate_fn that keeps the list (cheap).
-For unbroken.DataLoader (seed=0) and torchdata's StatefulDataLoader (shuffle=True, defaults):
-
-1. Capture, one pass per library: iterate the loader and call ``state_dict()`` right after
-   receiving the batch at 1%, 50% and 99% of the epoch; serialize it (``json.dumps`` for
-   unbroken, ``pickle.dumps`` for torchdata, whose state holds a tensor) and remember the batch
-   that came next.
-2. Measure, in ``--reps`` rounds that time every point once per library (unbroken
-   ``--fast-reps`` times, as it takes milliseconds): construct a fresh loader, deserialize the
-   state (both untimed), then time ``load_state_dict(state)``, ``iter()`` and ``next()``. The
-   received batch is checked against the one the capture pass got next, so a fast but wrong
-   resume cannot pass. A fresh start (no state) is timed the same way as a baseline. A round
-   during which other processes used more than ``--max-foreign`` cores is set aside and rerun.
-
-The capture pass is what takes time (~100 s for unbroken with its default per-sample seeding,
-~30 s for torchdata); ``--global-rngs ''`` makes unbroken's pass faster without changing what
-is timed.
+How it measures, and what the numbers mean: ``docs/benchmarks/resume-latency.md``.
 
     .venv/bin/python benchmarks/resume_latency.py           # 10M samples, ~3.5 minutes
     .venv/bin/python benchmarks/resume_latency.py --quick   # smoke run, ~10 seconds
