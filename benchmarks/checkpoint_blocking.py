@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, environment, load_line, table
+from harness import REPO, Results, add_options, environment, load_line, table
 from harness import parser as harness_parser
 
 from unbroken.checkpoint import Checkpointer
@@ -50,16 +50,12 @@ QUICK = "1 layer, 2 rounds"
 
 def main() -> None:
     parser = harness_parser(__doc__, "checkpoint_blocking", QUICK)
-    parser.add_argument("--layers", type=int, default=6, help="Linear(2048, 2048) layers")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds")
-    parser.add_argument("--steps", type=int, default=3, help="training steps after each save")
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=REPO / "bench_output",
-        help="where the checkpoints are written (a fresh subdirectory)",
-    )
-    parser.add_argument("--device", default="cpu", help="where the model trains, e.g. cuda")
+    add_options(parser, {
+        "layers": (6, "Linear(2048, 2048) layers"), "reps": (5, "timed rounds"),
+        "steps": (3, "training steps after each save"),
+        "dir": (REPO / "bench_output", "where the checkpoints are written (a fresh subdirectory)"),
+        "device": ("cpu", "where the model trains, e.g. cuda"),
+    })  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.layers, args.reps = 1, 2

@@ -609,16 +609,14 @@ QUICK = (
 
 
 def main() -> None:
+    from harness import add_options
     from harness import parser as harness_parser
 
     parser = harness_parser(__doc__, "goodput", QUICK)
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=10 * PER_EPOCH,
-        help=f"optimizer steps, a multiple of {PER_EPOCH} (default %(default)s: 10 epochs, "
-        "~45 s without failures here)",
-    )
+    add_options(parser, {
+        "steps": (10 * PER_EPOCH, f"optimizer steps, a multiple of {PER_EPOCH} (default "
+                  "%(default)s: 10 epochs, ~45 s without failures here)"),
+    })  # fmt: skip
     parser.add_argument(
         "--mtbf",
         type=float,
@@ -633,13 +631,11 @@ def main() -> None:
         default=[2, 5, 10, 20],
         help="the Trainer's fixed checkpoint_every_seconds to sweep (default: %(default)s)",
     )
-    parser.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
-    parser.add_argument("--seed", type=int, default=0, help="failure traces' seed")
-    parser.add_argument(
-        "--cap", type=float, default=6.0, help="stop a run at this many reference times"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="the job's torch.set_num_threads")
-    parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    add_options(parser, {
+        "grace": (5.0, "SIGTERM to SIGKILL, seconds"), "seed": (0, "failure traces' seed"),
+        "cap": (6.0, "stop a run at this many reference times"),
+        "threads": (1, "the job's torch.set_num_threads"), "keep": (False, "keep the runs' directories"),
+    })  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.steps, args.mtbf, args.intervals, args.cap = 2 * PER_EPOCH, [5.0], [2.0], 4.0

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, environment, table
+from harness import REPO, Results, add_options, environment, table
 from harness import parser as harness_parser
 from harness.workloads import weights_equal
 
@@ -292,14 +292,12 @@ def main() -> None:
         f"steps (default {EVERY}); default: %(default)s",
     )
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="num_workers")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per job run")
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=REPO / "bench_output",
-        help="where the runs' directories go (a fresh subdirectory, removed at the end)",
-    )
-    parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    add_options(parser, {
+        "timeout": (300.0, "seconds per job run"),
+        "dir": (REPO / "bench_output", "where the runs' directories go (a fresh subdirectory, "
+                "removed at the end)"),
+        "keep": (False, "keep the runs' directories"),
+    })  # fmt: skip
     parser.add_argument(
         "--sweeps",
         nargs="*",

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_round_options, environment, table
+from harness import ForeignLoad, Results, add_options, add_round_options, environment, table
 from harness import parser as harness_parser
 from harness.stats import median_ci, quartiles, rotated
 from harness.workloads import (
@@ -318,33 +318,16 @@ QUICK = "small datasets, little timed work (numbers are noise)"
 
 def main() -> None:
     parser = harness_parser(__doc__, "overhead", QUICK)
-    parser.add_argument("--loops", default="tiny,realistic", help="comma-separated: tiny,realistic")
-    parser.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
-    parser.add_argument(
-        "--reps", type=int, default=7, help="timed work per loader and configuration, in epochs"
-    )
-    parser.add_argument(
-        "--worker-reps",
-        type=int,
-        default=5,
-        help="num_workers>0: clean epoch rounds per configuration",
-    )
-    parser.add_argument(
-        "--tiny-chunk",
-        type=int,
-        default=64,
-        help="num_workers=0: training steps per loader per round, tiny loop",
-    )
-    parser.add_argument(
-        "--realistic-chunk",
-        type=int,
-        default=4,
-        help="num_workers=0: training steps per loader per round, realistic loop",
-    )
-    parser.add_argument("--tiny-rows", type=int, default=4096)
-    parser.add_argument("--tiny-batch", type=int, default=2)
-    parser.add_argument("--images", type=int, default=2048)
-    parser.add_argument("--image-batch", type=int, default=32)
+    add_options(parser, {
+        "loops": ("tiny,realistic", "comma-separated: tiny,realistic"),
+        "workers": ("0,2", "comma-separated num_workers values"),
+        "reps": (7, "timed work per loader and configuration, in epochs"),
+        "worker_reps": (5, "num_workers>0: clean epoch rounds per configuration"),
+        "tiny_chunk": (64, "num_workers=0: training steps per loader per round, tiny loop"),
+        "realistic_chunk": (4, "num_workers=0: training steps per loader per round, realistic loop"),
+        "tiny_rows": (4096, None), "tiny_batch": (2, None),
+        "images": (2048, None), "image_batch": (32, None),
+    })  # fmt: skip
     add_round_options(parser, 10)
     parser.add_argument(
         "--no-control",

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ForeignLoad, Results, add_round_options, environment, load_line, table
 from harness import parser as harness_parser
+from harness.results import add_options
 from harness.stats import probed_rounds
 
 import unbroken
@@ -128,24 +129,15 @@ QUICK = "200k samples, 2 reps"
 
 def main() -> None:
     parser = harness_parser(__doc__, "resume_latency", QUICK)
-    parser.add_argument("--samples", type=int, default=10_000_000, help="epoch length")
-    parser.add_argument(
-        "--reps", type=int, default=5, help="clean rounds; each times every point once per library"
-    )
-    parser.add_argument(
-        "--fast-reps",
-        type=int,
-        default=9,
-        help="timed resumes of unbroken per point and round (it takes ~1 ms, so "
-        "more samples cost nothing and steady its median)",
-    )
+    add_options(parser, {
+        "samples": (10_000_000, "epoch length"),
+        "reps": (5, "clean rounds; each times every point once per library"),
+        "fast_reps": (9, "timed resumes of unbroken per point and round (it takes ~1 ms, so "
+                      "more samples cost nothing and steady its median)"),
+        "global_rngs": ("torch,numpy,random", "unbroken's global_rngs, comma-separated ('' for "
+                        "none); seeding makes the capture pass slower, not the resume"),
+    })  # fmt: skip
     add_round_options(parser, 10)
-    parser.add_argument(
-        "--global-rngs",
-        default="torch,numpy,random",
-        help="unbroken's global_rngs, comma-separated ('' for none); seeding "
-        "makes the capture pass slower, not the resume",
-    )
     args = parser.parse_args()
     if args.quick:
         # Rounds this short are below the load probe's resolution: none is set aside.

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, add_json_option
+from harness import Results, add_json_option, add_options
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "stream_peer_worker.py"
@@ -380,9 +380,11 @@ def main() -> None:
     ap.add_argument(
         "--out", dest="json", default=argparse.SUPPRESS, help="the same as --json (its former name)"
     )
-    ap.add_argument("--libraries", default=",".join(LIBRARIES))
-    ap.add_argument("--work", default=None, help="scratch dir (default: a new temp dir, removed)")
-    ap.add_argument("--timeout", type=float, default=3600, help="per library, seconds")
+    add_options(ap, {
+        "libraries": (",".join(LIBRARIES), None),
+        "work": (None, "scratch dir (default: a new temp dir, removed)"),
+        "timeout": (3600.0, "per library, seconds"),
+    })  # fmt: skip
     ap.add_argument(
         "--resume-repeats",
         type=int,

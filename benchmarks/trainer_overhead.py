@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, command_line, environment, table
+from harness import Results, add_options, command_line, environment, table
 from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import (
@@ -332,19 +332,15 @@ QUICK = "tiny datasets, 2 rounds (numbers are not meaningful)"
 
 def main() -> None:
     parser = harness_parser(__doc__, "trainer_overhead", QUICK)
-    parser.add_argument("--workloads", default="boring,cnn", help="comma-separated: boring,cnn")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per workload")
-    parser.add_argument("--boring-rows", type=int, default=4096)
-    parser.add_argument("--boring-epochs", type=int, default=2)
-    parser.add_argument("--cnn-images", type=int, default=1024)
-    parser.add_argument("--cnn-epochs", type=int, default=8)
-    parser.add_argument(
-        "--dir",
-        default=None,
-        help="parent of the per-run checkpoint directories (default: the system "
-        "temporary directory)",
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    add_options(parser, {
+        "workloads": ("boring,cnn", "comma-separated: boring,cnn"),
+        "reps": (5, "timed rounds per workload"),
+        "boring_rows": (4096, None), "boring_epochs": (2, None),
+        "cnn_images": (1024, None), "cnn_epochs": (8, None),
+        "dir": (None, "parent of the per-run checkpoint directories (default: the system "
+                "temporary directory)"),
+        "threads": (1, "torch.set_num_threads"),
+    })  # fmt: skip
     parser.add_argument(
         "--tensorboard",
         choices=("default", "off", "on"),

@@ -39,6 +39,18 @@ def parser(doc: str | None, name: str, quick: str) -> argparse.ArgumentParser:
     return out
 
 
+def add_options(parser: argparse.ArgumentParser, spec: dict[str, tuple[Any, str | None]]) -> None:
+    """One ``--name`` per ``name: (default, help)`` of ``spec`` (underscores become dashes), typed
+    as its default: ``False`` makes a switch, ``None`` a string that defaults to None."""
+    for name, (default, text) in spec.items():
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            kind = str if default is None else type(default)
+            parser.add_argument(flag, type=kind, default=default, help=text)
+
+
 def add_round_options(parser: argparse.ArgumentParser, most: int) -> None:
     """``--max-rounds`` and ``--max-foreign``: how rounds disturbed by other processes are set
     aside (``harness.stats.probed_rounds``)."""
