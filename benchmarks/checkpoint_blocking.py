@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, add_options, environment, load_line, table
+from harness import REPO, Results, add_options, environment, load_line
 from harness import parser as harness_parser
 
 from unbroken.checkpoint import Checkpointer
@@ -144,12 +144,9 @@ def main() -> None:
             f"{med['async_steps'] / med['sync_steps']:.2f}",
         ],
     ]
-    print(
-        results.table(
-            "Time the training loop waits, seconds",
-            table(["seconds (median)", "blocking=True", "blocking=False", "async/sync"], rows),
-        )
-    )
+    results.show("Time the training loop waits, seconds", [
+        "seconds (median)", "blocking=True", "blocking=False", "async/sync",
+    ], rows)  # fmt: skip
     serial = (
         f"save + {args.steps} steps without any overlap would take "
         f"{med['sync'] + args.steps * step_s:.3f} s (sync save + steps alone)."

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, environment, load_line, table
+from harness import Results, environment, load_line
 from harness import parser as harness_parser
 from harness.jobs import parse_or_work, send_back, torchrun_worker
 
@@ -118,21 +118,10 @@ def main() -> None:
         medians_ms[name] = medians
         rows.append([name] + [f"{medians[k]:.0f}" for k in medians])
     print()
-    print(
-        results.table(
-            "Checkpoints of a 2-rank job, ms (medians)",
-            table(
-                [
-                    "2 ranks, gloo",
-                    "save blocking (ms)",
-                    "async: loop blocked (ms)",
-                    "async: committed (ms)",
-                    "load_latest (ms)",
-                ],
-                rows,
-            ),
-        )
-    )
+    results.show("Checkpoints of a 2-rank job, ms (medians)", [
+        "2 ranks, gloo", "save blocking (ms)", "async: loop blocked (ms)", "async: committed (ms)",
+        "load_latest (ms)",
+    ], rows)  # fmt: skip
     print(
         f"\nmedians of {args.reps} rounds; command: .venv/bin/python benchmarks/ddp_checkpoint.py"
     )

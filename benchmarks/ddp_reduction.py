@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, environment, load_line, table
+from harness import Results, environment, load_line
 from harness import parser as harness_parser
 from harness.jobs import parse_or_work, send_back, torchrun_worker
 
@@ -110,12 +110,9 @@ def main() -> None:
             ]
         )
     print()
-    print(
-        results.table(
-            f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)",
-            table(["model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock"], rows),
-        )
-    )
+    results.show(f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)", [
+        "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
+    ], rows)  # fmt: skip
     note = (
         f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
         f"per rank, 1 thread per rank; command: .venv/bin/python benchmarks/ddp_reduction.py"

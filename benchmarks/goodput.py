@@ -865,23 +865,10 @@ def run(args: argparse.Namespace, root: Path) -> None:
                 fmt(statistics.median(r["save_s"]), ".3f") if r["save_s"] else "-",
             ]
         )
-    print(
-        results.table(
-            "Without failures: each configuration's reference run",
-            table(
-                [
-                    "system",
-                    "checkpoint every",
-                    "wall s",
-                    "goodput",
-                    "fresh start to 1st step s",
-                    "trained twice / never",
-                    "torch.save s (median)",
-                ],
-                ref_rows,
-            ),
-        )
-    )
+    results.show("Without failures: each configuration's reference run", [
+        "system", "checkpoint every", "wall s", "goodput", "fresh start to 1st step s",
+        "trained twice / never", "torch.save s (median)",
+    ], ref_rows)  # fmt: skip
     for t in traces:
         print()
         title = (
@@ -890,7 +877,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
             f"{t['every_steps']} steps for the peers"
         )
         print(f"**{title}**\n")
-        print(results.table(title, table(TRACE_HEADER, trace_rows(list(t["runs"].values())))))
+        results.show(title, TRACE_HEADER, trace_rows(list(t["runs"].values())))
     # Summary: goodput by configuration against MTBF.
     labels = {c.key: c.label for c in configs}
     order = [*PEERS, "trainer-best", "trainer-auto", IN_S3.key, f"trainer-{SECOND}"]

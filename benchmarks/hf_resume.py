@@ -134,11 +134,10 @@ def main() -> None:
         header = ["system", "workers", "repeated / skipped", "same samples"]
         header += ["same augmentations", "final weights"]
         print()
-        print(
-            results.table(
-                f"SIGKILLed after step {KILL_AT}, resumed from step {RESUMED_FROM} (mid-epoch 0)",
-                table(header, rows),
-            )
+        results.show(
+            f"SIGKILLed after step {KILL_AT}, resumed from step {RESUMED_FROM} (mid-epoch 0)",
+            header,
+            rows,
         )
         per_epoch = args.n // 8
         timings, rows = {}, []

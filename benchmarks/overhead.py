@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_options, add_round_options, environment, table
+from harness import ForeignLoad, Results, add_options, add_round_options, environment
 from harness import parser as harness_parser
 from harness.stats import median_ci, quartiles, rotated
 from harness.workloads import (
@@ -370,12 +370,9 @@ def main() -> None:
 
     costs = seeding_costs(1 if args.quick else 5)
     print(f"\n## Per-batch seeding cost (timeit, best of {1 if args.quick else 5})\n")
-    print(
-        results.table(
-            "Per-batch seeding cost, us per call (timeit)",
-            table(["call", "us per call"], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()]),
-        )
-    )
+    results.show("Per-batch seeding cost, us per call (timeit)", [
+        "call", "us per call",
+    ], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()])  # fmt: skip
     sys.stdout.flush()
 
     rows, notes, entries = [], [], []
@@ -402,27 +399,10 @@ def main() -> None:
         "per-batch seeding cost (table above) / torch's step time, the overhead "
         "that seeding alone would explain if it cost inside the loop what it costs alone.\n"
     )
-    print(
-        results.table(
-            "Time per training step",
-            table(
-                [
-                    "loop",
-                    "workers",
-                    "loader",
-                    "us/step",
-                    "ratio vs torch",
-                    "95% CI",
-                    "ratio IQR",
-                    "data-only us/batch",
-                    "data-only est.",
-                    "seeding est.",
-                ],
-                rows,
-                left=3,
-            ),
-        )
-    )
+    results.show("Time per training step", [
+        "loop", "workers", "loader", "us/step", "ratio vs torch", "95% CI", "ratio IQR",
+        "data-only us/batch", "data-only est.", "seeding est.",
+    ], rows, left=3)  # fmt: skip
     results.finish(
         notes,
         {

@@ -495,7 +495,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from harness import ForeignLoad, Results, environment, table
+    from harness import ForeignLoad, Results, environment
     from harness.stats import median as _median
     from harness.stats import spread as _spread
 
@@ -650,7 +650,7 @@ def run(args: argparse.Namespace) -> None:
         "load MB/s",
         "fresh-process resume s",
     ]
-    print(results.table("Save, load and resume, seconds (median, min-max)", table(header, rows)))
+    results.show("Save, load and resume, seconds (median, min-max)", header, rows)
 
     # Ratios against the best peer of each metric.
     peers = [n for n in PEERS if n in med]
@@ -688,20 +688,9 @@ def run(args: argparse.Namespace) -> None:
             row.append(f"{LABELS[b]}: {shown}")
             ratio_rows.append(row)
         print()
-        print(
-            results.table(
-                "unbroken against the best peer of each metric",
-                table(
-                    [
-                        "ratio to the best peer",
-                        "unbroken blocking",
-                        "unbroken background",
-                        "best peer",
-                    ],
-                    ratio_rows,
-                ),
-            )
-        )
+        results.show("unbroken against the best peer of each metric", [
+            "ratio to the best peer", "unbroken blocking", "unbroken background", "best peer",
+        ], ratio_rows)  # fmt: skip
 
     notes = []
     for name in names:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_round_options, environment, load_line, table
+from harness import ForeignLoad, Results, add_round_options, environment, load_line
 from harness import parser as harness_parser
 from harness.results import add_options
 from harness.stats import probed_rounds
@@ -235,21 +235,12 @@ def main() -> None:
         rows.append(row)
 
     print("\n## Time from load_state_dict to the first batch\n")
-    print(results.table("Time from load_state_dict to the first batch", table(header, rows)))
+    results.show("Time from load_state_dict to the first batch", header, rows)
     print("\n## Flatness and state size\n")
-    print(
-        results.table(
-            "Flatness and state size",
-            table(
-                [
-                    "library",
-                    "99% / 1% (medians)",
-                    "50% / 1% (medians)",
-                    "state bytes at 1%",
-                    "state bytes at 99%",
-                    "capture pass s",
-                ],
-                [
+    results.show("Flatness and state size", [
+        "library", "99% / 1% (medians)", "50% / 1% (medians)", "state bytes at 1%",
+        "state bytes at 99%", "capture pass s",
+    ], [
                     [
                         lib.name,
                         f"{med[lib.name][3] / med[lib.name][1]:.3f}",
@@ -259,10 +250,7 @@ def main() -> None:
                         f"{capture_s[lib.name]:.0f}",
                     ]
                     for lib in libs
-                ],
-            ),
-        )
-    )
+                ])  # fmt: skip
     print(
         "\nstate bytes: len(json.dumps(state)) for unbroken, len(pickle.dumps(state)) for "
         "torchdata. capture pass: iterating to 99% (+1 batch) and taking the three states."

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, command_line, environment, table
+from harness import Results, command_line, environment
 from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import flat_weights, train_step
@@ -265,25 +265,10 @@ def main() -> None:
         f"{1 + TARGET:.2f}).\n"
     )
     print(f"Command: `{command_line()}`\n")
-    print(
-        results.table(
-            "Time per step",
-            table(
-                [
-                    "workers",
-                    "loader",
-                    "us/step",
-                    "ratio vs torch",
-                    "ratio min-max",
-                    "first batch ms",
-                    "steady us/step",
-                    "steady ratio",
-                ],
-                rows,
-                left=2,
-            ),
-        )
-    )
+    results.show("Time per step", [
+        "workers", "loader", "us/step", "ratio vs torch", "ratio min-max", "first batch ms",
+        "steady us/step", "steady ratio",
+    ], rows, left=2)  # fmt: skip
     results.finish(
         notes, {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, add_options, command_line, environment, table
+from harness import Results, add_options, command_line, environment
 from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import (
@@ -409,27 +409,10 @@ def main() -> None:
         "loop (setup + the end-of-fit save), not in the other columns.\n"
     )
     print(f"Command: `{command_line()}`\n")
-    print(
-        results.table(
-            "Time per training step",
-            table(
-                [
-                    "workload",
-                    "loop",
-                    "TensorBoard",
-                    "saves",
-                    "us/step",
-                    "ratio vs plain",
-                    "ratio min-max",
-                    "+us/step",
-                    "ms/save",
-                    "fixed ms",
-                ],
-                rows,
-                left=3,
-            ),
-        )
-    )
+    results.show("Time per training step", [
+        "workload", "loop", "TensorBoard", "saves", "us/step", "ratio vs plain", "ratio min-max",
+        "+us/step", "ms/save", "fixed ms",
+    ], rows, left=3)  # fmt: skip
     results.finish(notes, {"log_every": LOG_EVERY, "rows": entries})
 
 
