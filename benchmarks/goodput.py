@@ -661,7 +661,7 @@ def say(text: str) -> None:
 
 
 def run(args: argparse.Namespace, root: Path) -> None:
-    from harness import ForeignLoad, Results, environment, table
+    from harness import ForeignLoad, Results, environment
 
     results = Results("goodput", args.json, args)
     probe = ForeignLoad(waited=True)  # every job has exited by the end
@@ -895,12 +895,10 @@ def run(args: argparse.Namespace, root: Path) -> None:
         none = "-" if r.get("stopped") else f"{r['goodput']:.2f}"
         summary.append([labels[key], none, *[goodput_text(t["runs"][key]) for t in traces]])
     print()
-    print(
-        results.table(
-            "Goodput by MTBF (reference time / wall time; * not finished at the cap: times the "
-            "share of steps kept)",
-            table(["system", "no failures", *[f"MTBF {t['mtbf_s']:g} s" for t in traces]], summary),
-        )
+    title = ("Goodput by MTBF (reference time / wall time; * not finished at the cap: times the "
+             "share of steps kept)")  # fmt: skip
+    results.show(
+        title, ["system", "no failures", *[f"MTBF {t['mtbf_s']:g} s" for t in traces]], summary
     )
     notes = [
         "goodput = the plain loop's failure-free time (no checkpoints) / the run's wall time, "
