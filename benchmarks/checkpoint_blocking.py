@@ -1,20 +1,6 @@
 """How long ``Checkpointer.save`` blocks the training loop: ``blocking=True`` against ``False``.
 
-State: a stack of ``--layers`` ``Linear(2048, 2048)`` layers (default 6: 25.2 M float32
-parameters, 101 MB) and its Adam optimizer after one step (exp_avg and exp_avg_sq: 201 MB more),
-so each checkpoint writes about 302 MB, every file fsynced.
-
-Per round, in an order that alternates between rounds, with ``keep=2`` in a fresh directory:
-
-- ``save(blocking=True)``: time until it returns, i.e. until the checkpoint is committed.
-- ``save(blocking=False)``: time until it returns (the copy of the state to CPU memory), then
-  ``wait()``: time until the write is committed.
-- the same two saves each followed by ``--steps`` training steps (forward, backward, Adam step on
-  a batch of 64) and ``wait()``: time from the save to the end of the last step with the write
-  committed. This shows how much of the write the loop really hides: on a machine with few cores
-  the background write competes with training for CPU and memory bandwidth.
-
-Reported: medians over ``--reps`` rounds, and the ratio async/sync of each median.
+How it measures, and what the numbers mean: ``docs/benchmarks/checkpoint-blocking.md``.
 
     .venv/bin/python benchmarks/checkpoint_blocking.py            # ~1 minute
     .venv/bin/python benchmarks/checkpoint_blocking.py --quick    # smoke run, seconds
@@ -32,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, environment, load_line, table
+from harness import REPO, Results, add_options, environment, load_line
 from harness import parser as harness_parser
 
 from unbroken.checkpoint import Checkpointer
@@ -64,16 +50,12 @@ QUICK = "1 layer, 2 rounds"
 
 def main() -> None:
     parser = harness_parser(__doc__, "checkpoint_blocking", QUICK)
-    parser.add_argument("--layers", type=int, default=6, help="Linear(2048, 2048) layers")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds")
-    parser.add_argument("--steps", type=int, default=3, help="training steps after each save")
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=REPO / "bench_output",
-        help="where the checkpoints are written (a fresh subdirectory)",
-    )
-    parser.add_argument("--device", default="cpu", help="where the model trains, e.g. cuda")
+    add_options(parser, {
+        "layers": (6, "Linear(2048, 2048) layers"), "reps": (5, "timed rounds"),
+        "steps": (3, "training steps after each save"),
+        "dir": (REPO / "bench_output", "where the checkpoints are written (a fresh subdirectory)"),
+        "device": ("cpu", "where the model trains, e.g. cuda"),
+    })  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.layers, args.reps = 1, 2
@@ -162,12 +144,9 @@ def main() -> None:
             f"{med['async_steps'] / med['sync_steps']:.2f}",
         ],
     ]
-    print(
-        results.table(
-            "Time the training loop waits, seconds",
-            table(["seconds (median)", "blocking=True", "blocking=False", "async/sync"], rows),
-        )
-    )
+    results.show("Time the training loop waits, seconds", [
+        "seconds (median)", "blocking=True", "blocking=False", "async/sync",
+    ], rows)  # fmt: skip
     serial = (
         f"save + {args.steps} steps without any overlap would take "
         f"{med['sync'] + args.steps * step_s:.3f} s (sync save + steps alone)."

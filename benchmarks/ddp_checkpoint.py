@@ -3,16 +3,7 @@ until it is committed, and how long a load takes, for a DDP model (rank 0 writes
 model and optimizer once) against an FSDP2 model through DCP (``unbroken.Sharded``: every rank
 writes its shards), blocking and in the background.
 
-State: ``--layers`` ``Linear(1024, 1024)`` layers (default 8: 8.4 M float32 parameters, 34 MB)
-and AdamW after one step (68 MB more): about 101 MB per checkpoint, every file fsynced.
-
-Per round (medians over ``--reps``, variants in an order that alternates between rounds):
-
-- ``save(blocking=True)``: time until it returns on rank 0, i.e. until the checkpoint of the
-  whole job is committed.
-- ``save(blocking=False)``: time until it returns (the loop is blocked only this long: the copy
-  of the state), and until ``wait()`` returns (committed).
-- ``load_latest``: time until every rank restored it.
+How it measures, and what the numbers mean: ``docs/benchmarks/ddp-checkpoint.md``.
 
     .venv/bin/python benchmarks/ddp_checkpoint.py             # ~1 minute on 2 cores
     .venv/bin/python benchmarks/ddp_checkpoint.py --quick     # smoke run: 2 layers, 2 rounds
@@ -31,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, environment, load_line, table
+from harness import Results, environment, load_line
 from harness import parser as harness_parser
 from harness.jobs import parse_or_work, send_back, torchrun_worker
 
@@ -127,21 +118,10 @@ def main() -> None:
         medians_ms[name] = medians
         rows.append([name] + [f"{medians[k]:.0f}" for k in medians])
     print()
-    print(
-        results.table(
-            "Checkpoints of a 2-rank job, ms (medians)",
-            table(
-                [
-                    "2 ranks, gloo",
-                    "save blocking (ms)",
-                    "async: loop blocked (ms)",
-                    "async: committed (ms)",
-                    "load_latest (ms)",
-                ],
-                rows,
-            ),
-        )
-    )
+    results.show("Checkpoints of a 2-rank job, ms (medians)", [
+        "2 ranks, gloo", "save blocking (ms)", "async: loop blocked (ms)", "async: committed (ms)",
+        "load_latest (ms)",
+    ], rows)  # fmt: skip
     print(
         f"\nmedians of {args.reps} rounds; command: .venv/bin/python benchmarks/ddp_checkpoint.py"
     )

@@ -1,48 +1,7 @@
 """Data-parallel training on CPU (gloo, 2 ranks under torchrun): loader cost, preemption
 agreement cost, resume latency.
 
-Run plainly, the script starts itself under ``torchrun --standalone --nproc-per-node=2`` (the
-venv's torchrun, next to ``sys.executable``); each rank calls ``init_process_group("gloo")`` and
-``torch.set_num_threads(1)``. Rank 0 prints the results. Three parts:
-
-1. Time per training epoch. A small MLP (64 -> 256 -> 10, ReLU, cross-entropy, SGD) wrapped
-   in ``DistributedDataParallel``, batch 64 per rank, over a map-style dataset of ``--samples``
-   rows of 64 floats with a class label. Loaders: torch's ``DataLoader`` with
-   ``DistributedSampler(shuffle=True, seed=0)`` and ``set_epoch`` each epoch;
-   ``unbroken.DataLoader(shuffle=True, seed=0)`` (rank and world size from the process group:
-   every rank takes its share of each global batch of one global order) with the default
-   ``global_rngs`` and with ``global_rngs=("torch",)``. Two datasets: "plain" returns the stored
-   row; "augment" adds ``0.1 * torch.randn(64)`` drawn from the global torch RNG, the kind of
-   per-sample randomness unbroken seeds per sample so that it repeats after a resume. Each with
-   num_workers 0 and 2 (``persistent_workers=True``, so worker start-up is not timed). Every
-   loader drives its own DDP copy of the same model. One untimed warm-up epoch per loader, then
-   ``--rounds`` rounds of one epoch per loader, order rotated each round; an epoch is timed from
-   a barrier to its last step, and its time is the slower rank's. Ratio: unbroken's epoch over
-   torch's (same dataset, same round), median over rounds. Also, before the training rounds,
-   the num_workers=0 loaders iterated without training (data-only, both ranks at once), and a
-   training step on batches already in memory, with and without DDP, for context.
-2. Preemption agreement. A loop that must stop on every rank at the same step when any rank got
-   a preemption signal all-reduces a flag: ``dist.all_reduce(torch.tensor([flag]), op=MAX)``.
-   Timed alone (a tight loop of ``--allreduce-n``) and inside the plain-dataset training loop of
-   part 1 (torch's DataLoader, num_workers 0) every step, every 10 steps, never, and every step
-   with ``async_op=True`` waited one step later (a decision one step late). The four loops (each
-   with its own loader and DDP model) are interleaved finely: ``--agree-chunk`` steps each per
-   round, ``--agree-rounds`` rounds, so that the machine's drift over seconds hits all alike.
-   Ratio: the loop's time over the loop without agreement in the same round.
-3. Resume latency over a dataset of ``--resume-samples`` rows. unbroken: construct the loader,
-   ``load_state_dict(state)``, ``iter``, ``next`` (all timed) for states captured by iterating
-   a loader to 1% and 99% of the epoch and calling ``state_dict()`` (the resumed first batch is
-   checked against the one the uninterrupted pass received next). torch: construct
-   ``DataLoader`` + ``DistributedSampler``, ``set_epoch``, ``iter``, then discard the k batches
-   already consumed and take the next ("skip batches", the usual way); and, as a fairer
-   baseline, a sampler that skips k * 64 *indices* of the ``DistributedSampler``'s order
-   without loading them ("skip indices"). num_workers 0. Time is the slower rank's; median of
-   ``--resume-reps`` (order rotated), after one untimed warm-up resume of each.
-
-The machine-busy probe (``harness.env.ForeignLoad``) counts everything outside this
-benchmark's process tree (launcher, torchrun, both ranks, their workers): parts 1 and 2 set
-aside rounds in which other processes used more than ``--max-foreign`` cores and run more, up to
-``--max-rounds`` (part 2: twice ``--agree-rounds``).
+How it measures, and what the numbers mean: ``docs/benchmarks/ddp-loader.md``.
 
     .venv/bin/python benchmarks/ddp_loader.py            # full run, ~2 minutes on 2 cores
     .venv/bin/python benchmarks/ddp_loader.py --quick    # smoke run, ~20 seconds

@@ -1,16 +1,7 @@
 """What ``exact_reduce`` costs a DDP step on 3 ranks (torchrun, gloo, CPU), against DDP's own
 bucketed all-reduce of the same model in the same processes.
 
-``exact_reduce`` copies each chunk of gradients into one flat tensor in the module's order,
-all-reduces it and copies it back, so that a resumed step sums as the uninterrupted one did
-(see ``unbroken.distributed.reduction``). DDP's own reduction is not exact across a resume on 3
-or more ranks: this measures the price of exactness, not a race between equals.
-
-Two models (``--width`` x ``--width`` linear layers): "small" (2 layers) and "large"
-(``--layers``, default 8 layers of 1024: 8.4 M parameters, 34 MB of gradients: 2 chunks of 25 MB).
-Each variant is its own DDP model built from the same weights; a round times ``--steps``
-training steps (forward, backward, SGD step) of each variant, in an order that alternates
-between rounds; the figure is the median step over all rounds, and the ratio exact / stock.
+How it measures, and what the numbers mean: ``docs/benchmarks/ddp-reduction.md``.
 
     .venv/bin/python benchmarks/ddp_reduction.py            # ~1 minute on 2 cores
     .venv/bin/python benchmarks/ddp_reduction.py --quick    # smoke run: few steps (noise)
@@ -28,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, environment, load_line, table
+from harness import Results, environment, load_line
 from harness import parser as harness_parser
 from harness.jobs import parse_or_work, send_back, torchrun_worker
 
@@ -119,12 +110,9 @@ def main() -> None:
             ]
         )
     print()
-    print(
-        results.table(
-            f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)",
-            table(["model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock"], rows),
-        )
-    )
+    results.show(f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)", [
+        "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
+    ], rows)  # fmt: skip
     note = (
         f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
         f"per rank, 1 thread per rank; command: .venv/bin/python benchmarks/ddp_reduction.py"

@@ -2,77 +2,11 @@
 machine running a job is killed or preempted at random, for a plain PyTorch loop, Lightning,
 Lightning with unbroken, and unbroken's Trainer.
 
-The job is ``benchmarks/goodput_job.py`` (its docstring has the details), the same math for
-every system: an MLP ``3072 -> 1536 -> 1536 -> 10`` (7.1M parameters; 85 MB of tensors with
-Adam's state in a checkpoint) on 4096 synthetic augmented images, batch 64, ``--steps``
-optimizer steps (a whole number of 64-step epochs), one thread, ``num_workers=0``. This script
-is its supervisor: it starts the job in a new session (``start_new_session=True``), signals
-its whole process group as schedulers do (``os.killpg``), and starts it again at once whenever
-it stops without having finished.
-
-**Failure traces.** For each mean time between failures (``--mtbf``, seconds), a stream of
-failure times from the run's start, with exponential gaps (``random.Random(seed + mtbf)``),
-each a SIGKILL (75%) or a preemption (25%: SIGTERM, then SIGKILL ``--grace`` seconds later if
-the process it was sent to still lives). The same trace (the same times and kinds) is applied
-to every system. A run is stopped at ``--cap`` times the reference time below; it is then
-reported as not finished, and a last process (``goodput_job.py --probe``) loads its
-checkpoint as a restart would, to tell how many steps it had kept.
-
-**Finished** means the job wrote its final weights and ``done``, not that it exited 0:
-Lightning 2.6 without unbroken exits 0 after a SIGTERM (its ``SIGTERMException`` is a
-``SystemExit`` without a code) having saved nothing. A scheduler that trusts the status would
-stop such a run there; this supervisor starts it again, and counts those sessions ("exit 0,
-unfinished"). Three sessions in a row that fail on their own before any step (e.g. a checkpoint
-file cut short by a kill, which Lightning writes in place) end the run as not finished, as a
-scheduler's requeue limit would.
-
-**References.** First the job without failures: ``plain`` with no checkpoint at all (the
-goodput numerator: the time the work takes, spawn to exit, imports and the final save
-included, measured once; its step rate converts intervals to steps), then every configuration
-once, whose final weights are the ones its runs under failures are compared with, and whose
-wall time is its own failure-free time (its checkpoint cost shows there). For each reference,
-every sample is checked to be trained exactly once an epoch; which of them end with
-bit-identical weights is reported (a checkpoint must not change the math, so a system's
-configurations agree with one another). A full run measures the numerator once more at the end,
-to show how far the machine's speed drifted (not used in the goodput).
-
-**Per trace**, ``unbroken.Trainer`` with a fixed ``checkpoint_every_seconds`` for each of
-``--intervals``; the best of them (highest goodput) is the trace's best fixed interval. Then
-the Trainer with ``checkpoint_every_seconds="auto"`` (the default in this version: the user
-who sets nothing) and with the default before it, a fixed 600 s (with an older unbroken whose
-default is not "auto", the run with no checkpoint option at all instead). Then the peers,
-which checkpoint every N optimizer steps, where N is the trace's best fixed interval in steps
-at the failure-free step rate: they are given the same, good,
-checkpoint frequency, chosen knowing the trace, which a user of them could not know. Their
-references use the N of the median of ``--intervals``.
-
-**The run directory in object storage.** The Trainer with ``"auto"`` runs once more with its
-run directory on an S3 server (moto's, started by this script on 127.0.0.1: no network latency,
-so what it adds is the protocol's requests): checkpoints, ``metrics.csv`` and the run's lease
-live there, and every restart's way to its first step includes taking the lease of the process
-killed before it (known dead on this machine: taken at once, not after ``lease_seconds``) and
-reading the checkpoint back (the files from this machine's local copies, the manifest from the
-store). Its jobs get a cache directory of their own (``XDG_CACHE_HOME``), and its objects are
-deleted after each run.
-
-Reported per system and trace: the wall time; **goodput** = reference time / wall time (for a
-run not finished: times the fraction of the steps it had kept); the kills and preemptions it
-received; the steps it trained again; samples **trained twice** and **never trained**: from
-``events.log``, the steps the final model contains (a session resumed from step r and the next
-one from r', so its steps in (r, r'] are kept; the last session's from r to its end), each
-sample's count over those steps against its expected count (the number of epochs), summed
-over the samples as max(0, count - expected) and max(0, expected - count) (a finished run
-keeps exactly ``--steps`` batches, so the two sums are equal); the median time from a
-restart's spawn to its first optimizer step, and the fresh start's; whether ``final.pt``
-equals (``torch.equal``, every tensor) the same configuration's uninterrupted run's.
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput.md``.
 
     .venv/bin/python benchmarks/goodput.py             # 4 traces x 9 configurations: 45-50 min
     .venv/bin/python benchmarks/goodput.py --quick     # 1 short trace, every system: 3-4 min
     .venv/bin/python benchmarks/goodput.py --mtbf 60 --intervals 5 10
-
-The jobs run one at a time, in a temporary directory (``--keep`` keeps it). One run per configuration and trace on a shared 2-core machine: a
-failure that lands in a checkpoint save or just before one changes a run's time by seconds, so
-read differences of a few percent as noise.
 """
 
 from __future__ import annotations
@@ -675,16 +609,14 @@ QUICK = (
 
 
 def main() -> None:
+    from harness import add_options
     from harness import parser as harness_parser
 
     parser = harness_parser(__doc__, "goodput", QUICK)
-    parser.add_argument(
-        "--steps",
-        type=int,
-        default=10 * PER_EPOCH,
-        help=f"optimizer steps, a multiple of {PER_EPOCH} (default %(default)s: 10 epochs, "
-        "~45 s without failures here)",
-    )
+    add_options(parser, {
+        "steps": (10 * PER_EPOCH, f"optimizer steps, a multiple of {PER_EPOCH} (default "
+                  "%(default)s: 10 epochs, ~45 s without failures here)"),
+    })  # fmt: skip
     parser.add_argument(
         "--mtbf",
         type=float,
@@ -699,13 +631,11 @@ def main() -> None:
         default=[2, 5, 10, 20],
         help="the Trainer's fixed checkpoint_every_seconds to sweep (default: %(default)s)",
     )
-    parser.add_argument("--grace", type=float, default=5.0, help="SIGTERM to SIGKILL, seconds")
-    parser.add_argument("--seed", type=int, default=0, help="failure traces' seed")
-    parser.add_argument(
-        "--cap", type=float, default=6.0, help="stop a run at this many reference times"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="the job's torch.set_num_threads")
-    parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    add_options(parser, {
+        "grace": (5.0, "SIGTERM to SIGKILL, seconds"), "seed": (0, "failure traces' seed"),
+        "cap": (6.0, "stop a run at this many reference times"),
+        "threads": (1, "the job's torch.set_num_threads"), "keep": (False, "keep the runs' directories"),
+    })  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.steps, args.mtbf, args.intervals, args.cap = 2 * PER_EPOCH, [5.0], [2.0], 4.0
@@ -731,7 +661,7 @@ def say(text: str) -> None:
 
 
 def run(args: argparse.Namespace, root: Path) -> None:
-    from harness import ForeignLoad, Results, environment, table
+    from harness import ForeignLoad, Results, environment
 
     results = Results("goodput", args.json, args)
     probe = ForeignLoad(waited=True)  # every job has exited by the end
@@ -935,23 +865,10 @@ def run(args: argparse.Namespace, root: Path) -> None:
                 fmt(statistics.median(r["save_s"]), ".3f") if r["save_s"] else "-",
             ]
         )
-    print(
-        results.table(
-            "Without failures: each configuration's reference run",
-            table(
-                [
-                    "system",
-                    "checkpoint every",
-                    "wall s",
-                    "goodput",
-                    "fresh start to 1st step s",
-                    "trained twice / never",
-                    "torch.save s (median)",
-                ],
-                ref_rows,
-            ),
-        )
-    )
+    results.show("Without failures: each configuration's reference run", [
+        "system", "checkpoint every", "wall s", "goodput", "fresh start to 1st step s",
+        "trained twice / never", "torch.save s (median)",
+    ], ref_rows)  # fmt: skip
     for t in traces:
         print()
         title = (
@@ -960,7 +877,7 @@ def run(args: argparse.Namespace, root: Path) -> None:
             f"{t['every_steps']} steps for the peers"
         )
         print(f"**{title}**\n")
-        print(results.table(title, table(TRACE_HEADER, trace_rows(list(t["runs"].values())))))
+        results.show(title, TRACE_HEADER, trace_rows(list(t["runs"].values())))
     # Summary: goodput by configuration against MTBF.
     labels = {c.key: c.label for c in configs}
     order = [*PEERS, "trainer-best", "trainer-auto", IN_S3.key, f"trainer-{SECOND}"]
@@ -978,12 +895,10 @@ def run(args: argparse.Namespace, root: Path) -> None:
         none = "-" if r.get("stopped") else f"{r['goodput']:.2f}"
         summary.append([labels[key], none, *[goodput_text(t["runs"][key]) for t in traces]])
     print()
-    print(
-        results.table(
-            "Goodput by MTBF (reference time / wall time; * not finished at the cap: times the "
-            "share of steps kept)",
-            table(["system", "no failures", *[f"MTBF {t['mtbf_s']:g} s" for t in traces]], summary),
-        )
+    title = ("Goodput by MTBF (reference time / wall time; * not finished at the cap: times the "
+             "share of steps kept)")  # fmt: skip
+    results.show(
+        title, ["system", "no failures", *[f"MTBF {t['mtbf_s']:g} s" for t in traces]], summary
     )
     notes = [
         "goodput = the plain loop's failure-free time (no checkpoints) / the run's wall time, "

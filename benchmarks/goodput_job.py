@@ -1,66 +1,9 @@
 """One training job of ``benchmarks/goodput.py``, the same math under four ways of checkpointing.
 
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput.md``.
+
     python benchmarks/goodput_job.py --system S --run-dir D [--steps N] [--every-steps K]
         [--interval default|auto|SECONDS] [--url s3://BUCKET/PREFIX --endpoint URL]
-
-The same command starts the job and resumes it from ``D``'s newest checkpoint; the supervisor
-(``goodput.py``) runs it again whenever it exits with anything but 0.
-
-The job: a synthetic map-style dataset made in the process from a fixed seed (4096 samples of
-3x32x32 floats and a 10-class label, ~0.1 s), whose ``__getitem__(i)`` draws a random
-augmentation from torch's global generator (a flip, a crop of the image padded by 4, noise) and
-returns ``(x, y, i)``; batches of 64, shuffled every epoch, ``drop_last`` (64 whole batches an
-epoch); an MLP ``3072 -> 1536 -> 1536 -> 10`` (7.1M parameters: with Adam's two moments a
-checkpoint holds 85 MB of tensors; ``torch.save`` of it takes 0.1-0.3 s to the page cache
-here) built after ``torch.manual_seed(0)``; Adam; ``--steps`` optimizer steps (a whole number
-of epochs). One step takes ~55 ms here (2048-wide layers took 100 ms a step for a 126 MB
-checkpoint). ``torch.set_num_threads(--threads)`` (default 1) for every system: on this
-2-core machine, with another process busy on one core, 2 threads gave a median step of 44-143
-ms and a 90th percentile of 340 ms, against 55-70 and 70-80 ms with 1 thread. ``num_workers=0`` for every system: a
-batch's augmentation costs ~2-3 ms of the step, so a worker would save little and, on 2 cores,
-compete with the step's thread, making step times less steady; it also keeps a SIGTERM to the
-process group from reaching a torch worker (the README's Lightning section: Lightning then
-fails before saving anything), a difference between the systems that this benchmark does not
-set out to measure.
-
-Systems (``--system``):
-
-- ``plain``: torch's ``DataLoader(shuffle=True, generator=torch.Generator().manual_seed(0))``,
-  a loop over epochs, ``torch.save({model, optimizer, epoch, step})`` every ``--every-steps``
-  optimizer steps (0: never) to a temporary file, then ``os.replace``. A restart loads it and
-  begins its epoch again from the epoch's first batch (a new iteration of the loader, whose
-  fresh generator gives it the first epoch's order), counting steps on from the saved step.
-  SIGTERM has Python's default: the process dies.
-- ``lightning``: a ``LightningModule`` with the same model and optimizer and torch's
-  ``DataLoader`` as above; ``lightning.Trainer(max_steps=--steps, callbacks=[
-  ModelCheckpoint(dirpath=D/ckpt, every_n_train_steps=--every-steps, save_top_k=0,
-  save_last=True)], logger=False, ...)`` (``save_top_k=0``: ``last.ckpt`` alone, one file
-  written per save, as the README's recipe); ``fit(ckpt_path="last")`` when ``D/ckpt/last.ckpt``
-  exists, else ``None``. On SIGTERM Lightning stops at the next batch without saving.
-- ``lightning-unbroken``: the same with ``unbroken.DataLoader(shuffle=True, drop_last=True,
-  seed=0)`` and ``unbroken.lightning.ExactResume()`` added to the callbacks (on SIGTERM it saves
-  ``last.ckpt`` and exits 75; its ``AtomicCheckpointIO`` writes whole files).
-- ``trainer``: ``unbroken.Trainer(D/run, max_steps=--steps, max_epochs=..., progress_bar=False,
-  tensorboard=False)`` with ``unbroken.DataLoader``: ``--interval default`` passes no checkpoint
-  option (the user who sets nothing), ``--interval auto`` passes
-  ``checkpoint_every_seconds="auto"``, ``--interval S`` passes ``checkpoint_every_seconds=S``.
-  On SIGTERM it saves and exits 75. A ``unbroken`` that does not accept ``"auto"`` ends the job
-  with exit status 3 (``UNSUPPORTED``) and the library's error, which the supervisor reports.
-  With ``--url`` (and ``--endpoint``, an S3 server's, with moto's keys) the Trainer's run
-  directory is that URL instead of ``D/run``: checkpoints, metrics.csv and the run's lease go to
-  the store (``events.log`` and ``final.pt`` stay in ``D``).
-
-Everything the job does is appended to ``D/events.log``, one ``os.write`` per line (a SIGKILL
-loses no line already written): ``start <time.time()> <pid>`` (the clock read as the script's
-first statement, before torch is imported), ``resume <step>`` (the optimizer step the session
-goes on from: 0 for a fresh start), ``first <time>`` when the session's first optimizer step is
-done, ``step <global step> <comma-separated sample ids of its batch>`` after every optimizer
-step, and ``done <time>`` at the end, after the final weights are in ``D/final.pt`` (the
-model's ``state_dict``); ``plain`` also writes ``saved <step> <seconds>`` after each checkpoint
-(``torch.save`` and ``os.replace``). ``--probe`` loads the checkpoint as a restart would, writes ``probe
-<step>`` and exits 0 without training: what a run stopped at the supervisor's cap had kept.
-Lightning's and the Trainer's own lines go to the process's stdout/stderr, which the supervisor
-keeps in ``D/session-<k>.out``.
 """
 
 import time

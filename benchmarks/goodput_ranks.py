@@ -1,48 +1,10 @@
 """Goodput of a 3-rank torchrun job under failures of one rank at a time: periodic saves alone
 against periodic saves with just-in-time saves (``Trainer(just_in_time=True)``).
 
-The job is ``benchmarks/goodput_ranks_job.py`` (its docstring has the details): ``torchrun
---standalone --nproc-per-node=3 --max-restarts=K``, gloo on CPU, one thread a rank, an
-``unbroken.Trainer`` over a DDP MLP of 1.6M parameters (Adam) and an ``unbroken.DataLoader``
-with per-sample random augmentation, ``--steps`` optimizer steps (~33 ms each here). torchrun
-restarts the group after each failure; the Trainer resumes from the newest checkpoint.
-
-**Runs.** First the reference: no periodic save, no just-in-time save, no failure. Its training
-time (from its first step's start to its last step's end) is the work; its final weights are
-what every other run must end with. Then, under the same failure trace: ``periodic``
-(``checkpoint_every_seconds=--interval``, ``just_in_time=False``) and ``jit`` (the same periodic
-saves and ``just_in_time=True``).
-
-**The failure trace** (``random.Random(--seed)``): ``--kills`` SIGKILLs, then one hang (a
-SIGSTOP; the process group's timeout, ``--pg-timeout``, turns it into a failure of the others'
-collective, and torchrun SIGKILLs the stopped rank once its 30-s stop grace is over), each of
-one rank drawn at random. Failure ``i`` strikes ``gap_i`` seconds after every rank of the
-attempt it strikes began its first step, so each failure strikes training, never a start-up;
-the gaps, drawn uniformly and scaled to fill 80% of the reference's work, are the same for both
-policies. A rank's pid is read from its events file (one line per attempt). The hang comes last
-because its restart is ~35 s longer than a kill's: ``goodput_sim.py --check`` replays the
-failure times with one restart cost, which then stays aligned with the kills.
-
-**Reported** per policy: wall time (first step's start to the last step's end: the first start
-is not counted, as in ``goodput_sim.py``); goodput = work / wall time; per failure the steps
-recomputed (the steps begun before it, the one in flight included, that the next attempt began
-again: the last step begun minus the step the next attempt resumed from; the completed ones
-alone are beside them), what the victim was doing (in a step, in a save), the seconds of the
-just-in-time save (the Trainer prints "... just in time: PATH, X s after ..."), the seconds
-until the last survivor left ``fit`` (its save done: the job's ``x`` event), the restart
-(from the failure to the next attempt's first step, less the just-in-time save); whether the
-final weights equal the reference's (``torch.equal``, every tensor). The costs for
-``goodput_sim.py --measured``: ``step_seconds`` (the median time between two steps' starts with
-no save or epoch end between), ``save_seconds`` (the median time between the starts of the
-steps around a periodic save, less a step), ``jit_save_seconds`` (the median X),
-``restart_seconds`` (the kills' median; the hang's is reported beside it).
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput-ranks.md``.
 
     .venv/bin/python benchmarks/goodput_ranks.py           # 5 kills + 1 hang: ~5 min on 2 cores
     .venv/bin/python benchmarks/goodput_ranks.py --quick   # 1 kill + 1 hang: ~3 min
-
-Writes ``bench_output/goodput_ranks.json`` (``--json``): the benchmarks' usual layout, and at its
-top ``measured`` and ``runs`` as ``goodput_sim.py --measured/--check`` read them. One run per
-policy on a shared 2-core machine: read differences of a few percent in goodput as noise.
 """
 
 from __future__ import annotations
@@ -143,6 +105,7 @@ def run_job(run: Path, options: dict[str, Any], trace: list[Failure], cap: float
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
     events, deadline = Events(run), time.monotonic() + cap
+    stopped: list[tuple[int, int, int]] = []  # (pid, rank, attempt) of each SIGSTOP sent
     try:
         for attempt, failure in enumerate(trace):
             started = None
@@ -154,18 +117,62 @@ def run_job(run: Path, options: dict[str, Any], trace: list[Failure], cap: float
                 break  # the job ended (or the cap came) before this failure
             time.sleep(max(0.0, started + failure.gap - time.time()))
             pid = int(events.of(failure.rank, "pid", attempt)[0][2])
-            if job.poll() is not None:
-                break
+            events.read()
+            if job.poll() is not None or (
+                failure.kind == "hang"
+                and last_begun(events, failure.rank, attempt) >= options["steps"]
+            ):
+                break  # a rank stopped in or after the last step can leave its peers done
             os.kill(pid, signal.SIGKILL if failure.kind == "kill" else signal.SIGSTOP)
             failure.attempt, failure.at = attempt, time.time()
+            if failure.kind == "hang":
+                stopped.append((pid, failure.rank, attempt))
+        while job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            events.read()
+            for pid, rank, attempt in stopped:
+                if peers_finished(events, rank, attempt):
+                    resume(pid)  # torchrun would wait on the stopped rank until the cap
         return job.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         return -1
     finally:
+        for pid, _, _ in stopped:
+            resume(pid)  # never leave a process stopped
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)  # the cap: every rank, stopped ones included
             job.wait()
         log.close()
+
+
+def last_begun(events: Events, rank: int, attempt: int) -> int:
+    """The last step ``rank`` began in ``attempt`` (0: none yet)."""
+    return max((int(e[2]) for e in events.of(rank, "b", attempt)), default=0)
+
+
+def peers_finished(events: Events, rank: int, attempt: int) -> bool:
+    """Whether every rank of ``attempt`` but ``rank`` left ``fit`` without a failure and exited:
+    the stopped rank then hangs nobody's collective, and torchrun waits on it alone."""
+    peers = [events.of(r, "pid", attempt)[:1] for r in range(RANKS) if r != rank]
+    if any(events.of(r, "x", attempt) for r in range(RANKS) if r != rank):
+        return False  # the hang did its work: torchrun ends the attempt after its stop grace
+    return all(pid and not alive(int(pid[0][2])) for pid in peers)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by torchrun, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
 
 
 def analyse(run: Path, trace: list[Failure], rc: int, reference: Path | None) -> dict[str, Any]:

@@ -1,33 +1,9 @@
 """One rank of ``benchmarks/goodput_ranks.py``'s 3-rank job, started by torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc-per-node=3 --max-restarts=K \\
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput-ranks.md``.
+
+    torchrun --standalone --nproc-per-node=3 --max-restarts=K \
         benchmarks/goodput_ranks_job.py RUN_DIR '{"policy": "jit", "steps": 600, ...}'
-
-The same command starts the job and resumes it: torchrun restarts the whole group after a rank
-fails, and ``unbroken.Trainer`` loads RUN_DIR's newest checkpoint. Options (JSON): ``policy``
-(``none``: no periodic save and no just-in-time save, the reference; ``periodic``: a save every
-``interval`` seconds; ``jit``: the same periodic saves and ``just_in_time=True``), ``steps``
-(optimizer steps), ``interval`` (seconds), ``pg_timeout`` (the process group's timeout in
-seconds: a rank that stops answering turns into a failure of the others' collective after it).
-
-The job: 9,600 synthetic samples of 512 floats with a 10-class label, made from a fixed seed;
-``__getitem__`` augments each read with draws from torch's generator (which the loader seeds
-per batch): a random sign flip, a random mask of 10% of the features, and noise. An
-``unbroken.DataLoader`` (map-style, shuffled, ``drop_last``: one global position, which a
-survivor can save for every rank) of 32 samples a rank, so 100 optimizer steps an epoch; a DDP
-MLP ``512 -> 1024 -> 1024 -> 10`` with dropout (1.6M parameters; with Adam's two moments a
-checkpoint holds 19 MB of tensors) built after ``torch.manual_seed(0)`` on every rank; one
-thread a rank. No torchmetrics: a survivor cannot know another rank's metric state, so they
-would turn just-in-time saves off.
-
-Each rank appends what it does to ``RUN_DIR/events.rank<r>.log``, one ``os.write`` a line (a
-SIGKILL loses no line written), each ``KIND ATTEMPT ... TIME`` with ``time.time()``:
-``pid A PID T`` first (the supervisor signals that pid), ``resume A STEP TICKS T`` once fit has
-restored (or not) its checkpoint, ``b A STEP T`` as a step's batch enters ``training_step``
-(STEP counts from 1, over the whole run), ``d A STEP T`` when its optimizer step is done,
-``s A STEP T`` when a save starts after it, ``x A STEP T`` when ``fit`` raised (a peer
-failed; a just-in-time save is done by then), and ``done A T`` after rank 0 wrote the final
-weights to ``RUN_DIR/final.pt`` (the model's ``state_dict``).
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
 """Goodput at scale, simulated: a data-parallel job under failures with three checkpoint policies,
 fed with save, restart and step costs (assumed defaults, or measured by ``--measured FILE``).
 
-**The model** (a discrete-event simulation, seeded and deterministic). A job of ``--gpus`` ranks
-trains ``work`` seconds of failure-free compute, in steps of ``step`` seconds. Failures of the
-whole job arrive as a Poisson process of rate ``gpus / gpu_mtbf`` (any one rank's failure stops
-the synchronous job). A periodic save starts every ``interval`` seconds of wall clock, counted
-from one save's start to the next's, as ``unbroken.Trainer`` counts them: at the first step
-boundary after ``interval - save`` seconds of training; it stalls training ``save`` seconds. A
-failure loses the work since the last committed save (a failure inside a save loses that save
-too), then costs a ``restart`` (process start, rendezvous, load, first step); a failure inside a
-restart starts it again. The policies:
-
-- ``fixed T``: a periodic save every ``T`` seconds (``--intervals``).
-- ``auto``: periodic, the interval from ``unbroken.train.schedule.daly_interval`` (the library's
-  own, bounded function) of the save cost and the job's true mean time between failures, what
-  ``checkpoint_every_seconds="auto"`` converges to once it has seen failures.
-- ``jit``: ``auto``'s periodic saves, and on each failure the survivors write the state as of the
-  last completed step (``jit_save`` seconds), so a failure loses at most the step in flight. The
-  JIT save fails with probability ``p_jit_fail``, or when a second failure strikes during it;
-  the job then falls back to the last committed save. Nothing new since it: no JIT save.
-
-Every policy sees the same failure times in a replica (common random numbers), so differences
-between policies are not noise between traces. The job's first start is not counted (the same
-for every policy); goodput = work / wall time. Scenario ``llama3``: the per-GPU MTBF of Meta's
-Llama 3 405B run (419 unexpected interruptions in 54 days on 16,384 GPUs), 30 days of work on
-1,000 and 16,384 GPUs. ``--check FILE`` replays the failure times of small real runs
-(``bench_output/goodput_ranks.json``, 3 ranks under torchrun) with their measured costs and sets
-the predicted goodput beside the measured one.
-
-Pure Python and numpy; unbroken (and so torch) is imported only for ``daly_interval``. The
-default run (1,000 replicas, 2 x 4 policies) takes about 4 s; ``--quick`` (50) about 2 s.
+How it measures, and what the numbers mean: ``docs/benchmarks/goodput-sim.md``.
 
     .venv/bin/python benchmarks/goodput_sim.py
     .venv/bin/python benchmarks/goodput_sim.py --quick
-    .venv/bin/python benchmarks/goodput_sim.py --measured bench_output/goodput_ranks.json \\
+    .venv/bin/python benchmarks/goodput_sim.py --measured bench_output/goodput_ranks.json \
         --check bench_output/goodput_ranks.json
 """
 

@@ -1,26 +1,6 @@
 """transformers and Accelerate resumed after a SIGKILL: stock vs unbroken.hf.
 
-**Exactness.** The job of ``tests/hf_trainer_job.py`` (a 3-layer MLP with dropout as a
-``PreTrainedModel``, 96 samples whose ``__getitem__`` draws ``torch.rand``, batch 8: 12 steps an
-epoch, 3 epochs, a checkpoint every 4 steps), run by four systems:
-
-- ``transformers.Trainer``, resumed with ``resume_from_checkpoint=True``;
-- an Accelerate loop over torch's DataLoader, resumed with ``load_state`` and
-  ``skip_first_batches`` (``benchmarks/hf_resume_job.py loop --how skip``);
-- the same loop with ``DataLoaderConfiguration(use_stateful_dataloader=True)`` (torchdata);
-- ``unbroken.hf.Trainer``, resumed with ``resume_from_checkpoint=True``.
-
-Each runs uninterrupted, then again SIGKILLed after step 10 and resumed (from step 8, mid-epoch
-0), with 0 and 2 workers. From the batches each run trained (the resumed run's replacing the
-killed run's from the resume on): samples of the interrupted epoch trained twice or never, the
-resumed run's samples equal to the uninterrupted run's (same step and place), their
-augmentations equal, and the final weights equal (``torch.equal``).
-
-**Time to the first step.** A checkpoint at 1%, 50% and 95% of an epoch of ``--n`` samples, each
-costing ``--cost-us`` of CPU (decoding, say), map-style and as a stream without ``len()``; then
-``transformers.Trainer`` and ``unbroken.hf.Trainer`` resume it. Both are timed the same way: from
-the call of ``train()`` to the start of the first step, in a fresh process (imports not counted).
-transformers reads and drops the epoch's trained batches; unbroken restores the position.
+How it measures, and what the numbers mean: ``docs/benchmarks/hf-resume.md``.
 
     .venv/bin/python benchmarks/hf_resume.py            # n=20000, 50 us a sample (~4 min)
     .venv/bin/python benchmarks/hf_resume.py --quick    # n=2000, 0 workers, 95% only (~1.5 min)
@@ -154,11 +134,10 @@ def main() -> None:
         header = ["system", "workers", "repeated / skipped", "same samples"]
         header += ["same augmentations", "final weights"]
         print()
-        print(
-            results.table(
-                f"SIGKILLed after step {KILL_AT}, resumed from step {RESUMED_FROM} (mid-epoch 0)",
-                table(header, rows),
-            )
+        results.show(
+            f"SIGKILLed after step {KILL_AT}, resumed from step {RESUMED_FROM} (mid-epoch 0)",
+            header,
+            rows,
         )
         per_epoch = args.n // 8
         timings, rows = {}, []

@@ -1,19 +1,6 @@
 """Workers for benchmarks/hf_resume.py: stock Accelerate loops, and the time to the first step.
 
-``loop``: a training loop of one's own with Accelerate over torch's ``DataLoader`` (shuffled,
-prepared by the ``Accelerator``), the job of ``tests/hf_trainer_job.py`` (the same MLP, the same
-96 samples with a ``torch.rand`` augmentation, batch 8, 3 epochs, a save every 4 steps). It
-resumes as Accelerate documents: ``--how skip`` loads the newest ``save_state`` folder and skips
-the epoch's trained batches with ``skip_first_batches``; ``--how stateful`` uses
-``DataLoaderConfiguration(use_stateful_dataloader=True)``, whose loader state ``save_state``
-keeps. Both with ``use_seedable_sampler=True``, Accelerate's setting for a reproducible order.
-Every trained batch goes to ``OUT/batches-rank0.jsonl``; final weights to
-``OUT/weights-rank0.pt``. ``--kill-at STEP`` SIGKILLs the process after step STEP.
-
-``first-step``: ``--phase make`` trains ``--at`` steps of a large epoch (``--n`` samples, each
-costing ``--cost-us`` of CPU) with ``transformers.Trainer`` (``--system stock``) or
-``unbroken.hf.Trainer`` (``unbroken``) and saves; ``--phase resume`` resumes it for one more step
-and prints the seconds from the call of ``train()`` to the start of that step (JSON).
+How it measures, and what the numbers mean: ``docs/benchmarks/hf-resume.md``.
 """
 
 from __future__ import annotations

@@ -1,67 +1,11 @@
 """Lightning 2.6 killed and resumed, mid-epoch and at epoch boundaries: plain (torch's
 DataLoader) vs unbroken.
 
-The job is ``tests/lightning_job.py``, run as a subprocess (as ``tests/test_lightning.py`` runs
-it): a small MLP with dropout on 96 samples with a random augmentation, batch 8 (12 steps an
-epoch), 3 epochs (36 steps), validating twice an epoch, ``last.ckpt`` every 5 steps (a cut may
-set another interval), resumed with ``ckpt_path="last"``. ``--loader torch`` is plain Lightning
-(torch's DataLoader, no callback); ``--loader unbroken`` returns ``unbroken.DataLoader`` and adds
-``unbroken.lightning.ExactResume``.
-
-A cut is ``B`` or ``B:EVERY``: the job run with ``--every EVERY`` (``every_n_train_steps``,
-default 5), SIGKILLed at the end of training batch B (counted from 1 over the run: its own
-``--kill-at``), then run again in the same directory, which resumes from the last checkpoint
-before B (the last multiple of EVERY below B: the cut step's own save comes after the kill).
-The default cuts:
-
-- ``7``, ``21``, ``30``: mid-epoch in each of the 3 epochs (resumed from 5, 20 and 25);
-- ``13:6``: a periodic checkpoint at an epoch's last batch (6 divides the 12-batch epoch): killed
-  at epoch 1's first batch, resumed from step 12, epoch 0's last batch (before epoch 0's
-  end-of-epoch validation and epoch-end hooks);
-- ``25``: killed at an epoch's first batch (epoch 2's) after a mid-epoch checkpoint: resumed
-  from step 20, in epoch 1, so the resumed run crosses the epoch boundary (epoch 1's last 4
-  batches, its validation and end, then epoch 2).
-
-For each loader and each ``--workers`` value: the job uninterrupted (once per checkpoint interval
-the cuts use: each cut is compared with the uninterrupted run of its own interval), then each
-cut. Reported per cut, from the job's records (``OUT/records-rank0.jsonl``: the killed run's up
-to the checkpoint it was resumed from, then the resumed run's; a step run again after the resume
-replaces the killed run's):
-
-- samples repeated and skipped in the interrupted epoch (the epoch containing the kill, of its
-  96), and summed over the other epochs;
-- whether every step trained on the uninterrupted run's samples;
-- whether every batch of every epoch was trained exactly once (before the fix of issue 21,
-  unbroken resumed from a checkpoint at an epoch's last batch trained 0 batches of the next
-  epoch);
-- whether the final weights (``final.pt["model"]``) are bit-identical to the uninterrupted run's
-  (``torch.equal``);
-- whether ``ExactResume`` warned, as the resumed run loaded the checkpoint, that Lightning itself
-  cannot go on exactly from it (e.g. from a checkpoint at an epoch's last batch Lightning skips
-  that epoch's end), and which of the uninterrupted run's other records (validation batches,
-  epoch starts and ends) the resumed run lacks;
-- wall time of the uninterrupted run, of the killed run and of the resumed run (whole processes,
-  Python and Lightning start-up included: the resumed run's restart cost is in its total; one
-  run each, on a shared machine: a rough figure).
-
-Then the sweeps (``--sweeps NAME ...``; none with ``--sweeps`` alone): ``tests/lightning_job.py
---sweep saves`` in one process saves a checkpoint at every place Lightning can save one
-(every training batch's end, validation's end, epoch's end) and resumes a run from each; each
-resumed run saves everywhere too and is resumed from the first checkpoint of each kind of place
-it saved, three resumes in a row (``--resumes 3``). Each resume is compared with the run it
-resumed from (records and final weights, optimizer and scheduler states, bit for bit), and
-counted exact, inexact and warned by ``ExactResume``, or silently wrong (must be none). The
-configurations (``SWEEPS``): plain, without validation, accumulation, ``OneCycleLR``,
-``ReduceLROnPlateau`` under ``max_epochs`` and ``max_steps`` (with and without validation),
-``max_steps``, a training set without ``len()``, epoch-level training metrics, a training step
-drawing from numpy and ``random``, 2 workers resumed with 0 (with and without such draws), and
-a SIGTERM in every step under ``max_steps`` with ``ReduceLROnPlateau``.
+How it measures, and what the numbers mean: ``docs/benchmarks/lightning-resume.md``.
 
     .venv/bin/python benchmarks/lightning_resume.py            # 5 cuts, num_workers 0 and 2
     .venv/bin/python benchmarks/lightning_resume.py --quick    # cuts 21 and 13:6, num_workers 0
-
-The default is 48 job runs (~7 minutes on 2 cores) and 14 sweeps (~6,200 resumes, ~5 minutes),
-``--quick`` 12 job runs and 3 sweeps from the first checkpoint of each kind only (~2 minutes)."""
+"""
 
 from __future__ import annotations
 
@@ -82,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, Results, environment, table
+from harness import REPO, Results, add_options, environment, table
 from harness import parser as harness_parser
 from harness.workloads import weights_equal
 
@@ -348,14 +292,12 @@ def main() -> None:
         f"steps (default {EVERY}); default: %(default)s",
     )
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="num_workers")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds per job run")
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=REPO / "bench_output",
-        help="where the runs' directories go (a fresh subdirectory, removed at the end)",
-    )
-    parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
+    add_options(parser, {
+        "timeout": (300.0, "seconds per job run"),
+        "dir": (REPO / "bench_output", "where the runs' directories go (a fresh subdirectory, "
+                "removed at the end)"),
+        "keep": (False, "keep the runs' directories"),
+    })  # fmt: skip
     parser.add_argument(
         "--sweeps",
         nargs="*",

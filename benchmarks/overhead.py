@@ -1,39 +1,6 @@
 """Training-loop overhead of unbroken.DataLoader against torch's DataLoader, side by side.
 
-Two loops, each with num_workers 0 and 2:
-
-- tiny (Lightning's BoringModel style): Linear(32, 2) on random 32-float rows, batch 2,
-  SGD(lr=0.1), MSE loss. The step is so cheap that the loader's per-batch cost shows.
-- realistic: a small CNN (2 conv + linear, 10 classes) on random uint8 3x32x32 images with
-  random crop (pad 4) and horizontal flip drawn from the global torch RNG, batch 32, SGD,
-  cross-entropy.
-
-Loaders: torch.utils.data.DataLoader(shuffle=True); unbroken.DataLoader(shuffle=True, seed=0)
-with global_rngs default (torch, numpy, random), ("torch",) and (); torchdata's
-StatefulDataLoader(shuffle=True) with its defaults. With workers, every loader gets
-persistent_workers=True so worker start-up is not timed.
-
-Method: each loader has its own copy of the same model (same initial weights, trained
-independently). One untimed warm-up epoch per loader, then timed rounds in which every loader
-runs in turn, in an order rotated each round so drift hits all alike. Each loader's time in a
-round is divided by torch's in the same round (a paired ratio); the table reports the median
-of those ratios (with a bootstrap 95% confidence interval and the interquartile range), so a
-burst of other work that hits some rounds moves it little. Between whole runs the ratios still
-move by about +-1.5% on this VM (memory placement, the host): compare runs, not one number.
-
-- num_workers=0: loaders are interleaved finely. A round gives each loader ``--tiny-chunk`` /
-  ``--realistic-chunk`` training steps (timed), then as many batches without training (timed, the
-  "data-only" column); iterators persist across rounds and restart at each epoch's end inside
-  the timed chunk. Rounds last tens of milliseconds, so the machine's speed barely changes
-  within one: this shared 2-core VM varies by tens of percent over seconds.
-- num_workers>0: a round is one whole training epoch per loader (workers prefetch in the
-  background, so loaders cannot be paused mid-epoch fairly), ``--worker-reps`` rounds. Other
-  processes' CPU use is measured around each epoch (``/proc``); a round where it exceeded
-  ``--max-foreign`` cores is set aside and another run, up to ``--max-rounds``.
-
-Also printed: the cost of each global seeding call alone (timeit), and a "control" loader:
-torch's DataLoader over a dataset that makes exactly unbroken's per-batch seeding calls,
-which separates the seeding's cost from the rest of unbroken's machinery.
+How it measures, and what the numbers mean: ``docs/benchmarks/overhead.md``.
 
     .venv/bin/python benchmarks/overhead.py            # full run, ~3 minutes on 2 idle cores
     .venv/bin/python benchmarks/overhead.py --quick    # smoke run, ~15 seconds
@@ -54,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_round_options, environment, table
+from harness import ForeignLoad, Results, add_options, add_round_options, environment
 from harness import parser as harness_parser
 from harness.stats import median_ci, quartiles, rotated
 from harness.workloads import (
@@ -351,33 +318,16 @@ QUICK = "small datasets, little timed work (numbers are noise)"
 
 def main() -> None:
     parser = harness_parser(__doc__, "overhead", QUICK)
-    parser.add_argument("--loops", default="tiny,realistic", help="comma-separated: tiny,realistic")
-    parser.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
-    parser.add_argument(
-        "--reps", type=int, default=7, help="timed work per loader and configuration, in epochs"
-    )
-    parser.add_argument(
-        "--worker-reps",
-        type=int,
-        default=5,
-        help="num_workers>0: clean epoch rounds per configuration",
-    )
-    parser.add_argument(
-        "--tiny-chunk",
-        type=int,
-        default=64,
-        help="num_workers=0: training steps per loader per round, tiny loop",
-    )
-    parser.add_argument(
-        "--realistic-chunk",
-        type=int,
-        default=4,
-        help="num_workers=0: training steps per loader per round, realistic loop",
-    )
-    parser.add_argument("--tiny-rows", type=int, default=4096)
-    parser.add_argument("--tiny-batch", type=int, default=2)
-    parser.add_argument("--images", type=int, default=2048)
-    parser.add_argument("--image-batch", type=int, default=32)
+    add_options(parser, {
+        "loops": ("tiny,realistic", "comma-separated: tiny,realistic"),
+        "workers": ("0,2", "comma-separated num_workers values"),
+        "reps": (7, "timed work per loader and configuration, in epochs"),
+        "worker_reps": (5, "num_workers>0: clean epoch rounds per configuration"),
+        "tiny_chunk": (64, "num_workers=0: training steps per loader per round, tiny loop"),
+        "realistic_chunk": (4, "num_workers=0: training steps per loader per round, realistic loop"),
+        "tiny_rows": (4096, None), "tiny_batch": (2, None),
+        "images": (2048, None), "image_batch": (32, None),
+    })  # fmt: skip
     add_round_options(parser, 10)
     parser.add_argument(
         "--no-control",
@@ -420,12 +370,9 @@ def main() -> None:
 
     costs = seeding_costs(1 if args.quick else 5)
     print(f"\n## Per-batch seeding cost (timeit, best of {1 if args.quick else 5})\n")
-    print(
-        results.table(
-            "Per-batch seeding cost, us per call (timeit)",
-            table(["call", "us per call"], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()]),
-        )
-    )
+    results.show("Per-batch seeding cost, us per call (timeit)", [
+        "call", "us per call",
+    ], [[f"`{k}`", f"{v:.2f}"] for k, v in costs.items()])  # fmt: skip
     sys.stdout.flush()
 
     rows, notes, entries = [], [], []
@@ -452,27 +399,10 @@ def main() -> None:
         "per-batch seeding cost (table above) / torch's step time, the overhead "
         "that seeding alone would explain if it cost inside the loop what it costs alone.\n"
     )
-    print(
-        results.table(
-            "Time per training step",
-            table(
-                [
-                    "loop",
-                    "workers",
-                    "loader",
-                    "us/step",
-                    "ratio vs torch",
-                    "95% CI",
-                    "ratio IQR",
-                    "data-only us/batch",
-                    "data-only est.",
-                    "seeding est.",
-                ],
-                rows,
-                left=3,
-            ),
-        )
-    )
+    results.show("Time per training step", [
+        "loop", "workers", "loader", "us/step", "ratio vs torch", "95% CI", "ratio IQR",
+        "data-only us/batch", "data-only est.", "seeding est.",
+    ], rows, left=3)  # fmt: skip
     results.finish(
         notes,
         {

@@ -1,54 +1,11 @@
 """Checkpoints in object storage, side by side: unbroken's ``Checkpointer`` on an ``s3://`` URL
 against ``torch.save`` through an fsspec file and torch DCP's ``FsspecWriter``.
 
-One run starts one S3 protocol server on 127.0.0.1 (moto, ``unbroken.testing.S3Server``) and
-measures every system against it, in the same process, on the same state:
-
-- ``unbroken blocking``: ``Checkpointer(url + "/unbroken", storage_options=...).save(step,
-  {"model": model, "optimizer": optimizer})`` (keeping its local copies of the files, the
-  default, in a temporary directory); loaded by a *new* Checkpointer's ``load_latest`` without
-  local copies (``FsspecStorage(..., cache=False)``: a new machine downloads, as every peer
-  does; its construction, which checks the bucket, is timed with the load).
-- ``unbroken background``: the same with ``save(..., blocking=False)`` (into
-  ``url + "/unbroken-bg"``): the loop's stall is the time until ``save`` returns, the save time
-  the time until ``wait()`` returns.
-- ``torch.save + fsspec``: ``torch.save({"model": ..., "optimizer": ...}, f)`` with ``f =
-  fsspec.open(url + "/torchsave/ckpt.pt", "wb", **storage_options)``; loaded with
-  ``torch.load(fsspec.open(..., "rb"), weights_only=True)`` and ``load_state_dict``.
-- ``DCP FsspecWriter``: ``torch.distributed.checkpoint.save`` of ``get_state_dict(model,
-  optimizer)`` with ``FsspecWriter(url + "/dcp", **storage_options)`` (single process, no
-  process group); loaded with ``dcp.load`` through ``FsspecReader`` and ``set_state_dict``.
-  In torch 2.13 the two classes live in ``torch.distributed.checkpoint._fsspec_filesystem``.
-- ``s3torchconnector`` (``S3Checkpoint``) if it is installed in this interpreter; otherwise the
-  run says it was skipped and why.
-
-State: an MLP of ``Linear(1024, 1024)`` layers (ReLU between) and its AdamW optimizer after one
-step, sized so that parameters + exp_avg + exp_avg_sq come to about ``--mb`` MB (default 100:
-8 layers, 101 MB). Before each round one more training step changes every value, and every
-system saves that same state in the round, in an order that rotates between rounds; each load
-goes into a freshly built model and optimizer and is checked (``torch.equal``) against a copy of
-the saved parameters and optimizer state. One untimed warm-up save and load per system first.
-
-Measured, median of ``--repeats`` rounds (default 3): save seconds and MB/s (state bytes / save
-seconds); the training loop's stall per save (the save time for a blocking system, the time
-until ``save`` returns for the background one), next to the time of a plain copy of the state
-to host memory (``{k: v.detach().clone()}`` over the model's and the optimizer's tensors);
-load seconds and MB/s; and a fresh-machine resume: the time from before ``subprocess.Popen`` of
-a new Python process (``remote_checkpoint.py --child SYSTEM``, which imports only torch, fsspec,
-s3fs and the system's own library) to that process printing that the state is loaded into its
-model, every import included; the child then prints a sha256 of its parameters and optimizer
-state, which must equal the parent's. Last, one untimed save and load per system with every
-S3 request counted by operation (aiobotocore's ``AioEndpoint._send_request`` wrapped), to tell
-where the time goes.
+How it measures, and what the numbers mean: ``docs/benchmarks/remote-checkpoint.md``.
 
     .venv/bin/python benchmarks/remote_checkpoint.py               # ~100 MB, 3 rounds: ~1.5 min
     .venv/bin/python benchmarks/remote_checkpoint.py --quick       # 25 MB, 1 round: a smoke run, ~25 s
     .venv/bin/python benchmarks/remote_checkpoint.py --mb 400 --repeats 5
-
-The S3 server runs on this machine, so the network is loopback and the server's own CPU time
-(moto, in Python) competes with the client's: MB/s here are not what a real bucket gives, and
-on a machine with few cores every number moves with what else runs on it (the foreign load is
-reported).
 """
 
 from __future__ import annotations
@@ -538,7 +495,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from harness import ForeignLoad, Results, environment, table
+    from harness import ForeignLoad, Results, environment
     from harness.stats import median as _median
     from harness.stats import spread as _spread
 
@@ -693,7 +650,7 @@ def run(args: argparse.Namespace) -> None:
         "load MB/s",
         "fresh-process resume s",
     ]
-    print(results.table("Save, load and resume, seconds (median, min-max)", table(header, rows)))
+    results.show("Save, load and resume, seconds (median, min-max)", header, rows)
 
     # Ratios against the best peer of each metric.
     peers = [n for n in PEERS if n in med]
@@ -731,20 +688,9 @@ def run(args: argparse.Namespace) -> None:
             row.append(f"{LABELS[b]}: {shown}")
             ratio_rows.append(row)
         print()
-        print(
-            results.table(
-                "unbroken against the best peer of each metric",
-                table(
-                    [
-                        "ratio to the best peer",
-                        "unbroken blocking",
-                        "unbroken background",
-                        "best peer",
-                    ],
-                    ratio_rows,
-                ),
-            )
-        )
+        results.show("unbroken against the best peer of each metric", [
+            "ratio to the best peer", "unbroken blocking", "unbroken background", "best peer",
+        ], ratio_rows)  # fmt: skip
 
     notes = []
     for name in names:

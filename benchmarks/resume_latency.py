@@ -1,23 +1,6 @@
 """Resume latency: load_state_dict on a fresh loader -> first batch, early vs late in an epoch.
 
-A shuffled epoch of ``--samples`` (default 10 million) samples whose ``__getitem__`` returns
-``torch.tensor(i)``, batch_size 64, num_workers 0, a collate_fn that keeps the list (cheap).
-For unbroken.DataLoader (seed=0) and torchdata's StatefulDataLoader (shuffle=True, defaults):
-
-1. Capture, one pass per library: iterate the loader and call ``state_dict()`` right after
-   receiving the batch at 1%, 50% and 99% of the epoch; serialize it (``json.dumps`` for
-   unbroken, ``pickle.dumps`` for torchdata, whose state holds a tensor) and remember the batch
-   that came next.
-2. Measure, in ``--reps`` rounds that time every point once per library (unbroken
-   ``--fast-reps`` times, as it takes milliseconds): construct a fresh loader, deserialize the
-   state (both untimed), then time ``load_state_dict(state)``, ``iter()`` and ``next()``. The
-   received batch is checked against the one the capture pass got next, so a fast but wrong
-   resume cannot pass. A fresh start (no state) is timed the same way as a baseline. A round
-   during which other processes used more than ``--max-foreign`` cores is set aside and rerun.
-
-The capture pass is what takes time (~100 s for unbroken with its default per-sample seeding,
-~30 s for torchdata); ``--global-rngs ''`` makes unbroken's pass faster without changing what
-is timed.
+How it measures, and what the numbers mean: ``docs/benchmarks/resume-latency.md``.
 
     .venv/bin/python benchmarks/resume_latency.py           # 10M samples, ~3.5 minutes
     .venv/bin/python benchmarks/resume_latency.py --quick   # smoke run, ~10 seconds
@@ -37,8 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import ForeignLoad, Results, add_round_options, environment, load_line, table
+from harness import ForeignLoad, Results, add_round_options, environment, load_line
 from harness import parser as harness_parser
+from harness.results import add_options
 from harness.stats import probed_rounds
 
 import unbroken
@@ -145,24 +129,15 @@ QUICK = "200k samples, 2 reps"
 
 def main() -> None:
     parser = harness_parser(__doc__, "resume_latency", QUICK)
-    parser.add_argument("--samples", type=int, default=10_000_000, help="epoch length")
-    parser.add_argument(
-        "--reps", type=int, default=5, help="clean rounds; each times every point once per library"
-    )
-    parser.add_argument(
-        "--fast-reps",
-        type=int,
-        default=9,
-        help="timed resumes of unbroken per point and round (it takes ~1 ms, so "
-        "more samples cost nothing and steady its median)",
-    )
+    add_options(parser, {
+        "samples": (10_000_000, "epoch length"),
+        "reps": (5, "clean rounds; each times every point once per library"),
+        "fast_reps": (9, "timed resumes of unbroken per point and round (it takes ~1 ms, so "
+                      "more samples cost nothing and steady its median)"),
+        "global_rngs": ("torch,numpy,random", "unbroken's global_rngs, comma-separated ('' for "
+                        "none); seeding makes the capture pass slower, not the resume"),
+    })  # fmt: skip
     add_round_options(parser, 10)
-    parser.add_argument(
-        "--global-rngs",
-        default="torch,numpy,random",
-        help="unbroken's global_rngs, comma-separated ('' for none); seeding "
-        "makes the capture pass slower, not the resume",
-    )
     args = parser.parse_args()
     if args.quick:
         # Rounds this short are below the load probe's resolution: none is set aside.
@@ -260,21 +235,12 @@ def main() -> None:
         rows.append(row)
 
     print("\n## Time from load_state_dict to the first batch\n")
-    print(results.table("Time from load_state_dict to the first batch", table(header, rows)))
+    results.show("Time from load_state_dict to the first batch", header, rows)
     print("\n## Flatness and state size\n")
-    print(
-        results.table(
-            "Flatness and state size",
-            table(
-                [
-                    "library",
-                    "99% / 1% (medians)",
-                    "50% / 1% (medians)",
-                    "state bytes at 1%",
-                    "state bytes at 99%",
-                    "capture pass s",
-                ],
-                [
+    results.show("Flatness and state size", [
+        "library", "99% / 1% (medians)", "50% / 1% (medians)", "state bytes at 1%",
+        "state bytes at 99%", "capture pass s",
+    ], [
                     [
                         lib.name,
                         f"{med[lib.name][3] / med[lib.name][1]:.3f}",
@@ -284,10 +250,7 @@ def main() -> None:
                         f"{capture_s[lib.name]:.0f}",
                     ]
                     for lib in libs
-                ],
-            ),
-        )
-    )
+                ])  # fmt: skip
     print(
         "\nstate bytes: len(json.dumps(state)) for unbroken, len(pickle.dumps(state)) for "
         "torchdata. capture pass: iterating to 99% (+1 batch) and taking the three states."

@@ -1,32 +1,6 @@
 """Per-batch overhead of shipping iterable-dataset state with each batch, side by side.
 
-The loop: Lightning's BoringModel style, Linear(32, 2), SGD(lr=0.1), MSE loss against ones,
-batch 2, so the loader's per-batch cost shows. The dataset: an ``IterableDataset`` of
-``--rows`` precomputed random 32-float rows, sharded by worker through ``get_worker_info()``
-(worker w of n yields rows w, w + n, ...), with ``state_dict``/``load_state_dict`` of three
-ints (worker, workers, rows yielded so far). Loaders, each over its own copy of that dataset:
-
-- torch: ``torch.utils.data.DataLoader`` (no state at all; the baseline).
-- unbroken: ``unbroken.DataLoader(seed=0)``, default ``global_rngs``: in the worker, the dataset's
-  state is taken after every batch and shipped with it, and the torch, numpy and random global
-  generators are seeded before every item (the exact-randomness contract).
-- unbroken, ``global_rngs=()``: the same without the per-item seeding, i.e. the state shipping
-  alone.
-- torchdata: ``StatefulDataLoader`` with its defaults (``snapshot_every_n_steps=1``: the
-  workers also send the dataset's state with every batch; with ``num_workers=0`` it asks the
-  dataset only when ``state_dict()`` is called, where unbroken takes it after every batch).
-
-All get ``persistent_workers=False``: unbroken restarts the workers of an iterable dataset every
-epoch (each epoch starts every worker from another state), so the others do too, and each
-timed epoch includes starting and stopping its workers. Measured with ``--workers`` 2 and 0.
-
-Method: each loader trains its own copy of the same model. One untimed warm-up epoch per
-loader, then ``--reps`` rounds; in each round every loader runs ``--epochs`` whole epochs in an
-order rotated every round. Reported: median time per step (epoch wall time / steps), the ratio
-to torch's DataLoader in the same round (paired), its median and min-max; the time to the first
-batch (worker start-up), and the steady-state time per step after the first batch, with its
-ratio. After the last round every model's weights are compared (``torch.equal``): all loaders
-fed the same batches in the same order.
+How it measures, and what the numbers mean: ``docs/benchmarks/stream-overhead.md``.
 
     .venv/bin/python benchmarks/stream_overhead.py            # full run, ~1-3 minutes
     .venv/bin/python benchmarks/stream_overhead.py --quick    # smoke run, seconds
@@ -45,7 +19,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, command_line, environment, table
+from harness import Results, command_line, environment
 from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import flat_weights, train_step
@@ -291,25 +265,10 @@ def main() -> None:
         f"{1 + TARGET:.2f}).\n"
     )
     print(f"Command: `{command_line()}`\n")
-    print(
-        results.table(
-            "Time per step",
-            table(
-                [
-                    "workers",
-                    "loader",
-                    "us/step",
-                    "ratio vs torch",
-                    "ratio min-max",
-                    "first batch ms",
-                    "steady us/step",
-                    "steady ratio",
-                ],
-                rows,
-                left=2,
-            ),
-        )
-    )
+    results.show("Time per step", [
+        "workers", "loader", "us/step", "ratio vs torch", "ratio min-max", "first batch ms",
+        "steady us/step", "steady ratio",
+    ], rows, left=2)  # fmt: skip
     results.finish(
         notes, {"rows_in_dataset": args.rows, "target_ratio": 1 + TARGET, "rows": entries}
     )

@@ -1,31 +1,9 @@
 """One library's side of ``stream_peers.py``: run inside that library's virtual environment.
 
-    python stream_peer_worker.py --library streaming|litdata|unbroken --endpoint URL \\
+How it measures, and what the numbers mean: ``docs/benchmarks/stream-peers.md``.
+
+    python stream_peer_worker.py --library streaming|litdata|unbroken --endpoint URL \
         --remote s3://bench/NAME --work DIR [--samples N] [--phase main]
-
-Phases (``--phase``):
-
-- ``main`` (default): write the data set to the S3 server, time full shuffled epochs (num_workers
-  0 and 2, cold and warm cache), save resume states at 1%, 50% and 99% of an epoch (with each
-  num_workers), measure resume latency in fresh subprocesses (num_workers 0 and 2, warm and
-  empty cache), run the SIGKILL test, and print one JSON object (the last line of stdout).
-- ``resume``: a restarted training process: ``import`` the library, build a loader with
-  ``--workers``, load ``--state``, take the first batch (a child of ``main``).
-- ``epoch``: one shuffled epoch from the start (a child of ``main``: the process that gets
-  SIGKILLed, and the restart after it); prints ``B <batches>`` progress lines, then JSON.
-
-Each library is imported only inside its own branch, so this file runs in any of the three
-virtual environments. Only the standard library and numpy are imported at the top.
-
-How a resume is timed, the same way for all three: ``main`` notes ``time.monotonic()`` just
-before it spawns the ``resume`` process, which notes the same clock (CLOCK_MONOTONIC, shared by
-every process) when it starts, after ``import <library>`` (the one import a training script
-writes: ``streaming``, ``litdata``, ``unbroken``), and when the first batch is in hand. So
-each resume has two times: *spawn to first batch* (the interpreter, every import of the
-library and of what it needs, building the loader, loading the state, the first batch: what a
-restarted process waits) and *build to first batch* (from the call that builds the dataset,
-with whatever the library imports lazily inside it). Nothing else is imported or warmed before
-either clock for one library and not the others.
 """
 
 from __future__ import annotations

@@ -2,33 +2,12 @@
 (MDS, written by ``MDSWriter``), LitData 0.2.76 (written by ``optimize``) and unbroken's
 ``unbroken.streaming`` (written by ``write_shards``).
 
-One run starts one S3 server (moto, ``unbroken.testing.S3Server``) and runs
-``stream_peer_worker.py`` once per library, each in its own virtual environment (the peers'
-pins may conflict with ours): ``.venv-peers/streaming`` and ``.venv-peers/litdata`` (created
-here when missing, with ``torch==2.13.0`` and the peer), and the project's ``.venv`` for
-unbroken. The libraries run one after the other against the same server, so the ratios are
-comparable. The data: ``--samples`` samples (default 200,000), sample i = {"x": 1024 bytes (its
-id, then pseudo-random bytes), "y": i % 10}; ~8 MiB shards; batch 64; shuffle on, seed 0.
-
-Measured per library (see the worker's docstring for the details): write time; samples/s of
-one full shuffled epoch with num_workers 0 and 2, cold cache (empty local cache dir) and warm
-(the second epoch); resume latency of a restarted process (import the library, build the
-loader, load the state saved at 1%, 50%, 99% of an epoch, first batch) with num_workers 0 and 2,
-a warm and an empty cache: from the process's spawn to its first batch, and from building the
-loader to it, timed the same way for all three (only ``import <library>`` precedes the second
-clock; every import is inside the first), the median of ``--resume-repeats`` runs; the bytes downloaded by then and whether the batch is
-the one the uninterrupted run had; whether the order depends on num_workers;
-shuffle quality; what a SIGKILL mid-epoch leaves behind and whether a restart on the same cache
-works and is exact.
+How it measures, and what the numbers mean: ``docs/benchmarks/stream-peers.md``.
 
     .venv/bin/python benchmarks/stream_peers.py                       # full size
     .venv/bin/python benchmarks/stream_peers.py --samples 20000       # quick
     .venv/bin/python benchmarks/stream_peers.py --quick               # and each resume once
     .venv/bin/python benchmarks/stream_peers.py --libraries unbroken  # one library
-
-The numbers go to ``bench_output/stream_peers.json`` (``--json PATH``, formerly ``--out``),
-from which ``benchmarks/report.py`` draws the plots and RESULTS.md's generated section
-(``make bench``).
 """
 
 from __future__ import annotations
@@ -45,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, add_json_option
+from harness import Results, add_json_option, add_options
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "stream_peer_worker.py"
@@ -401,9 +380,11 @@ def main() -> None:
     ap.add_argument(
         "--out", dest="json", default=argparse.SUPPRESS, help="the same as --json (its former name)"
     )
-    ap.add_argument("--libraries", default=",".join(LIBRARIES))
-    ap.add_argument("--work", default=None, help="scratch dir (default: a new temp dir, removed)")
-    ap.add_argument("--timeout", type=float, default=3600, help="per library, seconds")
+    add_options(ap, {
+        "libraries": (",".join(LIBRARIES), None),
+        "work": (None, "scratch dir (default: a new temp dir, removed)"),
+        "timeout": (3600.0, "per library, seconds"),
+    })  # fmt: skip
     ap.add_argument(
         "--resume-repeats",
         type=int,

@@ -1,44 +1,6 @@
 """Training-loop overhead of unbroken.Trainer against a plain PyTorch loop, side by side.
 
-Workloads (the models and data of overhead.py, without its augmentations):
-
-- boring (Lightning's BoringModel style): Linear(32, 2) on random 32-float rows, batch 2,
-  SGD(lr=0.1), MSE loss against ones. The step is so cheap that the loop's own cost shows.
-- cnn: a small CNN (2 conv + linear, 10 classes) on random float 3x32x32 images with random
-  labels, batch 32, SGD(lr=0.01), cross-entropy.
-
-Both loops read the same kind of loader, built afresh for every run with the same arguments:
-``unbroken.DataLoader(dataset, batch_size, shuffle=True, num_workers=0, seed=0)`` (default
-``global_rngs``), so only the loop differs. Every run starts from a copy of the same model.
-
-- plain: the textbook loop, ``for batch in loader: loss = step(model, batch); loss.backward();
-  opt.step(); opt.zero_grad()``, with no ``loss.item()``: the Trainer reads no value on the host
-  per step either (it adds a CPU loss to the epoch's running sum, ~0.2 us, and reads a batch's
-  values to log them every ``log_every`` batches, its default 50).
-- Trainer: ``unbroken.Trainer(fresh_tempdir, max_epochs=E, seed=0, progress_bar=False, ...)``
-  with ``checkpoint_every_steps=None`` (no periodic checkpoint), ``100``, ``1000``, and ``100`` with
-  ``async_save=True``. Each run gets a new, empty directory (``tempfile.mkdtemp``), so it starts
-  from scratch; it is removed after the run, untimed. The Trainer also writes TensorBoard events
-  for every logged value when tensorboard is installed (its default, ``tensorboard=None``);
-  these rows keep that default (``--tensorboard off|on`` forces it), and one more row,
-  ``checkpoint_every_steps=None, tensorboard=False``, shows what that logging costs.
-
-What is timed: the training loop, from the Trainer's ``on_fit_start`` callback (after its setup:
-directory, CSV log, the look for a checkpoint to resume, seeding) to its last ``on_epoch_end``
-(before the save that ``fit`` always makes when it ends); for the plain loop, its ``for`` loops.
-Periodic checkpoints taken inside the loop are included. The timing callback defines
-``on_train_batch_end = None``: the Trainer looks its callbacks' hooks up once per phase, finds
-none to call, and its per-batch dispatch is an empty ``for``. The setup and the final save are reported
-apart ("fixed ms": whole ``fit`` minus the loop). With ``async_save`` a background write still
-running when the loop ends is finished by that final save, so its tail is in "fixed ms".
-
-Method: one untimed warm-up round (imports, the first checkpoint's one-off probes, allocator),
-then ``--reps`` rounds; every round runs each variant once, in an order rotated every round.
-Reported: median time per step; the ratio to the plain loop's time in the same round (paired),
-its median and min-max over rounds; the extra time per step; for variants with periodic saves,
-the time each save added to the loop (paired against the Trainer without checkpoints, divided
-by the number of saves). Every run's final weights are compared with the plain loop's
-(``torch.equal``): the same training computation, bit for bit.
+How it measures, and what the numbers mean: ``docs/benchmarks/trainer-overhead.md``.
 
     .venv/bin/python benchmarks/trainer_overhead.py            # full run, ~2-3 minutes
     .venv/bin/python benchmarks/trainer_overhead.py --quick    # smoke run, seconds
@@ -60,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Results, command_line, environment, table
+from harness import Results, add_options, command_line, environment
 from harness import parser as harness_parser
 from harness.stats import interleaved
 from harness.workloads import (
@@ -370,19 +332,15 @@ QUICK = "tiny datasets, 2 rounds (numbers are not meaningful)"
 
 def main() -> None:
     parser = harness_parser(__doc__, "trainer_overhead", QUICK)
-    parser.add_argument("--workloads", default="boring,cnn", help="comma-separated: boring,cnn")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per workload")
-    parser.add_argument("--boring-rows", type=int, default=4096)
-    parser.add_argument("--boring-epochs", type=int, default=2)
-    parser.add_argument("--cnn-images", type=int, default=1024)
-    parser.add_argument("--cnn-epochs", type=int, default=8)
-    parser.add_argument(
-        "--dir",
-        default=None,
-        help="parent of the per-run checkpoint directories (default: the system "
-        "temporary directory)",
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    add_options(parser, {
+        "workloads": ("boring,cnn", "comma-separated: boring,cnn"),
+        "reps": (5, "timed rounds per workload"),
+        "boring_rows": (4096, None), "boring_epochs": (2, None),
+        "cnn_images": (1024, None), "cnn_epochs": (8, None),
+        "dir": (None, "parent of the per-run checkpoint directories (default: the system "
+                "temporary directory)"),
+        "threads": (1, "torch.set_num_threads"),
+    })  # fmt: skip
     parser.add_argument(
         "--tensorboard",
         choices=("default", "off", "on"),
@@ -451,27 +409,10 @@ def main() -> None:
         "loop (setup + the end-of-fit save), not in the other columns.\n"
     )
     print(f"Command: `{command_line()}`\n")
-    print(
-        results.table(
-            "Time per training step",
-            table(
-                [
-                    "workload",
-                    "loop",
-                    "TensorBoard",
-                    "saves",
-                    "us/step",
-                    "ratio vs plain",
-                    "ratio min-max",
-                    "+us/step",
-                    "ms/save",
-                    "fixed ms",
-                ],
-                rows,
-                left=3,
-            ),
-        )
-    )
+    results.show("Time per training step", [
+        "workload", "loop", "TensorBoard", "saves", "us/step", "ratio vs plain", "ratio min-max",
+        "+us/step", "ms/save", "fixed ms",
+    ], rows, left=3)  # fmt: skip
     results.finish(notes, {"log_every": LOG_EVERY, "rows": entries})
 
 

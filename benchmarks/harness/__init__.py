@@ -17,7 +17,7 @@ from .env import (
     load_line,
     table,
 )
-from .results import Results, add_json_option, add_round_options, jsonable, parser
+from .results import Results, add_json_option, add_options, add_round_options, jsonable, parser
 from .stats import (
     interleaved,
     median,
@@ -34,6 +34,7 @@ __all__ = [
     "ForeignLoad",
     "Results",
     "add_json_option",
+    "add_options",
     "add_round_options",
     "command_line",
     "environment",

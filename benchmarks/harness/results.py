@@ -10,10 +10,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .env import REPO, command_line, environment_info, load_average, load_line, process_age
+from .env import REPO, command_line, environment_info, load_average, load_line, process_age, table
 
 BENCH_OUTPUT = REPO / "bench_output"
 SCHEMA = 1  # bump when report.py must tell an old file's layout from a new one
@@ -37,6 +38,18 @@ def parser(doc: str | None, name: str, quick: str) -> argparse.ArgumentParser:
     out.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     add_json_option(out, name)
     return out
+
+
+def add_options(parser: argparse.ArgumentParser, spec: dict[str, tuple[Any, str | None]]) -> None:
+    """One ``--name`` per ``name: (default, help)`` of ``spec`` (underscores become dashes), typed
+    as its default: ``False`` makes a switch, ``None`` a string that defaults to None."""
+    for name, (default, text) in spec.items():
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            parser.add_argument(flag, action="store_true", help=text)
+        else:
+            kind = str if default is None else type(default)
+            parser.add_argument(flag, type=kind, default=default, help=text)
 
 
 def add_round_options(parser: argparse.ArgumentParser, most: int) -> None:
@@ -93,6 +106,12 @@ class Results:
         """Keep a printed table for the report; returns it so that ``print`` is unchanged."""
         self.tables.append({"title": title, "markdown": markdown})
         return markdown
+
+    def show(
+        self, title: str, header: Sequence[str], rows: Sequence[Sequence[object]], left: int = 1
+    ) -> None:
+        """Print ``rows`` under ``header`` as a markdown table (``harness.table``) and keep it."""
+        print(self.table(title, table(header, rows, left)), flush=True)
 
     def finish(self, notes: list[str], data: dict[str, Any]) -> None:
         """Print ``notes`` as a list and the load average at the end, then write the JSON."""
