@@ -9,7 +9,7 @@ STAMP := $(VENV)/.unbroken-installed
 # What the demos need alone (`make demo` on a fresh machine installs no test or benchmark tools).
 DEMO_STAMP := $(VENV)/.unbroken-demo-installed
 
-.PHONY: test test-fast docs demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
+.PHONY: test test-fast docs wheel demo demo-loader demo-ddp demo-stream demo-spot demo-hf bench bench-stream mutate clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ $(DOCS_STAMP): pyproject.toml Makefile
 
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# A wheel of this checkout (dist/unbroken-VERSION-py3-none-any.whl) to install on other machines:
+# pip install "dist/unbroken-0.1.0-py3-none-any.whl[hf]". Needs only pip (it fetches setuptools).
+wheel:
+	$(PYTHON) -m pip wheel -q --disable-pip-version-check --no-deps -w dist .
 
 demo: $(DEMO_STAMP)
 	$(PY) demo/train_digits.py

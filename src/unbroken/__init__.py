@@ -15,7 +15,7 @@ offers; the modules inside are internal and may move:
   as a flag), ``GlobalRNG`` (the process's RNGs as a checkpoint entry).
 - ``unbroken.distributed``: data parallelism (``DataLoader(rank=, world_size=)``, or torchrun).
 - ``unbroken.streaming``: sharded datasets in object storage: ``write_shards``,
-  ``index_parquet``, ``StreamingDataset`` (``pip install unbroken[streaming,s3]``); also
+  ``index_parquet``, ``StreamingDataset`` (the ``streaming`` and ``s3`` extras); also
   reachable as ``unbroken.StreamingDataset`` etc., imported on first use.
 - ``unbroken.errors``: ``StateMismatch``, ``CorruptState``, ``CorruptCheckpoint``,
   ``CorruptShard`` (all ``ValueError``), ``DirectoryInUse``, ``RankFailure``,

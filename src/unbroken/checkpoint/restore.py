@@ -30,7 +30,16 @@ class Restored:
 
     Returned only when a checkpoint was restored (``load_latest`` returns ``None`` when there is
     none), so it is always true: ``if restored:`` reads as "resumed", even when every entry went
-    into an object and ``values`` and ``unrequested`` are empty.
+    into an object and ``values`` and ``unrequested`` are empty. ``load_latest`` builds it; each
+    field's own docstring below says more.
+
+    Args:
+        step: the step given to ``save``.
+        path: the checkpoint's directory.
+        values: the saved plain values of ``state``'s names without ``load_state_dict``.
+        unrequested: the checkpoint's entries that ``state`` did not name.
+        world_size: the number of ranks that saved it.
+        seconds: where the load's time went on this rank (scan, read, restore).
     """
 
     step: int

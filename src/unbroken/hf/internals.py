@@ -1,18 +1,18 @@
 """What ``unbroken.hf.Trainer`` reads and writes of ``transformers.Trainer`` beyond its public API.
 
-transformers has no hook for two things an exact resume needs, so they are read here, in one
+transformers has no hook for three things an exact resume needs. This module touches exactly five
+private attributes of the Trainer and replaces one global of ``transformers.trainer``, in one
 place, and only on the versions this was tested with (``TESTED``):
 
-- **the logging accumulators**: ``_tr_loss`` (this rank's loss summed since the last log, a
-  tensor) and ``_globalstep_last_logged``. transformers starts a resumed run with both at zero,
-  so the first loss it logs after a resume averages other steps than the uninterrupted run's.
-  They are saved with each checkpoint and put back at ``on_train_begin``, after transformers
+- **the logging accumulators**, read and written: ``_tr_loss`` (this rank's loss summed since
+  the last log, a tensor) and ``_globalstep_last_logged``. transformers starts a resumed run
+  with both at zero, so the first loss it logs after a resume averages other steps than the
+  uninterrupted run's. They are saved with each checkpoint and put back at ``on_train_begin``, after transformers
   has reset them and before the first step.
-- **the training collator and columns**: ``_remove_unused_columns`` and
+- **the training collator and columns**, called or read only: ``_remove_unused_columns`` and
   ``_get_collator_with_removed_columns``, the two methods ``get_train_dataloader`` uses to drop
   the columns the model does not take, and ``_train_batch_size``, the per-device batch size
   (``auto_find_batch_size`` changes it).
-
 - **the skip of a resumed epoch's first batches**: transformers calls
   ``accelerate.skip_first_batches(loader, n)``, which rebuilds the loader as a new torch
   ``DataLoader`` that reads and drops ``n`` batches. The name ``skip_first_batches`` in

@@ -5,8 +5,8 @@ Use it as ``transformers.Trainer``; ``train(resume_from_checkpoint=True)`` resum
     trainer = unbroken.hf.Trainer(model=model, args=args, train_dataset=train)
     trainer.train(resume_from_checkpoint=True)   # the newest sealed checkpoint-<step>
 
-What it changes, all through transformers' public hooks but for the two names that
-``internals`` reads:
+What it changes, all through transformers' public hooks except for what ``internals`` touches
+(five private attributes of the Trainer and the global ``transformers.trainer.skip_first_batches``):
 
 - **The training data**: ``get_train_dataloader`` builds an ``unbroken.DataLoader`` from the
   ``TrainingArguments`` (batch size, workers, pinning, persistent workers, prefetch,
