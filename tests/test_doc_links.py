@@ -106,3 +106,30 @@ def test_no_measured_microseconds_in_the_package():
         if MEASURED.search(line)
     ]
     assert not found, "measured figures in the package:\n" + "\n".join(found)
+
+
+SUBPACKAGES = sorted(
+    path.parent
+    for path in (ROOT / "src" / "unbroken").glob("**/__init__.py")
+    if path.parent.name != "unbroken"
+)
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES, ids=lambda path: path.name)
+def test_a_package_docstring_names_each_of_its_modules(package):
+    """A subpackage's docstring is its map: it names every module in it (``name``), so a reader
+    finds each one from there, and names no module that is not there."""
+    doc = (package / "__init__.py").read_text().split('"""')[1]
+    modules = {path.stem for path in package.glob("*.py") if path.stem != "__init__"}
+    modules |= {path.parent.name for path in package.glob("*/__init__.py")}
+    named = set(re.findall(r"``(\w+)``", doc))
+    missing = sorted(modules - named)
+    assert not missing, f"{package.relative_to(ROOT)}/__init__.py does not name {missing}"
+    listed = set(re.findall(r"^- ``(\w+)``:", doc, re.MULTILINE))
+    exported = set(getattr(__import__(_dotted(package), fromlist=["__all__"]), "__all__", ()))
+    gone = sorted(listed - modules - exported)
+    assert not gone, f"{package.relative_to(ROOT)}/__init__.py lists {gone}, which it does not hold"
+
+
+def _dotted(package: Path) -> str:
+    return ".".join(package.relative_to(ROOT / "src").parts)

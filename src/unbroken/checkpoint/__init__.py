@@ -4,11 +4,20 @@
   of a ``torch.distributed`` job together (``group``: how the ranks agree; ``per_rank``:
   ``PerRank`` entries; ``sharded``: ``Sharded`` entries, FSDP2 models and optimizers through
   DCP).
-- ``manifest``: the sealed manifest that makes a checkpoint directory verifiable.
+- The write path: ``writing`` (every rank writes its entries, rank 0 seals and commits),
+  ``entries`` (one class per kind of entry: how it is written, described and read back).
+- The read path: ``layout`` (the names in a checkpoint directory and what they say after a
+  kill), ``loading`` (the newest whole checkpoint, every rank together), ``verdict`` (the one
+  judgement of a checkpoint, shared with ``unbroken verify``).
+- ``manifest``: the sealed manifest that makes a checkpoint directory verifiable; ``schema``: its
+  format and the checks of one read back.
 - ``storage``: every operation on where checkpoints live, as the protocol ``Storage`` that a
   backend subclasses, with the commit protocol as its methods; ``local``: ``LocalStorage``
   (fsynced writes, renamed into place); ``fsspec_storage``: ``FsspecStorage``, any fsspec URL
-  (S3, GCS, ``memory://``: the manifest, written last, commits); ``stores``: ``storage_for``,
+  (S3, GCS, ``memory://``: the manifest, written last, commits), with ``transfer`` (one
+  object's bytes to and from a store), ``copies`` (the local copies it keeps) and ``protocols``
+  (what differs between fsspec's filesystems); ``defaults``: the composite operations a backend
+  inherits; ``files``: the values the operations take and give; ``stores``: ``storage_for``,
   which picks one for a path or a URL; ``space``: how much a checkpoint needs, and the error
   that says the disk is full.
 - ``background``: asynchronous saves; ``weights_only``: copies that ``torch.load(weights_only=

@@ -1,5 +1,6 @@
 """``unbroken inspect DIR`` and ``unbroken verify DIR``: what a run's checkpoints hold, and
-whether a resume would find them whole.
+whether a resume would find them whole. ``checkpoints`` finds and checks them, ``hf`` does the
+same for Hugging Face folders, ``report`` says what a resume would do and prints it.
 
 ``DIR`` is a run directory (``unbroken.Trainer``'s: its checkpoints are in ``DIR/checkpoints``),
 a ``Checkpointer`` directory (one ``step-*`` subdirectory per checkpoint), or one checkpoint

@@ -8,7 +8,7 @@
 - ``epochs``: the epoch protocol every resumable iterable here shares (``iter()`` continues a
   loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
 - ``combined``, ``iterable`` (``resumable``), ``buffered_shuffle`` (``shuffle_buffer``):
-  iterables built on that protocol.
+  iterables built on that protocol; ``combined_checks``: the checks of a ``CombinedLoader``.
 - ``rng`` and ``bijection``: per-batch and per-sample randomness and the per-index shuffle, pure
   functions of (seed, epoch, position); ``keys``: the named seed derivations; ``states``: every
   state's schema; ``workers``: what DataLoader workers do with preemption signals.

@@ -2,10 +2,13 @@
 
 - ``Trainer``: ``transformers.Trainer`` whose training data comes from an
   ``unbroken.DataLoader``, whose checkpoints are sealed, and whose resume continues exactly;
-  ``ExactResumeMixin`` gives the same to a subclass of ``transformers.Trainer`` of your own.
+  ``ExactResumeMixin`` gives the same to a subclass of ``transformers.Trainer`` of your own
+  (module ``trainer``; ``callback``: the callback doing the work; ``loader``: the training loader
+  as transformers sees it; ``state``: what a checkpoint folder gets; ``internals``: what is
+  touched of transformers beyond its public API).
 - ``seal``, ``check``, ``last_sealed``: checkpoint folders written whole or ignored (``seal``),
   for the Trainer's checkpoints and for ``accelerate.Accelerator.save_state`` folders.
-- ``unbroken.hf.accelerate``: ``save_state`` / ``load_state`` for a loop of your own with
+- ``accelerate``: ``save_state`` / ``load_state`` for a loop of your own with
   Accelerate: sealed ``checkpoint-<step>`` folders, the newest sealed one loaded
   (``docs/accelerate.md``).
 

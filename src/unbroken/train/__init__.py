@@ -1,16 +1,20 @@
 """The training loop and what it needs to be killed at any instant.
 
-- ``trainer``: ``Trainer``, the loop, top to bottom.
+- ``trainer``: ``Trainer``, the loop, top to bottom; ``saves``: its saves, and the exit after a
+  preemption. ``Preemption`` (scheduler signals as a flag) and ``EXIT_CODE`` are
+  ``unbroken.preemption``'s, re-exported here.
 - ``options``: ``TrainerOptions``, its options: each default, doc and check in one place.
-- ``preemption``: ``Preemption``, scheduler signals as a flag; ``EXIT_CODE``.
-- ``globalrng``: ``GlobalRNG``, the process's RNGs as a checkpoint entry.
+- ``globalrng``: ``GlobalRNG``, the process's RNGs as a checkpoint entry, and the per-step seeds.
 - ``progress``: the loop's counters (their saved schema) and bar; ``csvlog``: the metrics log
-  that rewinds with a resume; ``lock``: one process per run directory; ``determinism``:
-  deterministic kernels.
+  that rewinds with a resume; ``determinism``: deterministic kernels.
+- ``rundir``: where a run's files live, a local directory or a URL; ``lock``: one process per
+  local run directory; ``lease``: one job per run directory in object storage.
 - ``hooks``: the callbacks' hooks and ``fit``'s loaders, checked; ``steps``: the user's step
   functions and the optimizer step; ``checkpointing``: what a Trainer checkpoint holds and what
-  a resume checks; ``schedule``: when a periodic one is due; ``agreement``: what the ranks of a
-  data-parallel job agree on.
+  a resume checks; ``schedule``: when a periodic one is due; ``startup``: where a start's time
+  went before the first step.
+- ``agreement``: what the ranks of a data-parallel job agree on; ``jit``: just-in-time saves, a
+  survivor saving the job when a rank dies.
 """
 
 from ..errors import DirectoryInUse
