@@ -6,8 +6,8 @@ the CPU; the agreement's all-reduce alone needs a second process (a 2-rank gloo 
 loopback, started here). How it measures, and what each row means:
 ``docs/benchmarks/unit-costs.md``.
 
-    .venv/bin/python benchmarks/unit_costs.py            # full run, under a minute on 2 cores
-    .venv/bin/python benchmarks/unit_costs.py --quick    # smoke run, about 10 seconds
+    .venv/bin/python benchmarks/unit_costs.py          # ~30 s of CPU (85 s at load 8 on 2 cores)
+    .venv/bin/python benchmarks/unit_costs.py --quick  # smoke run, ~4 s of CPU (11 s at load 8)
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def _drain(iterable: Any) -> None:
         pass
 
 
-def trainer_rows(tmp: Path) -> list[Row]:
+def trainer_rows(tmp: Path, close: list[Callable[[], None]]) -> list[Row]:
+    """The Trainer's rows; ``close`` gets what to close once they are measured."""
     from unbroken.data import DataLoader
     from unbroken.train.agreement import Agreement
     from unbroken.train.csvlog import open_tensorboard
@@ -155,6 +156,8 @@ def trainer_rows(tmp: Path) -> list[Row]:
 
     off_bar = tqdm(total=None, disable=True)
     board = open_tensorboard(None, tmp / "tensorboard", 0)
+    if board is not None:
+        close.append(board.close)  # its writer thread, before the directory goes
     board_step = iter(range(1 << 62))
     rng = GlobalRNG()
     rng_state = rng.state_dict()
@@ -504,7 +507,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         empty = Row("empty_call", "an empty call: the timing loop's own cost, in every row",
                     "-", "-", lambda: None)  # fmt: skip
-        rows = [empty, *trainer_rows(Path(tmp)), *data_rows(args.quick)]
+        close: list[Callable[[], None]] = []
+        rows = [empty, *trainer_rows(Path(tmp), close), *data_rows(args.quick)]
         rows += retry_rows()
         if args.quick:  # importing lightning alone costs ~6 s of CPU
             notes.append("draws_check was left out of --quick (it imports lightning)")
@@ -515,6 +519,8 @@ def main() -> None:
         for row in rows:
             cpu, wall = time_per_call(row.fn, args.target_ms / 1000, args.repeats)
             measured.append((row, cpu, wall))
+        for done in close:
+            done()
     notes.append(f"{len(rows)} rows in this process took {time.perf_counter() - started:.1f} s")
     notes.append("per: the unit a figure is divided by (a call, an index, an item)")
 
