@@ -80,7 +80,7 @@ $(HF_STAMP): $(DEMO_STAMP)
 demo-hf: $(HF_STAMP)
 	$(PY) demo/train_hf.py
 
-# Every side-by-side benchmark, in RESULTS.md's order (~83 min on 2 idle cores, goodput.py ~47 of
+# Every side-by-side benchmark, in RESULTS.md's order (~84 min on 2 idle cores, goodput.py ~47 of
 # them: 4 failure traces x 9 configurations of a 45-s job, run one at a time; goodput_ranks.py ~8;
 # stream_peers.py creates .venv-peers/ once), each writing bench_output/NAME.json; then
 # benchmarks/report.py draws benchmarks/plots/*.png and rewrites the generated section of
@@ -90,7 +90,7 @@ demo-hf: $(HF_STAMP)
 # BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
 BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume hf_resume checkpoint_blocking \
 	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput \
-	goodput_ranks
+	goodput_ranks unit_costs
 BENCH_FLAGS ?=
 define run-benchmarks
 @failed=""; for b in $(BENCHMARKS); do \
