@@ -133,3 +133,23 @@ def test_a_package_docstring_names_each_of_its_modules(package):
 
 def _dotted(package: Path) -> str:
     return ".".join(package.relative_to(ROOT / "src").parts)
+
+
+UNIT_COSTS = ROOT / "docs" / "benchmarks" / "unit-costs.md"
+ROW = re.compile(r"\brows?\s+``(\w+)``(?:\s+and\s+``(\w+)``)?")
+
+
+def test_every_cost_row_a_docstring_names_is_measured():
+    """A docstring that gives a cost by its row of the unit-costs page names a row that the page
+    (and ``benchmarks/unit_costs.py``, which writes it) has."""
+    rows = set(re.findall(r"^\| (\w+)\s+\|", UNIT_COSTS.read_text(), re.MULTILINE))
+    named = {
+        (source.relative_to(ROOT).as_posix(), name)
+        for source in SOURCES
+        for match in ROW.finditer(source.read_text())
+        for name in match.groups()
+        if name
+    }
+    assert len(named) >= 5
+    unknown = sorted((where, name) for where, name in named if name not in rows)
+    assert not unknown, f"rows not on {UNIT_COSTS.relative_to(ROOT)}: {unknown}"

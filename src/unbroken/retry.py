@@ -19,7 +19,8 @@ the job. Two bounds, each the user's to change:
   stops at its next write), and the next operation through the same ``Deadline`` waits for it
   first, so one client's operations never overlap. This bound is needed because the client's
   cannot see everything: a request whose body is blocked on a full socket has no read timeout,
-  and s3fs retries each timed-out request 5 times. Cost: a thread start (~50 us) per attempt.
+  and s3fs retries each timed-out request 5 times. Cost: a thread start per attempt (docs/benchmarks/unit-costs.md,
+  row ``remote_attempt_thread``).
 
 **The global random generators are the user's.** The loader seeds them for each batch, and the
 batch's samples draw from them in turn, so a library that draws from them while a sample is
@@ -31,7 +32,8 @@ fetched shifts that batch's augmentation: botocore does, for the jitter of its r
   transient errors are retried by s3fs and by ``retrying`` here, with backoffs that draw nothing.
   That covers the prefetcher's download threads, which run beside the training loop.
 - A call made by the thread that reads samples (a worker's, or the training process's main
-  thread) puts Python's ``random`` state back as it was before the call (~10 us a call), so a
+  thread) puts Python's ``random`` state back as it was before the call (row ``keeping_random``
+  of the unit costs), so a
   client of another protocol drawing for its own retries does not shift the sample's draws
   either. (A client drawing from it on a prefetch thread can, for protocols other than S3.)
 """

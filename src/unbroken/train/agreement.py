@@ -13,8 +13,8 @@ next gradient all-reduce:
 
 In a world of one rank both return what they are given, with no collective and no change to
 the bits. Collectives run on the default group, on the device its backend needs (CUDA for
-NCCL). Cost: one all-reduce of two ints, ~50-100 us on gloo over loopback
-(benchmarks/RESULTS.md), per agreement.
+NCCL). Cost: one all-reduce of two ints per agreement (docs/benchmarks/unit-costs.md, row
+``agreement_any_of``).
 """
 
 from __future__ import annotations

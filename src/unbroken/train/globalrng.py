@@ -6,15 +6,16 @@ legacy global ``RandomState`` and Python's ``random``. ``GlobalRNG().state_dict(
 them all as tensors and plain values (what ``torch.load(weights_only=True)`` accepts), and
 ``load_state_dict`` puts them back, so the loop continues the same random stream after a resume.
 
-Cost: ~20 us to capture or restore on CPU (numpy's and random's 624-word states dominate).
+Cost: numpy's and random's 624-word states dominate a capture or a restore (docs/benchmarks/unit-costs.md, rows
+``globalrng_capture`` and ``globalrng_restore``).
 
 ``seed_step`` derives them instead: the Trainer seeds every generator before each optimizer
 step's first batch (and each validation batch) from the seed, the phase, the epoch, the step
 and the rank. A checkpoint taken at a step boundary then needs no rank's generator state: a
 survivor can save for a rank that died (``train.jit``), and a job resumed on another number of
-ranks draws what the new rank would have drawn. Cost: ~6 us a step on CPU (torch's default
-generator, numpy's and random's seeds; ``torch.manual_seed`` itself costs ~85 us, seeding every
-backend it knows).
+ranks draws what the new rank would have drawn. Cost: three seeds a step (torch's default
+generator, numpy's and random's), a fraction of ``torch.manual_seed``, which seeds every backend
+torch knows (rows ``seed_step`` and ``torch_manual_seed`` of the unit costs).
 """
 
 from __future__ import annotations

@@ -31,10 +31,9 @@ Off (``off_because``) where a survivor cannot know the state of a rank that died
 sharded by FSDP2, torchmetrics states (each rank's own updates), a loader whose state is per
 rank, agreements less often than every batch, no torchrun agent. A run directory in object
 storage is saved for only by rank 0 (the others cannot upload its log). Costs: one record per
-optimizer step (~2 us measured alone: the loader's state 0.7 us, the counters 1.3 us), the
-agreement's gather instead of an all-reduce of two ints (1.8 ms against 0.5-0.6 ms a batch
-with gloo on 3 CPU ranks sharing 2 cores: ``benchmarks/agreement.py``), one ``TCPStore``
-connection per rank.
+optimizer step (the loader's state and the counters, copied as plain values: docs/benchmarks/unit-costs.md,
+row ``jit_record``), the agreement's gather instead of an all-reduce of two ints (measured by
+``benchmarks/agreement.py``), one ``TCPStore`` connection per rank.
 """
 
 from __future__ import annotations

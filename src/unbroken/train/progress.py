@@ -10,7 +10,7 @@ one small dict; ``load_state_dict`` checks it in one place (``_checked``) before
 anything: a malformed state is ``CorruptState``, another configuration ``StateMismatch``.
 
 Cost per batch: a few int increments and one add to the running loss (on the host for a CPU
-loss, ~0.2 us measured alone; on the loss's device otherwise, without a host sync). The sum
+loss, docs/benchmarks/unit-costs.md row ``progress_batch``; on the loss's device otherwise, without a host sync). The sum
 reaches the host at the end of a phase and in ``state_dict`` (a checkpoint) only.
 """
 
@@ -242,8 +242,8 @@ class _Bar:
     """Iterates the loader itself and only tells tqdm how far it got: tqdm never sees the
     loader, so it cannot create iterators of its own (tqdm.auto calls ``iter()`` eagerly).
 
-    A batch counts as done when the loop asks for the next one (``update(1)``, ~0.2 us on a
-    disabled bar); ``show`` writes the postfix, only on the batches whose values are logged:
+    A batch counts as done when the loop asks for the next one (``update(1)``, nearly free on a
+    disabled bar: row ``progress_bar_off`` of the unit costs); ``show`` writes the postfix, only on the batches whose values are logged:
     it needs the loss on the host."""
 
     def __init__(self, bar: Any, loader: Any, progress: Progress) -> None:
