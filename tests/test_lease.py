@@ -8,6 +8,7 @@ disk, on a clock the test moves. The Trainer's side (a frozen job, a restart's w
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -37,6 +38,11 @@ def _leases(storage: FsspecStorage, url: str) -> dict[str, dict]:
     return {p.rpartition("/")[2]: json.loads(storage.fs.cat_file(p)) for p in names}
 
 
+def _pause(paused: list[float], seconds: float) -> None:
+    paused.append(seconds)
+    time.sleep(seconds)
+
+
 def _serve(bucket, options, orders) -> None:
     """A child: takes leases under ``bucket`` as told, with one client made (and connected)
     first, so that a race is over the lease, not over the client's start."""
@@ -48,7 +54,7 @@ def _serve(bucket, options, orders) -> None:
         url, environment, start_at, keep = order
         os.environ.update(environment)  # torchrun's variables, read by the Lease
         paused: list[float] = []  # the lease's own waits: what a machine's load cannot add to
-        lease = Lease(storage, url, SECONDS, sleep=lambda s: (paused.append(s), time.sleep(s)))
+        lease = Lease(storage, url, SECONDS, sleep=functools.partial(_pause, paused))
         while time.time() < start_at:
             pass
         began = time.monotonic()
@@ -324,9 +330,11 @@ def test_a_takeover_waits_a_whole_lease_for_a_holder_that_renewed_as_it_was_take
     tmp_path, renewed
 ):
     lease, store, clock, said = _lease(tmp_path, renewal=1)
-    renew = lambda: LocalStorage.overwrite(  # noqa: E731
-        store, str(tmp_path / _generation(1)), json.dumps({**ELSEWHERE, "renewal": 2}).encode()
-    )
+
+    def renew() -> None:
+        holder = json.dumps({**ELSEWHERE, "renewal": 2}).encode()
+        LocalStorage.overwrite(store, str(tmp_path / _generation(1)), holder)
+
     if renewed:  # the holder woke up (a frozen process continued) just as it was taken over
         store.before[_generation(2)] = renew
     lease.acquire()
