@@ -67,3 +67,49 @@ def test_restoring_continues_the_cuda_streams(tmp_path):
 def test_a_malformed_state_is_a_value_error():
     with pytest.raises(ValueError, match="expected the keys"):
         GlobalRNG().load_state_dict({"torch": torch.get_rng_state()})
+
+
+# The Trainer seeds the global generators before each validation batch from (seed, VAL, epoch,
+# batch, rank): what a validation batch draws (dropout left on, a random crop) is the same
+# whether the run was resumed, how many training steps came before, and on any number of ranks.
+VAL_BATCHES = 3
+
+
+def _validation_draws(directory, train_batches: int, seed: int = 5) -> dict:
+    """What each validation batch drew from torch, numpy and ``random``, by (epoch, batch)."""
+    import unbroken
+
+    drawn: dict = {}
+    trainer = unbroken.Trainer(
+        directory, max_epochs=2, seed=seed, progress_bar=False, checkpoint_every_steps=None
+    )
+
+    def validation_step(model, batch):
+        epoch, k = trainer.progress.epoch, int(batch[0])
+        drawn[epoch, k] = (torch.rand(2).tolist(), float(np.random.rand()), random.random())
+        return model(batch.float().unsqueeze(1)).sum()
+
+    model = torch.nn.Linear(1, 1)
+    trainer.fit(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        unbroken.DataLoader(torch.arange(train_batches), batch_size=1, seed=0),
+        unbroken.DataLoader(torch.arange(VAL_BATCHES), batch_size=1, seed=0),
+        training_step=lambda model, batch: model(batch.float().unsqueeze(1)).sum(),
+        validation_step=validation_step,
+    )
+    return drawn
+
+
+def test_each_validation_batch_draws_from_its_seed_epoch_and_index_not_the_training_step(tmp_path):
+    from unbroken.train.globalrng import VAL, seed_step
+
+    drawn = _validation_draws(tmp_path / "short", train_batches=2)
+    assert sorted(drawn) == [(e, k) for e in range(2) for k in range(VAL_BATCHES)]
+    for (epoch, k), draws in drawn.items():
+        seed_step(5, VAL, epoch, k, 0)
+        expected = (torch.rand(2).tolist(), float(np.random.rand()), random.random())
+        assert draws == expected, (epoch, k)
+    assert len({str(draws) for draws in drawn.values()}) == len(drawn)  # no two alike
+    # Twice as many training steps before each validation: the same validation draws.
+    assert _validation_draws(tmp_path / "long", train_batches=4) == drawn

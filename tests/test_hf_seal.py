@@ -304,3 +304,39 @@ def test_another_prefix(tmp_path):
     seal(str(folder))
     _folder(tmp_path, 8)
     assert last_sealed(str(tmp_path), prefix="step") == (str(folder), [])
+
+
+def _durability_log(monkeypatch) -> list[tuple]:
+    """Each ``os.fsync`` (as the inode it synced) and ``os.replace``, in the order called."""
+    said: list[tuple] = []
+    fsync, replace = os.fsync, os.replace
+
+    def synced(fd):
+        said.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def replaced(source, target):
+        replace(source, target)
+        said.append(("replace", os.path.basename(target)))
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", replaced)
+    return said
+
+
+def test_a_seal_makes_each_file_it_vouches_for_durable_before_it_lands_and_its_name_after(
+    tmp_path, monkeypatch
+):
+    # A seal that lands before the bytes it vouches for would outlive them on a power loss: a
+    # "sealed" folder of zeros or truncated files. Its name in the folder must be durable too.
+    folder = _folder(tmp_path, 40, sealed=False)
+    said = _durability_log(monkeypatch)
+    content = seal(str(folder))
+    landed = said.index(("replace", SEAL))  # the seal's one rename: the commit
+    before = {ino for how, ino in said[:landed] if how == "fsync"}
+    after = {ino for how, ino in said[landed + 1 :] if how == "fsync"}
+    for relative in content["files"]:
+        assert os.stat(folder / relative).st_ino in before, f"{relative} not fsynced before"
+    assert os.stat(folder / "global_step40").st_ino in before  # a subfolder's names
+    assert os.stat(folder / SEAL).st_ino in before  # the seal's own bytes
+    assert os.stat(folder).st_ino in after, "the folder not fsynced after the seal's rename"

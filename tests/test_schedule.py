@@ -265,3 +265,49 @@ def test_load_latest_says_where_its_time_went(tmp_path):
         restored = checkpointer.load_latest({"model": model})
     assert set(restored.seconds) == {"scan", "read", "restore"}
     assert all(0 < s < 60 for s in restored.seconds.values())
+
+
+@pytest.mark.parametrize("cost, mtbf", [(10.0, 20.0), (1.5, 1.0), (3.0, 400.0)])
+def test_daly_is_his_published_formula_term_by_term(cost, mtbf):
+    """Daly (2006), for a save of cost d < 2M: sqrt(2dM) [1 + 1/3 sqrt(d/2M) +
+    1/9 (d/2M)] - d of training, the save's d added (an interval here is save to save). At
+    d/2M = 1/4 its three terms are 1, 1/6 and 1/36; the minimisation above is too flat near the
+    optimum to see a wrong constant in the last."""
+    x = cost / (2 * mtbf)
+    published = math.sqrt(2 * cost * mtbf) * (1 + math.sqrt(x) / 3 + x / 9) - cost
+    assert daly_interval(cost, mtbf) == pytest.approx(max(MIN_SECONDS, published + cost), rel=1e-12)
+    if (cost, mtbf) == (10.0, 20.0):
+        assert daly_interval(cost, mtbf) == pytest.approx(20 * (1 + 1 / 6 + 1 / 36), rel=1e-12)
+
+
+def test_the_history_keeps_the_newest_sessions(tmp_path, monkeypatch):
+    monkeypatch.setattr(schedule, "_now", lambda: 1e6)
+    old = [
+        _session(float(i), float(i) + 0.5, end="finished") for i in range(schedule.KEPT_SESSIONS)
+    ]
+    history = _history(tmp_path, old)
+    history.begin(None)
+    kept = _sessions(tmp_path)
+    assert len(kept) == schedule.KEPT_SESSIONS
+    assert kept[-1]["start"] == 1e6 and kept[-1]["end"] is None  # this process, recorded
+    assert [s["start"] for s in kept[:-1]] == [float(i) for i in range(1, len(old))]  # oldest out
+
+
+def test_a_save_between_two_batches_is_not_a_batch_beside_the_next_background_save(tmp_path):
+    """The time from the last batch before a save to the first batch after it holds the save
+    itself, already counted as its ``blocked`` time: the batch clock starts again after it."""
+    writing = False
+    auto = AutoInterval(_history(tmp_path, []), lambda: writing, decide=True)
+    clock = 0.0
+    for _ in range(20):  # batches of 0.1 s, nothing in flight
+        clock += 0.1
+        auto.batch_done(clock)
+    clock += 5.0  # a save held training 5 s; its background write goes on after it
+    auto.measured(5.0)
+    writing = True
+    for _ in range(10):  # batches of 0.1 s beside the write: it takes nothing from them
+        clock += 0.1
+        auto.batch_done(clock)
+    assert auto.stolen == pytest.approx(0.0, abs=1e-9)
+    auto.measured(0.01)
+    assert auto.costs == pytest.approx([5.0, 0.01])

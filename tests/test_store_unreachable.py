@@ -8,6 +8,9 @@ start fresh and its first save delete them as "a larger step"); ``unbroken verif
 could not read them, not that they are corrupt. A save never deletes a newer checkpoint that
 was not read and found damaged.
 
+The same holds past the first read of the manifest (on a local disk that stops answering at one
+read): the manifest read again, a file hashed, an entry's file loaded.
+
 An upload that fails mid-way (its store gone, or its multipart upload aborted by another
 writer's clean-up) with its abort failing too must still let the interpreter exit.
 """
@@ -24,10 +27,11 @@ import time
 import warnings
 
 import pytest
+import torch
 
 import unbroken
 import unbroken.cli
-from unbroken.checkpoint import Checkpointer, FsspecStorage, layout
+from unbroken.checkpoint import Checkpointer, FsspecStorage, LocalStorage, layout, verdict
 from unbroken.errors import RemoteUnavailable
 
 
@@ -194,3 +198,57 @@ def test_a_failed_upload_whose_abort_fails_too_lets_the_process_exit(tmp_path, h
                 child.wait()
     assert child.returncode == 1 and time.monotonic() - began < 60
     assert f"could not upload {url}/big.pt" in err, err
+
+
+# Past the first read of the manifest, on a local disk that stops answering as a store does
+# after its retries (``RemoteUnavailable``) at one read of one file: the manifest read again
+# (``classify``, after a file of the wrong size), a file hashed, or an entry's file loaded.
+class Unanswered(LocalStorage):
+    """A local disk on which the ``nth`` opening of the file at ``path`` is not answered."""
+
+    def __init__(self, path: str, nth: int) -> None:
+        self.path, self.nth, self.opened = path, nth, 0
+
+    def open_read(self, path: str):
+        if path == self.path:
+            self.opened += 1
+            if self.opened == self.nth:
+                raise RemoteUnavailable(f"could not download {path}: the store did not answer")
+        return super().open_read(path)
+
+
+def _two_checkpoints(tmp_path) -> tuple[str, str]:
+    """Checkpoints of steps 1 and 2; the root and the newest's path."""
+    root = str(tmp_path / "checkpoints")
+    with Checkpointer(root) as checkpointer:
+        checkpointer.save(1, {"model": torch.nn.Linear(3, 2), "epoch": 1})
+        newest = str(checkpointer.save(2, {"model": torch.nn.Linear(3, 2), "epoch": 2}))
+    return root, newest
+
+
+@pytest.mark.parametrize("nth, when", [(1, "hashed"), (2, "loaded")])
+def test_an_outage_while_an_entry_is_hashed_or_loaded_is_no_damaged_checkpoint(tmp_path, nth, when):
+    root, newest = _two_checkpoints(tmp_path)
+    model = f"{newest}/000-model.pt"
+    checkpointer = Checkpointer(root, storage=Unanswered(model, nth))
+    with warnings.catch_warnings(record=True) as said, pytest.raises(RemoteUnavailable) as raised:
+        warnings.simplefilter("always")
+        checkpointer.load_latest({"model": torch.nn.Linear(3, 2), "epoch": None})
+    assert model in str(raised.value), when  # never step 1 instead, as if step 2 were damaged
+    assert not [w for w in said if "skipping" in str(w.message)]
+    # What `unbroken verify` does: every file hashed, then every entry loaded.
+    with pytest.raises(RemoteUnavailable):
+        verdict.classify(Unanswered(model, nth), newest, 2)
+    assert Checkpointer(root).load_latest({"epoch": None}).step == 2  # it answers again: whole
+
+
+def test_an_outage_while_a_manifest_is_read_again_is_no_damaged_checkpoint(tmp_path):
+    # A file of the wrong size: the checkpoint is corrupt, and classify reads its manifest
+    # again for what the rest says. That read meets the outage: no verdict, not "damaged".
+    root, newest = _two_checkpoints(tmp_path)
+    with open(f"{newest}/001-epoch.pt", "ab") as file:
+        file.write(b"\0")
+    manifest = f"{newest}/manifest.json"
+    assert verdict.classify(Unanswered(manifest, 3), newest, 2).status == "corrupt"
+    with pytest.raises(RemoteUnavailable, match="manifest.json"):
+        verdict.classify(Unanswered(manifest, 2), newest, 2)

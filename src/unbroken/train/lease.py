@@ -58,6 +58,7 @@ import secrets
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -84,14 +85,26 @@ def _generation(name: str) -> bool:
 
 
 class Lease:
-    """This job's lease on the run directory ``directory`` (a URL; see the module)."""
+    """This job's lease on the run directory ``directory`` (a URL; see the module), renewed
+    every ``seconds / 4``. ``clock`` and ``sleep`` are the time it decides by (a clock that
+    counts a suspended machine's time) and its pause between looks at a holder it watches."""
 
-    def __init__(self, storage: Storage, directory: str, seconds: float) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        directory: str,
+        seconds: float,
+        *,
+        clock: Callable[[], float] = _clock,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
         self.storage, self.directory, self.seconds = storage, directory.rstrip("/"), seconds
+        # Injectable so that tests decide what time it is, not the machine's load.
+        self._clock, self._sleep = clock, sleep
         self._once = storage.tried_once()
         self.me = {"token": secrets.token_hex(8), **identity()}
         self.generation = 0  # this job's, once acquired
-        self.confirmed = -math.inf  # _clock() as the last confirmed renewal began
+        self.confirmed = -math.inf  # the clock as the last confirmed renewal began
         self.lost: str | None = None  # why it is no longer this job's
         self.waited = 0.0  # the seconds acquire() took
         self._renewals = 0
@@ -141,7 +154,7 @@ class Lease:
         return stat, holder if isinstance(holder, dict) else {}
 
     def _create(self, generation: int) -> bool:
-        began = _clock()
+        began = self._clock()
         try:
             self._store().create(self._path(generation), self._body())
         except FileExistsError:
@@ -160,9 +173,9 @@ class Lease:
                 )
             _held.add(key)
         try:
-            began = _clock()
+            began = self._clock()
             taken = self._acquire()
-            self.waited = _clock() - began
+            self.waited = self._clock() - began
         except BaseException:
             with _registry:
                 _held.discard(key)
@@ -177,7 +190,7 @@ class Lease:
         """Take the lease; say whose it was and why it was free (``None``: nobody's, or
         released)."""
         watched: tuple[int, Any] | None = None
-        since = _clock()
+        since = self._clock()
         while True:
             generations = self._generations()
             if not generations:
@@ -191,7 +204,7 @@ class Lease:
             tag, modified = stat.version, stat.modified
             why = gone(holder, self.me)
             if why is None and watched is None:
-                watched, since = (top, tag), _clock()
+                watched, since = (top, tag), self._clock()
                 why = self._stale(modified)
                 if why is None:
                     say(
@@ -201,12 +214,12 @@ class Lease:
                     )
             elif why is None and watched != (top, tag):
                 raise self._in_use(holder, "the lease was renewed or taken while this job waited")
-            elif why is None and _clock() - since > self.seconds:
+            elif why is None and self._clock() - since > self.seconds:
                 why = f"not renewed for {self.seconds:g} s"  # its holder is gone
             if why is not None:
                 self._take_over(top, tag)
                 return None if holder.get("released") else f"from {describe(holder)} ({why})"
-            time.sleep(min(1.0, self.seconds / 6))
+            self._sleep(min(1.0, self.seconds / 6))
 
     def _stale(self, modified: datetime) -> str | None:
         """Whether generation's last renewal (``modified``) is over ``seconds`` old by the
@@ -233,7 +246,7 @@ class Lease:
         if top and (seen is None or seen.version != tag):
             # Its holder renewed while this job took the lease over, and may still trust that
             # renewal: it sees the new generation within `seconds` and stops writing.
-            time.sleep(self.seconds)
+            self._sleep(self.seconds)
             self.confirm()
         listed = self._generations()
         self._check(listed)
@@ -253,7 +266,7 @@ class Lease:
         ``DirectoryInUse`` (see the module). Cheap while the heartbeat keeps up."""
         if self.lost is not None:
             raise DirectoryInUse(self.lost)
-        if _clock() - self.confirmed >= self.seconds * 2 / 3:
+        if self._clock() - self.confirmed >= self.seconds * 2 / 3:
             self.confirm(unless_fresh=True)
 
     def confirm(self, unless_fresh: bool = False) -> None:
@@ -261,7 +274,7 @@ class Lease:
         with self._lock:
             if self.lost is not None:
                 raise DirectoryInUse(self.lost)
-            began = _clock()
+            began = self._clock()
             if unless_fresh and began - self.confirmed < self.seconds * 2 / 3:
                 return  # the heartbeat confirmed it while this waited
             self._check(self._generations())  # never writes a lease deleted under it again
