@@ -28,6 +28,7 @@ from accelerate import Accelerator
 from torch import nn
 
 import unbroken
+import unbroken.distributed
 import unbroken.hf.accelerate
 from unbroken.distributed import exact_reduce
 
@@ -60,10 +61,17 @@ class KillSwitch:
         pass
 
 
+def first_attempt() -> bool:
+    """Whether this is torchrun's first attempt (or no torchrun): its restarts do not kill."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
 def train(options: argparse.Namespace) -> None:
+    if "LOCAL_RANK" in os.environ:  # under torchrun: a group its restarts can start again
+        unbroken.distributed.init_process_group("gloo")
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=options.accum)
-    rank = accelerator.process_index
-    print(f"rank {rank} of {accelerator.num_processes}: {accelerator.distributed_type}")
+    rank, attempt = accelerator.process_index, os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    print(f"rank {rank} of {accelerator.num_processes}: {accelerator.distributed_type}, {attempt=}")
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(4, 48), nn.ReLU(), nn.Dropout(0.2), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 2)
@@ -113,7 +121,7 @@ def train(options: argparse.Namespace) -> None:
             if step % options.save_every == 0:
                 switch.now = step
                 unbroken.hf.accelerate.save_state(accelerator, options.out, step, options.keep)
-            if step == options.kill_at:
+            if step == options.kill_at and options.kill_rank in (-1, rank) and first_attempt():
                 os.kill(os.getpid(), signal.SIGKILL)
     weights = accelerator.unwrap_model(model).state_dict()
     torch.save(weights, os.path.join(options.out, f"weights-rank{rank}.pt"))
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=int, default=None, help="sealed checkpoints kept")
     parser.add_argument("--prepare", action="store_true")
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1, help="the rank --kill-at kills")
     parser.add_argument("--kill-in-window", type=int, default=-1)
     parser.add_argument("--kill-in-save", type=int, default=-1)
     options = parser.parse_args(argv)
