@@ -8,10 +8,13 @@ optimizer steps (keeping ``--keep``) and ``load_state`` at the start. 96 samples
 to ``OUT/batches-rank<r>.jsonl`` as it is trained on (its number, the optimizer step, the sample
 indices, each augmentation's sum, the loss); the final weights go to ``OUT/weights-rank<r>.pt``.
 
-Cuts, each a SIGKILL of the process itself: ``--kill-at STEP`` after optimizer step STEP and
-its save, if any; ``--kill-in-window BATCH`` after micro-batch BATCH inside an accumulation
-window; ``--kill-in-save STEP`` inside the save of STEP, after Accelerate wrote the model,
-optimizer, random states and loader, before the last registered object and the seal.
+Under torchrun the process group comes from ``unbroken.distributed.init_process_group``, so
+``--max-restarts`` can start it again. Cuts, each a SIGKILL of the process itself:
+``--kill-at STEP`` after optimizer step STEP and its save, if any (with ``--kill-rank R``, on
+rank R alone; never in a torchrun restart); ``--kill-in-window BATCH`` after micro-batch BATCH
+inside an accumulation window; ``--kill-in-save STEP`` inside the save of STEP, after
+Accelerate wrote the model, optimizer, random states and loader, before the last registered
+object and the seal.
 ``--prepare`` passes the loader through ``accelerator.prepare`` instead (what goes wrong).
 """
 

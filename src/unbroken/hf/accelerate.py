@@ -142,6 +142,6 @@ def _refuse_unrestartable_group() -> None:
         "cannot start again: Accelerate (or torch.distributed.init_process_group) made it with "
         "the same keys of torchrun's store in every attempt, so a restarted rank connects to "
         "the dead attempt's processes and fails with 'connectFullMesh failed' or hangs. Call "
-        "unbroken.distributed.init_process_group(backend) (\"gloo\" on CPUs, \"nccl\" on "
+        'unbroken.distributed.init_process_group(backend) ("gloo" on CPUs, "nccl" on '
         "GPUs) before building the Accelerator; Accelerate then uses that group."
     )
