@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -143,18 +142,19 @@ def test_the_uninterrupted_loop_trains_the_documented_order(reference):
 
 
 def torchrun(ranks: int, out: str, *args: str, restarts: int = 0, timeout: float = 300) -> int:
-    """torchrun's exit status, its output in ``out + ".log"``; past ``timeout`` seconds, its whole
-    process group is SIGKILLed (ranks included) and the test fails on the hang."""
+    """torchrun's exit status, its output in ``out + ".log"``. Past ``timeout`` seconds the test
+    fails on the hang, after a SIGTERM to torchrun, which stops its ranks (each in a session of
+    its own) as on a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
     command += [os.path.join(HERE, "hf_accelerate_job.py"), "--out", out, *args]
     with open(out + ".log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        process = subprocess.Popen(command, stdout=log, stderr=log)
         try:
             return process.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            process.terminate()
+            process.wait(60)
     pytest.fail(f"torchrun hangs after {timeout} s: {read(out + '.log')[-3000:]}")
 
 
