@@ -8,10 +8,13 @@ optimizer steps (keeping ``--keep``) and ``load_state`` at the start. 96 samples
 to ``OUT/batches-rank<r>.jsonl`` as it is trained on (its number, the optimizer step, the sample
 indices, each augmentation's sum, the loss); the final weights go to ``OUT/weights-rank<r>.pt``.
 
-Cuts, each a SIGKILL of the process itself: ``--kill-at STEP`` after optimizer step STEP and
-its save, if any; ``--kill-in-window BATCH`` after micro-batch BATCH inside an accumulation
-window; ``--kill-in-save STEP`` inside the save of STEP, after Accelerate wrote the model,
-optimizer, random states and loader, before the last registered object and the seal.
+Under torchrun the process group comes from ``unbroken.distributed.init_process_group``, so
+``--max-restarts`` can start it again. Cuts, each a SIGKILL of the process itself:
+``--kill-at STEP`` after optimizer step STEP and its save, if any (with ``--kill-rank R``, on
+rank R alone; never in a torchrun restart); ``--kill-in-window BATCH`` after micro-batch BATCH
+inside an accumulation window; ``--kill-in-save STEP`` inside the save of STEP, after
+Accelerate wrote the model, optimizer, random states and loader, before the last registered
+object and the seal.
 ``--prepare`` passes the loader through ``accelerator.prepare`` instead (what goes wrong).
 """
 
@@ -28,6 +31,7 @@ from accelerate import Accelerator
 from torch import nn
 
 import unbroken
+import unbroken.distributed
 import unbroken.hf.accelerate
 from unbroken.distributed import exact_reduce
 
@@ -60,10 +64,17 @@ class KillSwitch:
         pass
 
 
+def first_attempt() -> bool:
+    """Whether this is torchrun's first attempt (or no torchrun): its restarts do not kill."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
 def train(options: argparse.Namespace) -> None:
+    if "LOCAL_RANK" in os.environ:  # under torchrun: a group its restarts can start again
+        unbroken.distributed.init_process_group("gloo")
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=options.accum)
-    rank = accelerator.process_index
-    print(f"rank {rank} of {accelerator.num_processes}: {accelerator.distributed_type}")
+    rank, attempt = accelerator.process_index, os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    print(f"rank {rank} of {accelerator.num_processes}: {accelerator.distributed_type}, {attempt=}")
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(4, 48), nn.ReLU(), nn.Dropout(0.2), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 2)
@@ -113,7 +124,7 @@ def train(options: argparse.Namespace) -> None:
             if step % options.save_every == 0:
                 switch.now = step
                 unbroken.hf.accelerate.save_state(accelerator, options.out, step, options.keep)
-            if step == options.kill_at:
+            if step == options.kill_at and options.kill_rank in (-1, rank) and first_attempt():
                 os.kill(os.getpid(), signal.SIGKILL)
     weights = accelerator.unwrap_model(model).state_dict()
     torch.save(weights, os.path.join(options.out, f"weights-rank{rank}.pt"))
@@ -129,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=int, default=None, help="sealed checkpoints kept")
     parser.add_argument("--prepare", action="store_true")
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-rank", type=int, default=-1, help="the rank --kill-at kills")
     parser.add_argument("--kill-in-window", type=int, default=-1)
     parser.add_argument("--kill-in-save", type=int, default=-1)
     options = parser.parse_args(argv)

@@ -1,8 +1,10 @@
 """Accelerate in a loop of one's own: an ``unbroken.DataLoader`` kept out of ``prepare``,
 registered for checkpointing, with ``unbroken.hf.accelerate.save_state``/``load_state``: a job
 SIGKILLed at every boundary resumes bit for bit (every trained sample, its augmentation and
-loss, the final weights), a save killed midway is skipped by name, 3 DDP ranks under torchrun;
-the loader passed through ``prepare`` loses its place.
+loss, the final weights), a save killed midway is skipped by name, 3 DDP ranks under torchrun,
+resumed by a new torchrun or by torchrun's own restart after one rank is SIGKILLed (a process
+group made by torch's own ``init_process_group`` is refused there, with the fix); the loader
+passed through ``prepare`` loses its place.
 
 The job is ``tests/hf_accelerate_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
 save every 4 optimizer steps). Each run is a real process forked from a ``multiprocessing``
@@ -20,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import unbroken.distributed
 import unbroken.hf
 import unbroken.hf.accelerate
 from unbroken.data.bijection import derive_key
@@ -138,25 +141,56 @@ def test_the_uninterrupted_loop_trains_the_documented_order(reference):
     assert orders[0] != orders[1] != orders[2] != orders[0]
 
 
-def torchrun(ranks: int, out: str, *args: str) -> int:
+def torchrun(ranks: int, out: str, *args: str, restarts: int = 0, timeout: float = 300) -> int:
+    """torchrun's exit status, its output in ``out + ".log"``. Past ``timeout`` seconds the test
+    fails on the hang, after a SIGTERM to torchrun, which stops its ranks (each in a session of
+    its own) as on a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={ranks}", os.path.join(HERE, "hf_accelerate_job.py")]
+    command += [f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
+    command += [os.path.join(HERE, "hf_accelerate_job.py"), "--out", out, *args]
     with open(out + ".log", "ab") as log:
-        done = subprocess.run([*command, "--out", out, *args], stdout=log, stderr=log, timeout=300)
-    return done.returncode
+        process = subprocess.Popen(command, stdout=log, stderr=log)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            process.wait(60)
+    pytest.fail(f"torchrun hangs after {timeout} s: {read(out + '.log')[-3000:]}")
 
 
-def test_three_ddp_ranks_resume_bit_for_bit(tmp_path):
-    # Accelerate's MULTI_CPU under torchrun (gloo); 4 steps an epoch, saves every 3 steps; every
-    # rank SIGKILLs itself at step 7, mid-epoch 1; exact_reduce on the prepared DDP model.
-    expected, out = str(tmp_path / "reference"), str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """An uninterrupted 3-rank run: 4 steps an epoch, a save every 3 steps."""
+    expected = str(tmp_path_factory.mktemp("ddp") / "reference")
     assert torchrun(3, expected, "--save-every", "3") == 0, read(expected + ".log")[-3000:]
     assert read(expected + ".log").count("of 3: DistributedType.MULTI_CPU") == 3
+    return expected
+
+
+def test_three_ddp_ranks_resume_bit_for_bit(ddp_reference, tmp_path):
+    # Accelerate's MULTI_CPU under torchrun (gloo); every rank SIGKILLs itself at step 7,
+    # mid-epoch 1; exact_reduce on the prepared DDP model; a new torchrun resumes.
+    out = str(tmp_path / "run")
     assert torchrun(3, out, "--save-every", "3", "--kill-at", "7") != 0
     assert torchrun(3, out, "--save-every", "3") == 0, read(out + ".log")[-3000:]
-    assert_same_run(expected, out, ranks=3)
-    shares = [sum((records(expected, r)[b]["index"] for b in range(1, 5)), []) for r in range(3)]
+    assert_same_run(ddp_reference, out, ranks=3)
+    shares = [
+        sum((records(ddp_reference, r)[b]["index"] for b in range(1, 5)), []) for r in range(3)
+    ]
     assert sorted(sum(shares, [])) == list(range(N))  # each rank its share of one epoch
+
+
+def test_torchruns_own_restart_resumes_bit_for_bit(ddp_reference, tmp_path):
+    # Rank 1 alone is SIGKILLed at step 7 of the first attempt; torchrun stops the others and
+    # starts all three again, against the same store. The group made by Accelerate's call of
+    # torch's init_process_group would read the dead attempt's addresses there ("connectFullMesh
+    # failed", or a hang); the job starts it with unbroken.distributed.init_process_group.
+    out = str(tmp_path / "run")
+    cut = ("--save-every", "3", "--kill-at", "7", "--kill-rank", "1")
+    assert torchrun(3, out, *cut, restarts=1, timeout=180) == 0, read(out + ".log")[-3000:]
+    assert read(out + ".log").count("attempt='1'") == 3  # one restart
+    assert f"resumed from {os.path.join(out, 'checkpoint-6')}" in read(out + ".log")
+    assert_same_run(ddp_reference, out, ranks=3)
 
 
 def test_a_loader_passed_through_prepare_loses_its_place(job, reference, tmp_path):
@@ -224,3 +258,36 @@ def test_automatic_checkpoint_naming_is_refused_with_the_fix(tmp_path):
     accelerator = Accelerator(cpu=True, project_config=naming)
     with pytest.raises(ValueError, match="automatic_checkpoint_naming.*keep="):
         unbroken.hf.accelerate.save_state(accelerator, str(tmp_path), 1)
+
+
+def test_a_group_of_torchs_own_under_an_agent_is_refused_with_the_fix(
+    accelerator, tmp_path, monkeypatch
+):
+    # A world of one in this process, under the environment torchrun gives its ranks; the agent's
+    # store is a TCPStore served here. Torch's own group (Accelerate's call) is refused on the
+    # first attempt already, unbroken.distributed.init_process_group's is taken.
+    import torch.distributed as dist
+
+    agent_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    environment = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    environment |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent_store.port)}
+    environment |= {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "2"}
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    directory = str(tmp_path)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"max-restarts=2.*unbroken\.distributed\.init_"):
+            unbroken.hf.accelerate.load_state(accelerator, directory)
+        with pytest.raises(RuntimeError, match="before building the Accelerator"):
+            unbroken.hf.accelerate.save_state(accelerator, directory, 1)
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # a relaunch is a new torchrun
+        assert unbroken.hf.accelerate.load_state(accelerator, directory) == 0
+    finally:
+        dist.destroy_process_group()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    unbroken.distributed.init_process_group("gloo")
+    try:
+        assert unbroken.hf.accelerate.load_state(accelerator, directory) == 0
+    finally:
+        dist.destroy_process_group()

@@ -15,6 +15,8 @@ elastic agent: the agent's store (``MASTER_ADDR``/``MASTER_PORT``, a ``TCPStore`
 serves) is given to torch behind a ``PrefixStore`` named after the attempt, so every attempt
 reads only its own keys. Outside torchrun it calls torch's unchanged. It creates no
 rendezvous and no collective of its own: torch's store, torch's process group.
+``scoped_to_attempt()`` says whether it made the default group, for code that finds a group
+someone else started (an ``accelerate.Accelerator`` calls torch's own when none exists).
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ def init_process_group(
     kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
     store = attempt_store(timeout or timedelta(minutes=30))
     dist.init_process_group(backend, store=store, timeout=timeout, **kwargs)
+    _scoped.append(dist.group.WORLD)
+
+
+_scoped: list[Any] = []  # the default groups made above behind an attempt's store
+
+
+def scoped_to_attempt() -> bool:
+    """Whether the default process group exists and ``init_process_group`` above made it behind
+    this attempt's store: a restart of ``torchrun --max-restarts`` can then start it again."""
+    return dist.is_initialized() and any(group is dist.group.WORLD for group in _scoped)
 
 
 def under_agent() -> bool:

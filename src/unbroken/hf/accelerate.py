@@ -17,6 +17,13 @@ imports Accelerate. The exact data position comes from an ``unbroken.DataLoader`
 with ``accelerator.register_for_checkpointing`` and kept out of ``accelerator.prepare``
 (docs/accelerate.md says why).
 
+Under ``torchrun --max-restarts``, the process group must come from
+``unbroken.distributed.init_process_group``, called before the Accelerator is built. Accelerate
+calls torch's own when it finds none, and a restarted attempt's gloo group then reads the
+addresses of the dead attempt's processes from torchrun's store: the restart fails with
+"connectFullMesh failed" or hangs. Both functions refuse such a group, on the first attempt
+already, with a ``RuntimeError`` that names the fix.
+
 Cost: on top of Accelerate's own save, one read of every file of the folder (sha256, fsync) on
 the process that seals, two barriers per save, and a sha256 of the folders checked at resume.
 """
@@ -29,6 +36,9 @@ import shutil
 import warnings
 from typing import Any
 
+import torch.distributed as dist
+
+from ..distributed.process_group import scoped_to_attempt, under_agent
 from .seal import UnsealedCheckpointWarning, prune, resume_point, seal
 
 log = logging.getLogger(__name__)
@@ -46,8 +56,11 @@ def save_state(accelerator: Any, directory: str, step: int, keep: int | None = N
     Raises:
         ValueError: the Accelerator names its checkpoints itself
             (``ProjectConfiguration(automatic_checkpoint_naming=True)``).
+        RuntimeError: under ``torchrun --max-restarts``, the process group was not started by
+            ``unbroken.distributed.init_process_group``: a restart could not start it again.
     """
     _refuse_automatic_naming(accelerator)
+    _refuse_unrestartable_group()
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None to keep all), got {keep}")
     folder = os.path.join(directory, f"{PREFIX}-{step}")
@@ -72,8 +85,11 @@ def load_state(accelerator: Any, directory: str) -> int:
 
     Raises:
         CorruptCheckpoint: checkpoint folders exist but none is sealed and whole.
+        RuntimeError: under ``torchrun --max-restarts``, the process group was not started by
+            ``unbroken.distributed.init_process_group``: a restart could not start it again.
     """
     _refuse_automatic_naming(accelerator)
+    _refuse_unrestartable_group()
     with warnings.catch_warnings():
         if not accelerator.is_main_process:  # one warning per job, not one per process
             warnings.simplefilter("ignore", UnsealedCheckpointWarning)
@@ -108,3 +124,24 @@ def _refuse_automatic_naming(accelerator: Any) -> None:
             "ProjectConfiguration(automatic_checkpoint_naming=True), and pass keep= to "
             "save_state instead of total_limit."
         )
+
+
+def _refuse_unrestartable_group() -> None:
+    """Refuse, on every rank alike, a process group that torchrun's restart cannot start again.
+
+    Torch's own ``init_process_group`` (which Accelerate calls when no group exists) reads and
+    writes each rank's address under the same keys of the agent's store in every attempt; a
+    restarted gloo group then connects to the dead attempt's ports. Without restarts
+    (``TORCHELASTIC_MAX_RESTARTS=0``) a relaunch is a new torchrun with a new store: no refusal.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if not under_agent() or restarts == 0 or not dist.is_initialized() or scoped_to_attempt():
+        return
+    raise RuntimeError(
+        f"torchrun --max-restarts={restarts} would restart this job with a process group it "
+        "cannot start again: Accelerate (or torch.distributed.init_process_group) made it with "
+        "the same keys of torchrun's store in every attempt, so a restarted rank connects to "
+        "the dead attempt's processes and fails with 'connectFullMesh failed' or hangs. Call "
+        'unbroken.distributed.init_process_group(backend) ("gloo" on CPUs, "nccl" on '
+        "GPUs) before building the Accelerator; Accelerate then uses that group."
+    )
