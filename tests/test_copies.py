@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 import warnings
 
 import fsspec
@@ -59,10 +60,9 @@ def test_a_full_cache_disk_drops_the_copy_and_the_save_commits_on_a_real_tmpfs(
         cache = disk / "cache"
         checkpointer = Checkpointer(url, storage=FsspecStorage(url, cache=str(cache)), keep=3)
         checkpointer.save(1, {"x": torch.ones(10)})
-        assert len(_copies(cache)) == 2  # the file and the manifest
-        filler = disk / "filler"
-        filler.write_bytes(bytes(os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize - 65536))
-        big = torch.arange(300_000, dtype=torch.float32)  # 1.2 MB: more than the disk holds
+        assert len(_copies(cache)) == 1  # its file's copy
+        filler = _fill(disk)
+        big = torch.arange(150_000, dtype=torch.float32)  # 600 kB: more than is left
         caplog.set_level(logging.WARNING, logger="unbroken")
         checkpointer.save(2, {"x": big}, blocking=blocking)  # the copy fails, the upload not
         checkpointer.save(3, {"x": big + 1}, blocking=blocking)
@@ -88,7 +88,22 @@ def test_a_full_cache_disk_drops_the_copy_and_the_save_commits_on_a_real_tmpfs(
         here = FsspecStorage(url, cache=str(cache))
         restored = Checkpointer(url, storage=here).load_latest({"x": None})
         assert restored.step == 4 and torch.equal(restored.values["x"], big + 2)
-        assert here.received < 2000  # the manifest only: the 1.2 MB file came from its copy
+        assert here.received < 2000  # the manifest only: the 600 kB file came from its copy
+
+
+def _fill(disk):
+    """A file that takes every free byte of ``disk``: it is full."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, bytes(65536))
+    except OSError as error:
+        assert error.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    assert shutil.disk_usage(disk).free < 4096
+    return filler
 
 
 class _FullDisk:
