@@ -3,7 +3,7 @@ import hashlib
 import pytest
 
 from unbroken.errors import CorruptState
-from unbroken.train.csvlog import CSVLog
+from unbroken.train.csvlog import CSVLog, log_state
 
 
 def test_loading_a_state_rewinds_the_log_to_the_checkpoint(tmp_path):
@@ -85,9 +85,7 @@ def _one_digit_changed(data: bytes) -> bytes:
     [_one_digit_changed, lambda data: b"x" * len(data)],
     ids=["one digit changed", "replaced by as many x bytes"],
 )
-def test_a_log_changed_within_its_checkpoints_bytes_is_refused_naming_both_hashes(
-    tmp_path, damage
-):
+def test_a_log_changed_within_its_checkpoints_bytes_is_refused_naming_both_hashes(tmp_path, damage):
     path = tmp_path / "m.csv"
     state = _logged(path)
     good = path.read_bytes()
@@ -124,3 +122,13 @@ def test_a_state_without_its_sha256_loads_by_its_size_with_a_warning(tmp_path):
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def test_log_state_reads_the_hash_of_a_logs_first_bytes_from_the_file(tmp_path):
+    """What a survivor that saves for the job records of rank 0's log (``train.jit``)."""
+    path = tmp_path / "m.csv"
+    state = _logged(path, rows=2)
+    with open(path, "a") as file:
+        file.write("7,0,train,loss,7.0\n")  # logged after the record
+    assert log_state(path, state["bytes"]) == state
+    assert log_state(tmp_path / "gone.csv", 40) == {"bytes": 40}  # unreadable: no hash
