@@ -11,8 +11,9 @@ recorded one) loads with a warning: its rows are checked by size only.
 Values are written with ``repr`` (shortest round-trip form), so equal floats give equal text.
 
 Rows are long-format ``step,epoch,phase,name,value``: new names never change the header.
-Cost: one ``write`` and one sha256 update per value (a running hash, so a checkpoint never
-rereads the log), one ``flush`` per checkpoint, and one read of the log's kept part at a resume.
+Cost: one ``write`` per value; one ``flush`` and one sha256 update per checkpoint (a running
+hash over the rows logged since the last one, kept in memory until then: a checkpoint never
+rereads the log); one read of the log's kept part at a resume.
 
 ``open_tensorboard`` does the same for TensorBoard when it is installed: events are stepped by
 the loop's tick count, and a resumed writer purges the events its killed predecessor wrote
@@ -87,6 +88,7 @@ class CSVLog:
         # The sha256 of the bytes logged so far, updated as rows are written; None while not
         # known (a log opened with rows in it, before its state is loaded or it restarts).
         self._sha256: Any = None
+        self._unhashed: list[bytes] = []  # rows logged since, not yet in ``_sha256``
         if fresh:
             self._file.write(HEADER)
             self._file.flush()
@@ -101,7 +103,7 @@ class CSVLog:
         data = line.encode()
         self.size += len(data)
         if self._sha256 is not None:
-            self._sha256.update(data)
+            self._unhashed.append(data)  # hashed at the next state_dict, in one update
 
     def flush_buffer(self) -> None:
         """Hand what was logged to the OS (no fsync): it outlives this process, not the machine."""
@@ -127,6 +129,7 @@ class CSVLog:
         self._file.write(HEADER)
         self._file.flush()
         self.size, self._sha256 = len(HEADER), hashlib.sha256(HEADER.encode())
+        self._unhashed.clear()
 
     def state_dict(self) -> dict:
         """``{"bytes": n, "sha256": hex}``: the log's size and the sha256 of its bytes."""
@@ -135,6 +138,9 @@ class CSVLog:
         if self._sha256 is None or size != self.size:  # not known, or written around log()
             self._sha256 = prefix_sha256(self.path, size)
             self.size = size
+        else:
+            self._sha256.update(b"".join(self._unhashed))
+        self._unhashed.clear()
         if self.publish is not None:
             self.publish(size)  # before the checkpoint that records it commits
         return {"bytes": size, "sha256": self._sha256.hexdigest()}
@@ -192,6 +198,7 @@ class CSVLog:
         self._file.truncate(size)  # rows logged after the checkpoint are logged again on resume
         self._file.seek(size)
         self.size, self._sha256 = size, digest
+        self._unhashed.clear()
 
     @staticmethod
     def read(path: str | os.PathLike) -> list[dict]:
