@@ -6,6 +6,7 @@ a Checkpointer saving a loader mid-epoch), then copied and damaged as a disk or 
 checked against what ``Checkpointer.load_latest`` does.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -30,7 +31,7 @@ from unbroken import cli
 from unbroken._units import human
 from unbroken.checkpoint import MANIFEST, Checkpointer
 from unbroken.cli import checkpoints
-from unbroken.errors import StateMismatch
+from unbroken.errors import CorruptState, StateMismatch
 from unbroken.preemption import EXIT_CODE
 
 # The Trainer run: 48 samples in batches of 8 (6 training batches an epoch), 16 validation
@@ -553,6 +554,52 @@ def test_a_damaged_trainer_checkpoint_falls_back_to_the_training_phase(run_dir, 
         "(sample 48), optimizer step 12; it would skip step-000000015 (corrupt)."
     )
     assert _run(["verify", run], capsys)[0] == 1
+
+
+def _one_digit_changed(data: bytes) -> bytes:
+    at = data.index(b",val,epoch_loss,0.") + len(b",val,epoch_loss,0.")  # a loss's digits
+    digit = data[at : at + 1]
+    assert digit.isdigit()
+    return data[:at] + (b"7" if digit != b"7" else b"8") + data[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_one_digit_changed, lambda data: b"x" * len(data)],
+    ids=["one digit changed", "replaced by as many x bytes"],
+)
+def test_a_log_changed_before_its_checkpoint_fails_verify_and_the_resume(
+    run_dir, tmp_path, capsys, damage
+):
+    """``metrics.csv`` is under the checkpoint's seal up to the bytes it records: a change that
+    keeps its size fails ``verify`` and the resume, which name the file and both hashes."""
+    run = _copy(run_dir, tmp_path)
+    log = run / "metrics.csv"
+    good = log.read_bytes()
+    _, document = _json(["verify", run], capsys)
+    assert document["ok"] is True and document["log"]["ok"] is True
+    expected = document["log"]["expected"]
+    assert expected == len(good)  # the preemption's checkpoint holds the whole log
+    saved = hashlib.sha256(good).hexdigest()
+    log.write_bytes(damage(good))
+    found = hashlib.sha256(damage(good)).hexdigest()
+    status, document = _json(["verify", run], capsys)
+    assert status == 1 and document["ok"] is False and document["log"]["ok"] is False
+    assert document["log"]["sha256"] == saved
+    problem = document["log"]["problem"]
+    assert problem.startswith(f"{log} changed since checkpoint step-000000015 was taken")
+    assert f"first {expected} bytes is {found}, and the checkpoint says " in problem
+    assert saved in problem and "Restore the log" in problem
+    assert document["resume"]["fails"] == problem
+    status, out, _ = _run(["verify", run], capsys)
+    assert status == 1 and out.splitlines()[-1] == (
+        f"FAILED: the newest checkpoint, step-000000015, verifies, but {problem}"
+    )
+    with pytest.raises(CorruptState) as raised:
+        _fit(run, max_epochs=2)
+    assert f"{log} changed since the checkpoint was taken" in str(raised.value)
+    assert found in str(raised.value) and saved in str(raised.value)
+    assert log.read_bytes() == damage(good)  # nothing cut or appended
 
 
 def test_when_no_checkpoint_verifies_a_resume_starts_fresh(saves, tmp_path, capsys):

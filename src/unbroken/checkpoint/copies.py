@@ -6,7 +6,12 @@ read, a file whose copy is there and hashes to what the manifest says is read fr
 instead of downloaded (``Copies.expect``); a copy that does not match is deleted and the file
 downloaded. A job restarted on the same machine downloads only the manifests; a new machine has
 no copies. Each save prunes the copies no kept checkpoint lists. Best effort throughout: a full
-or read-only disk only means no copy.
+or read-only disk only means no copy. A copy that cannot be written (ENOSPC, EDQUOT, EROFS...)
+is dropped, its file closed and deleted whatever the disk says, and the save or read goes on:
+the checkpoint is in the store all the same. The ``unbroken`` logger says so at WARNING, once
+until a copy as large is kept again: the directory, the disk's error, and for a full disk how
+much the copy needed and how much is free. (A log record, not a ``warnings`` warning: a filter
+that turns warnings into errors must not fail the upload that the copy rides along with.)
 
 Costs: a copy is written as the bytes pass (no second read); ``expect`` hashes a copy once per
 read of a checkpoint (~1 GB/s).
@@ -14,10 +19,16 @@ read of a checkpoint (~1 GB/s).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from typing import Any
+
+from .._log import logger
+from .._units import human
 
 __all__ = ["Copies", "LocalCopy", "cache_directory", "file_sha256"]
 
@@ -47,12 +58,14 @@ class Copies:
     def __init__(self, url: str, cache: str | bool) -> None:
         self.directory = cache_directory(url, cache)
         self.known: dict[str, str] = {}
+        # The bytes after which a copy failed, said once; None again once one that large is kept.
+        self.failing: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"directory": self.directory}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.directory, self.known = state["directory"], {}
+        self.directory, self.known, self.failing = state["directory"], {}, None
 
     def expect(self, path: str, sha256: str, size: int) -> None:
         """Serve ``path``'s reads from a copy of content ``sha256`` (``size`` bytes), if one
@@ -71,7 +84,20 @@ class Copies:
 
     def new(self) -> LocalCopy:
         """A copy to write as bytes pass."""
-        return LocalCopy(self.directory)
+        return LocalCopy(self.directory, self._outcome)
+
+    def _outcome(self, error: OSError | None, size: int) -> None:
+        """A copy of ``size`` bytes was kept (``error`` None), or dropped for ``error`` after
+        ``size`` bytes: said once, until a copy at least that large is kept again (small ones,
+        manifests, may fit on a disk that the checkpoint's files do not)."""
+        if error is None:
+            if self.failing is not None and size >= self.failing:
+                self.failing = None
+            return
+        if self.failing is not None:
+            return
+        self.failing = size
+        logger.warning(not_kept(error, self.directory or "", size))
 
     def keep(self, data: bytes) -> None:
         """Keep a copy of ``data``, read whole."""
@@ -92,43 +118,85 @@ class Copies:
                     pass
 
 
+def not_kept(error: OSError, directory: str, size: int) -> str:
+    """What a copy that failed with ``error`` after ``size`` bytes means, for the log."""
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"; {human(shutil.disk_usage(directory).free)} are free there"
+        except OSError:
+            free = ""
+        what = "is full" if error.errno == errno.ENOSPC else "quota is used up"
+        reason = (
+            f"{reason}: the disk holding it {what} (the copy needed at least {human(size)} "
+            f"({size} bytes){free})"
+        )
+    return (
+        f"FsspecStorage: no local copy of a checkpoint file is kept in {directory}: "
+        f"{reason}. The save and the read go on: the files are in the store, and a restart "
+        "on this machine downloads those it has no copy of. Free space there, or give "
+        "FsspecStorage(cache=...) a directory on another disk, or cache=False for no copies."
+    )
+
+
 class LocalCopy:
     """A file being copied into the cache: written under a temporary name, then named by its
-    sha256 once whole (a copy is never half there under that name)."""
+    sha256 once whole (a copy is never half there under that name). Never raises: a copy
+    that fails is dropped, and ``outcome`` told (the error and the bytes it was handed, or
+    None once a copy is kept)."""
 
-    def __init__(self, cache: str | None) -> None:
+    def __init__(
+        self, cache: str | None, outcome: Callable[[OSError | None, int], None] | None = None
+    ) -> None:
         self.file: Any = None
         self.path = ""
+        self.size = 0  # bytes handed to it
+        self.outcome = outcome
         if cache is not None:
             try:
                 os.makedirs(cache, exist_ok=True)
                 handle, self.path = tempfile.mkstemp(prefix=".part-", dir=cache)
                 self.file = os.fdopen(handle, "wb")
-            except OSError:
+            except OSError as error:
                 self.file = None
+                self._failed(error)
 
     def write(self, data: Any) -> None:
         if self.file is not None:
+            self.size += memoryview(data).nbytes
             try:
                 self.file.write(data)
-            except OSError:
-                self.drop()
+            except OSError as error:
+                self._failed(error)
 
     def keep(self, sha256: str) -> None:
         if self.file is not None:
             try:
-                self.file.close()
+                self.file.close()  # its buffer's last write: ENOSPC may come only now
                 os.replace(self.path, os.path.join(os.path.dirname(self.path), sha256))
-            except OSError:
-                self.drop()
-            self.file = None
+            except OSError as error:
+                self._failed(error)
+                return
+            self.file, self.path = None, ""
+            if self.outcome is not None:
+                self.outcome(None, self.size)
 
     def drop(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        """Close and delete the partial copy; never raises (its disk may be full)."""
+        file, self.file = self.file, None
+        if file is not None:
+            try:
+                file.close()  # on a full disk its buffer's flush fails; the file closes anyway
+            except OSError:
+                pass
         if self.path:
             try:
                 os.unlink(self.path)
             except OSError:
                 pass
+            self.path = ""
+
+    def _failed(self, error: OSError) -> None:
+        self.drop()
+        if self.outcome is not None:
+            self.outcome(error, self.size)

@@ -30,7 +30,9 @@ Trainer's loop counters (entry ``progress``) and the loaders' cursors (any saved
 top of an entry or nested in a dict); of a checkpoint saved by several ranks, rank 0's part.
 ``verify`` makes the same checks; it prints no positions. Both also check what a resume of a
 Trainer's run needs besides a checkpoint: its ``metrics.csv`` (next to ``checkpoints/``) must
-hold at least the bytes that the checkpoint a resume would load records.
+hold at least the bytes that the checkpoint a resume would load records, and those bytes must
+hash to the sha256 it records (the log's rows up to a checkpoint are under its seal; a
+checkpoint saved by a version of unbroken that recorded no sha256 is checked by size only).
 
 Batches and samples are counts of what the user had received in the epoch (epochs count from
 0), so "continue epoch 2 at batch 37" means 37 batches of epoch 2 were trained on and batch 37
@@ -39,7 +41,7 @@ Batches and samples are counts of what the user had received in the epoch (epoch
 Exit status: 0 when the newest checkpoint verifies (``inspect``: whenever checkpoints were
 found); 1 (``verify``) when the newest checkpoint does not verify (of Hugging Face folders: is
 unsealed or damaged), even if an older one does, or
-when the run's ``metrics.csv`` is missing or shorter than it records; 2 for a usage error, a
+when the run's ``metrics.csv`` is missing, shorter than it records, or changed in those bytes; 2 for a usage error, a
 missing directory, no checkpoints found, or a store that could not be read
 (``RemoteUnavailable``: a checkpoint not read is never called corrupt).
 
@@ -65,7 +67,8 @@ missing directory, no checkpoints found, or a store that could not be read
                              "source": "progress" | "<a loader's entry name>"
                                        | "unbroken-state-rank0.json"},
          "loaders": [<loader>, ...],                 # the loaders' cursors, as below
-         "log_bytes": 5120 | null},                  # the Trainer's metrics.csv size it records
+         "log_bytes": 5120 | null,                   # the Trainer's metrics.csv size it records
+         "log_sha256": "<64 hex digits>" | null},    # and the sha256 of those bytes
         ...],
      "newest": "step-000000130",
      "ok": false,                            # the newest checkpoint verifies (and the log fits)
@@ -80,7 +83,8 @@ missing directory, no checkpoints found, or a store that could not be read
      "log": null | {"path": "<DIR>/metrics.csv",            # a Trainer's run directory only
                     "bytes": 4096 | null,                   # null: missing
                     "expected": 5120,                       # what the resume's checkpoint records
-                    "ok": false,
+                    "sha256": "<64 hex digits>" | null,     # of those bytes, as it records
+                    "ok": false,                            # long enough, and those bytes hash so
                     "problem": "<path> has 4096 bytes, and checkpoint ... says 5120 were ..."}}
 
     <loader>: {"name": "train_loader", "format": "unbroken.DataLoader", "version": 3,

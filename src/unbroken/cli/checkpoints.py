@@ -54,6 +54,7 @@ class CheckpointReport(TypedDict):
     position: Position | None
     loaders: list[LoaderReport]
     log_bytes: int | None
+    log_sha256: str | None
 
 
 class LoaderReport(TypedDict, total=False):
@@ -83,6 +84,7 @@ class LogReport(TypedDict):
     path: str
     bytes: int | None
     expected: int
+    sha256: str | None
     ok: bool
     problem: str | None
 
@@ -154,7 +156,8 @@ def _manifest_step(storage: Storage, directory: str) -> int:
 def check(storage: Storage, path: str, step: int, read_states: bool) -> CheckpointReport:
     """One checkpoint: judged as ``load_latest`` judges it (``checkpoint.verdict.classify``), and
     (``read_states``) where it stands, from its small entries whose files verified; always,
-    the size of the Trainer's log that it records (``log_bytes``: what a resume needs)."""
+    the size of the Trainer's log that it records and the sha256 of those bytes (``log_bytes``,
+    ``log_sha256``: what a resume needs)."""
     states: dict[str, Any] = {}
 
     def keep(manifest: Manifest, name: str, file: str, value: Any) -> None:
@@ -167,6 +170,7 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
     verdict = classify(storage, path, step, keep)
     log = states.pop(LOG, None)  # what a resume needs of the run's log: no position
     log_bytes = log.get("bytes") if isinstance(log, dict) else None
+    log_sha256 = log.get("sha256") if isinstance(log, dict) else None
     manifest = verdict.manifest
     return CheckpointReport(
         name=basename(path),
@@ -182,6 +186,7 @@ def check(storage: Storage, path: str, step: int, read_states: bool) -> Checkpoi
         position=_position(states),
         loaders=loaders(states),
         log_bytes=log_bytes if type(log_bytes) is int else None,
+        log_sha256=log_sha256 if isinstance(log_sha256, str) else None,
     )
 
 

@@ -93,6 +93,7 @@ def check(path: str, step: int, read_states: bool) -> CheckpointReport:
         position=position,
         loaders=found,
         log_bytes=None,
+        log_sha256=None,
     )
 
 

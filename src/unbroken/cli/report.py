@@ -1,11 +1,14 @@
 """The report of ``inspect``/``verify``: what a resume would do, and the text printed.
 
 A resume of a Trainer's run needs more than a checkpoint that verifies: its ``metrics.csv`` must
-hold at least the bytes that checkpoint records (the resume cuts the log back to them), so the
-report checks that too (``log``), in the run directory whose ``checkpoints/`` it found."""
+hold at least the bytes that checkpoint records (the resume cuts the log back to them), and
+those bytes must hash to the sha256 it records (the resume checks it), so the report checks that
+too (``log``), in the run directory whose ``checkpoints/`` it found. Costs: one read of the
+log's first bytes (a download of the whole object, in a store)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -74,27 +77,52 @@ def report(
 def _log(
     storage: Storage, root: str, chosen: CheckpointReport | None, remote: bool
 ) -> LogReport | None:
-    """The run's ``metrics.csv`` against the size that the checkpoint a resume would load
-    records (``None`` when that is no Trainer checkpoint in a run directory's ``checkpoints``)."""
+    """The run's ``metrics.csv`` against the size and the sha256 of its first bytes that the
+    checkpoint a resume would load records (``None`` when that is no Trainer checkpoint in a
+    run directory's ``checkpoints``). A checkpoint that records no sha256 (saved by an earlier
+    version) is checked by the size only, as the resume does."""
     if chosen is None or chosen["log_bytes"] is None or basename(root) != CHECKPOINTS:
         return None
     path = join(parent(root), METRICS)
     path = path if remote else os.path.abspath(path)
-    expected = chosen["log_bytes"]
+    expected, sha256 = chosen["log_bytes"], chosen["log_sha256"]
     try:
         actual: int | None = storage.size(path)
     except FileNotFoundError:
         actual = None
-    ok = actual is not None and actual >= expected
     found = "is missing" if actual is None else f"has {actual} bytes"
-    problem = (
-        None
-        if ok
-        else f"{path} {found}, and checkpoint {chosen['name']} says {expected} were logged: a "
-        "resume would fail. Restore the log (from a copy, or an earlier version of the object "
-        "if the store keeps them), or train in a new run directory"
+    problem = None
+    if actual is None or actual < expected:
+        problem = (
+            f"{path} {found}, and checkpoint {chosen['name']} says {expected} were logged: a "
+            "resume would fail. Restore the log (from a copy, or an earlier version of the "
+            "object if the store keeps them), or train in a new run directory"
+        )
+    elif sha256 is not None and (hashed := _prefix_sha256(storage, path, expected)) != sha256:
+        problem = (
+            f"{path} changed since checkpoint {chosen['name']} was taken: the sha256 of its "
+            f"first {expected} bytes is {hashed}, and the checkpoint says {sha256}: a resume "
+            "would fail. Restore the log (from a copy, or an earlier version of the object if "
+            "the store keeps them), or train in a new run directory"
+        )
+    return LogReport(
+        path=path,
+        bytes=actual,
+        expected=expected,
+        sha256=sha256,
+        ok=problem is None,
+        problem=problem,
     )
-    return LogReport(path=path, bytes=actual, expected=expected, ok=ok, problem=problem)
+
+
+def _prefix_sha256(storage: Storage, path: str, size: int) -> str:
+    """The sha256 of the first ``size`` bytes of ``path`` (which holds at least that many)."""
+    digest, left = hashlib.sha256(), size
+    with storage.open_read(path) as opened:
+        while left and (chunk := opened.read(min(left, 1 << 22))):
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
 
 
 def _resume(checked: list[CheckpointReport], kind: str, root: str) -> Resume:

@@ -1,12 +1,19 @@
 """``CSVLog``: an append-only metrics log that a resume rewinds to the checkpoint.
 
 A run killed after its last checkpoint has logged rows that the resumed run will log again.
-The log's state is its size in bytes when the checkpoint was taken; loading it truncates the
-file back to that size, so the file after a resume is byte for byte the uninterrupted run's.
+The log's state is its size in bytes when the checkpoint was taken and the sha256 of those
+bytes (``{"bytes": n, "sha256": hex}``): the checkpoint's seal covers the log up to there.
+Loading it checks that the file's first ``n`` bytes still hash to it (a changed digit or a
+replaced file is a ``CorruptState`` naming both hashes, never a resume over other rows), then
+truncates the file back to ``n`` bytes, so the file after a resume is byte for byte the
+uninterrupted run's. A state saved without the hash (``{"bytes": n}``, by unbroken before it
+recorded one) loads with a warning: its rows are checked by size only.
 Values are written with ``repr`` (shortest round-trip form), so equal floats give equal text.
 
 Rows are long-format ``step,epoch,phase,name,value``: new names never change the header.
-Cost: one ``write`` per value and one ``flush`` per checkpoint.
+Cost: one ``write`` per value; one ``flush`` and one sha256 update per checkpoint (a running
+hash over the rows logged since the last one, kept in memory until then: a checkpoint never
+rereads the log); one read of the log's kept part at a resume.
 
 ``open_tensorboard`` does the same for TensorBoard when it is installed: events are stepped by
 the loop's tick count, and a resumed writer purges the events its killed predecessor wrote
@@ -18,7 +25,10 @@ Trainer calls it on the batches it logs (every ``log_every``) and at the end of 
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +37,34 @@ from ..errors import CorruptState
 from .rundir import METRICS, TENSORBOARD, RunDirectory
 
 HEADER = "step,epoch,phase,name,value\n"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def prefix_sha256(path: str | os.PathLike, size: int) -> Any:
+    """The running sha256 of the first ``size`` bytes of file ``path`` (``hashlib``'s object,
+    to be updated further).
+
+    Raises:
+        OSError: the file cannot be read, or holds fewer than ``size`` bytes.
+    """
+    digest, left = hashlib.sha256(), size
+    with open(path, "rb") as file:
+        while left and (chunk := file.read(min(left, 1 << 22))):
+            digest.update(chunk)
+            left -= len(chunk)
+    if left:
+        raise OSError(f"{path} holds {size - left} bytes, fewer than {size}")
+    return digest
+
+
+def log_state(path: str | os.PathLike, size: int) -> dict[str, Any]:
+    """A log's state as ``CSVLog.state_dict`` records it, read from the file: for a rank that
+    saves for the job with rank 0's log (``train.jit``). A file it cannot read gives the state
+    without its hash (a resume then warns, and checks the size only)."""
+    try:
+        return {"bytes": size, "sha256": prefix_sha256(path, size).hexdigest()}
+    except OSError:
+        return {"bytes": size}
 
 
 class CSVLog:
@@ -47,9 +85,14 @@ class CSVLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         self._file = open(self.path, "a", encoding="utf-8", newline="")
+        # The sha256 of the bytes logged so far, updated as rows are written; None while not
+        # known (a log opened with rows in it, before its state is loaded or it restarts).
+        self._sha256: Any = None
+        self._unhashed: list[bytes] = []  # rows logged since, not yet in ``_sha256``
         if fresh:
             self._file.write(HEADER)
             self._file.flush()
+            self._sha256 = hashlib.sha256(HEADER.encode())
         # The bytes logged so far (what ``state_dict`` records), counted as they are written:
         # the ranks' agreements carry it every batch, without a flush or a seek.
         self.size = self.path.stat().st_size
@@ -57,7 +100,10 @@ class CSVLog:
     def log(self, step: int, epoch: int, phase: str, name: str, value: float) -> None:
         line = f"{step},{epoch},{phase},{name},{float(value)!r}\n"
         self._file.write(line)
-        self.size += len(line.encode())
+        data = line.encode()
+        self.size += len(data)
+        if self._sha256 is not None:
+            self._unhashed.append(data)  # hashed at the next state_dict, in one update
 
     def flush_buffer(self) -> None:
         """Hand what was logged to the OS (no fsync): it outlives this process, not the machine."""
@@ -77,21 +123,46 @@ class CSVLog:
     def restart(self) -> None:
         """Empty the log: a run with no checkpoint to resume from starts again from zero, so
         rows that a killed process logged before its first checkpoint are not kept."""
-        self.load_state_dict({"bytes": len(HEADER)})
+        self._file.flush()
+        self._file.truncate(0)
+        self._file.seek(0)
+        self._file.write(HEADER)
+        self._file.flush()
+        self.size, self._sha256 = len(HEADER), hashlib.sha256(HEADER.encode())
+        self._unhashed.clear()
 
     def state_dict(self) -> dict:
+        """``{"bytes": n, "sha256": hex}``: the log's size and the sha256 of its bytes."""
         self._file.flush()
         size = self._file.tell()
+        if self._sha256 is None or size != self.size:  # not known, or written around log()
+            self._sha256 = prefix_sha256(self.path, size)
+            self.size = size
+        else:
+            self._sha256.update(b"".join(self._unhashed))
+        self._unhashed.clear()
         if self.publish is not None:
             self.publish(size)  # before the checkpoint that records it commits
-        return {"bytes": size}
+        return {"bytes": size, "sha256": self._sha256.hexdigest()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Check the log's first ``bytes`` against the state's sha256, then cut it there.
+
+        Raises:
+            CorruptState: the state is malformed, or the file is shorter than it records or
+                its first bytes hash otherwise (the log was changed since the checkpoint).
+        """
         size = state.get("bytes") if isinstance(state, dict) else None
         if not isinstance(size, int) or size < len(HEADER):
             raise CorruptState(
                 f"CSVLog state: expected {{'bytes': int >= {len(HEADER)}}}, got {state!r}",
                 field="bytes",
+            )
+        saved = state.get("sha256")
+        if saved is not None and not (isinstance(saved, str) and _SHA256.fullmatch(saved)):
+            raise CorruptState(
+                f"CSVLog state: expected 'sha256' to be 64 hex digits, got {saved!r}",
+                field="sha256",
             )
         self._file.flush()
         current = self.path.stat().st_size
@@ -102,9 +173,32 @@ class CSVLog:
                 "or an earlier version of the object if the store keeps them) and start again, "
                 "or train in a new run directory"
             )
+        found = prefix_sha256(self.path, size)
+        if saved is None:
+            warnings.warn(
+                f"unbroken: the checkpoint records that {self.name} held {size} bytes but no "
+                "sha256 of them (it was saved by an earlier version of unbroken): those rows "
+                "are kept as they are, checked by their size only. The next checkpoint "
+                "records their sha256.",
+                stacklevel=2,
+            )
+        elif found.hexdigest() != saved:
+            raise CorruptState(
+                f"{self.name} changed since the checkpoint was taken: the sha256 of its first "
+                f"{size} bytes (the rows logged up to the checkpoint) is {found.hexdigest()}, "
+                f"and the checkpoint says {saved}. Rows were edited or the file replaced. "
+                "Restore it (from a copy, or an earlier version of the object if the store "
+                "keeps them) and start again, or train in a new run directory",
+                field="sha256",
+            )
+        self._cut(size, found)
+
+    def _cut(self, size: int, digest: Any) -> None:
+        """Truncate the log to ``size`` bytes, ``digest`` being their running sha256."""
         self._file.truncate(size)  # rows logged after the checkpoint are logged again on resume
         self._file.seek(size)
-        self.size = size
+        self.size, self._sha256 = size, digest
+        self._unhashed.clear()
 
     @staticmethod
     def read(path: str | os.PathLike) -> list[dict]:

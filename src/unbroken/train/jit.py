@@ -56,7 +56,7 @@ from ..data.loader import DataLoader
 from ..distributed.process_group import attempt_store, under_agent
 from .agreement import Agreement
 from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, PROGRESS, RNG, is_sharded
-from .csvlog import CSVLog, RunLog
+from .csvlog import CSVLog, RunLog, log_state
 from .globalrng import GlobalRNG
 from .progress import Progress, ProgressState, say
 from .rundir import METRICS, RunDirectory
@@ -261,7 +261,8 @@ class JustInTime:
                 raise AssertionError(f"no record of the per-rank entry {name!r}")
             else:
                 replicated[name] = entry  # the model, optimizer, scheduler, scaler: as they are
-        replicated[LOG] = {"bytes": self._log_bytes(record)}
+        # The hash of rank 0's log up to the record, read from the file (a failure's cost).
+        replicated[LOG] = log_state(self.run.local / METRICS, self._log_bytes(record))
         return self.checkpointer.save_alone(record.ticks, replicated, parts)
 
     def _log_bytes(self, record: Record) -> int:
