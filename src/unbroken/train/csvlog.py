@@ -239,8 +239,9 @@ def open_tensorboard(wanted: bool | None, directory: Path, purge_from: int) -> A
 
 
 class RunLog:
-    """The Trainer's values: each to the CSV log, TensorBoard (if any; its writer costs ~40 us
-    a value without TensorFlow, a pure-Python CRC) and ``latest``. ``write=False`` (ranks other
+    """The Trainer's values: each to the CSV log, TensorBoard (if any; its writer computes a
+    pure-Python CRC per value without TensorFlow: row ``tensorboard_value`` of the unit costs)
+    and ``latest``. ``write=False`` (ranks other
     than 0 of a data-parallel job) keeps ``latest`` only: one rank writes the run's files."""
 
     def __init__(
