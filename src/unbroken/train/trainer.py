@@ -10,17 +10,28 @@ saves (``agreement``), rank 0 alone writes the logs, and when a rank dies a surv
 as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
 step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
 ``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
+
+What a process logs at INFO (``unbroken._log``, rank 0): one line as it starts (``no checkpoint
+in ...: starting fresh``, or ``resumed from checkpoint ...``), a resume's way to its first step,
+and one line at the end (``finished: ...``, or ``already complete: ...`` when it had nothing
+to train). Its clean-up (the background save, the log's upload) never hides the error that
+ended ``fit``: a failure of its own is added to that error as a note (logged on Python 3.10),
+and a process that logged nothing uploads nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from typing_extensions import Unpack
 
+from .._log import logger
+from ..checkpoint.files import join
+from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
 from ..distributed.reduction import ensure_exact
 from ..preemption import Preemption
@@ -32,7 +43,7 @@ from .globalrng import TRAIN, VAL, seed_everything, seed_step
 from .hooks import call_hooks, check_loaders, hooks
 from .jit import JustInTime
 from .options import NAMES, TrainerKeywords, TrainerOptions, options_of
-from .progress import Progress, bar
+from .progress import Progress, bar, say
 from .rundir import RunDirectory
 from .saves import exit_preempted, save
 from .schedule import SaveSchedule
@@ -115,6 +126,7 @@ class Trainer:
             The logs: the latest value of each logged name.
         """
         self.startup.mark("your code from Trainer() to fit()")
+        self.ending = ""  # what the last line says, once fit's clean-up went through
         try:
             self.model, self.optimizer = model, optimizer
             self.scheduler, self.scaler = scheduler, scaler
@@ -142,6 +154,8 @@ class Trainer:
             self.preemption.uninstall()  # also when fit() raised before its `with`
             if "jit" in self.__dict__:  # a survivor that saved for the job obeys torchrun now
                 self.jit.obey(self.preemption.received)
+        if self.ending:
+            say(self.ending)
         call_hooks(self.options.callbacks, "on_fit_end", self)
         return self.logs
 
@@ -173,9 +187,16 @@ class Trainer:
         )
         progress = self.progress
         try:
-            restored = resume(self.checkpointer, self.entries, val_loader, self.options.seed)
+            seed = self.options.seed
+            restored = resume(self.checkpointer, self.entries, val_loader, seed, self._done)
             self.resumed = restored is not None
             self.startup.resumed(restored.seconds if restored else {})
+            rerun = restored is not None and self._done()  # nothing trains, nothing is saved
+            if rerun:
+                say(
+                    f"already complete: {self._summary()}; nothing to train (raise max_epochs "
+                    "or max_steps to train on, or train in a new directory)"
+                )
             exit_if_preempted(self.agreement, self.preemption)
             if restored is None:
                 self.run_log.restart()
@@ -199,14 +220,37 @@ class Trainer:
                 self.jit.on_failure(error)  # a rank died: a survivor saves the last step
                 raise
             self.schedule.history.end("finished")
-        finally:
-            self.checkpointer.close()
-            self.run_log.close()
+        except BaseException as error:
+            self._close(error)
+            raise
+        self._close(None)
+        if not rerun:
+            self.ending = f"finished: {self._summary()}"  # said once the lock is released
+
+    def _close(self, failed: BaseException | None) -> None:
+        """The end of ``_fit``: the background save waited for, the logs closed (uploaded, for
+        a URL). ``failed``: the error ending ``fit``, kept (see ``clean_up``)."""
+        if self.run_log.rows == 0 and self.run_log.csv is not None:
+            # Nothing logged: a start that failed before its first batch (a resume that met
+            # a frozen store) or a run already complete. The store's copy is as the checkpoint
+            # recorded it, and an upload to a store that just failed would only fail again.
+            self.run_log.csv.publish = None
+        clean_up((self.checkpointer.close, self.run_log.close), failed)
+
+    def _summary(self) -> str:
+        """Epochs, optimizer steps and the final checkpoint: the run's last line."""
+        progress, max_steps = self.progress, self.options.max_steps
+        epochs = f"{progress.epoch} epoch{'s' * (progress.epoch != 1)}"
+        steps = f"{progress.steps} optimizer step{'s' * (progress.steps != 1)}"
+        reached = f" (max_steps={max_steps} reached)" if self._max_steps_reached() else ""
+        # The last save is at the loop's end, named by its tick (or was there already).
+        final = join(self.checkpointer.directory, final_name(progress.ticks))
+        return f"{epochs}, {steps}{reached}; final checkpoint {final}"
 
     def _epochs(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         progress, jit = self.progress, self.jit
         jit.take()
-        while progress.epoch < self.options.max_epochs and not self._max_steps_reached():
+        while not self._done():
             if progress.phase == "train":
                 self._train_epoch(train_loader)
                 progress.phase = "val" if val_loader is not None else "end"
@@ -322,6 +366,10 @@ class Trainer:
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
 
+    def _done(self) -> bool:
+        """Whether the loop has nothing left to train: ``max_epochs`` or ``max_steps`` reached."""
+        return self.progress.epoch >= self.options.max_epochs or self._max_steps_reached()
+
     def log(self, values: Mapping[str, Any], phase: str = "train") -> None:
         """Log scalars at the current step of ``phase`` (for callbacks): CSV, TensorBoard, logs.
 
@@ -332,3 +380,32 @@ class Trainer:
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
         self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
+
+
+def clean_up(steps: Iterable[Callable[[], object]], failed: BaseException | None) -> None:
+    """Run every step of a clean-up, each even when one before it failed.
+
+    Args:
+        steps: The clean-up's steps, in order.
+        failed: The error already on its way out, if any. It stays the error: a step's own
+            failure is added to it as a note (Python 3.11+; logged at ERROR on 3.10), never
+            raised in its place, so the user sees the cause first.
+
+    Raises:
+        Exception: without ``failed``, the first step's failure (the later ones noted on it).
+    """
+    first = failed
+    for step in steps:
+        try:
+            step()
+        except Exception as error:
+            if first is None:
+                first = error
+                continue
+            failure = f"{type(error).__name__}: {error}"
+            if sys.version_info >= (3, 11):
+                first.add_note(f"then, cleaning up after it: {failure}")
+            else:  # no notes: said before the error's traceback
+                logger.error(f"cleaning up after {type(first).__name__} ({first}): {failure}")
+    if first is not None and first is not failed:
+        raise first
