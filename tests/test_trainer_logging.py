@@ -317,3 +317,52 @@ def test_a_preempted_then_resumed_run_says_where_and_how_it_ends(tmp_path, caplo
         f"checkpoint {checkpoints / 'step-000000039'}; nothing to train (raise max_epochs or "
         "max_steps to train on, or train in a new directory)"
     ]
+
+
+def test_a_run_whose_last_batch_was_saved_saves_its_end_and_a_rerun_finds_it_complete(
+    tmp_path, caplog
+):
+    # A periodic save after the last batch (here every 4th step of 4) is at the tick the end is
+    # at; the end itself (the epoch's loss logged, the next epoch) comes later, and is saved.
+    caplog.set_level(logging.INFO, logger="unbroken")
+    dataset = torch.utils.data.TensorDataset(torch.arange(16.0).reshape(8, 2))
+
+    def fit(log: list) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        trainer = unbroken.Trainer(
+            tmp_path,
+            max_epochs=1,
+            checkpoint_every_steps=4,
+            checkpoint_every_seconds=None,
+            callbacks=[Calls(log)],
+            progress_bar=False,
+            tensorboard=False,
+            signals=(),
+        )
+        trainer.fit(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            unbroken.DataLoader(dataset, batch_size=2, seed=0),
+            training_step=lambda model, batch: model(batch[0]).mean(),
+        )
+        return model.weight.detach().clone()
+
+    class Calls:
+        def __init__(self, log: list) -> None:
+            self.log = log
+
+        def on_epoch_end(self, trainer, logs) -> None:
+            self.log.append("on_epoch_end")
+
+    first: list = []
+    weight = fit(first)
+    final = tmp_path / "checkpoints" / "step-000000004"
+    assert _said(caplog)[0][-1] == f"finished: 1 epoch, 4 optimizer steps; final checkpoint {final}"
+    rerun: list = []
+    assert torch.equal(fit(rerun), weight)
+    assert _said(caplog)[0] == [
+        f"already complete: 1 epoch, 4 optimizer steps; final checkpoint {final}; nothing to "
+        "train (raise max_epochs or max_steps to train on, or train in a new directory)"
+    ]
+    assert first == ["on_epoch_end"] and rerun == []  # the epoch ended once

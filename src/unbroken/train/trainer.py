@@ -250,7 +250,9 @@ class Trainer:
     def _epochs(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         progress, jit = self.progress, self.jit
         jit.take()
+        ran = False
         while not self._done():
+            ran = True
             if progress.phase == "train":
                 self._train_epoch(train_loader)
                 progress.phase = "val" if val_loader is not None else "end"
@@ -262,6 +264,10 @@ class Trainer:
             call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
             progress.next_epoch()
             jit.take()
+        if ran and progress.saved_at == progress.ticks:
+            # Saved at this tick, but before the epoch ended (a periodic save after the last
+            # batch): the end is a later place, which a rerun must find complete.
+            progress.saved_at = -1
         save(self)
 
     def _train_epoch(self, loader: Iterable) -> None:
