@@ -263,10 +263,12 @@ def _writes(monkeypatch) -> list[str]:
 def test_a_store_frozen_during_a_resume_shows_the_resumes_error_and_uploads_nothing(
     server, freezer, monkeypatch
 ):
-    # The clean-up used to upload metrics.csv to the frozen store, and its RemoteUnavailable
-    # replaced the resume's, which says that nothing was skipped or deleted.
+    # The clean-up must not upload metrics.csv to the frozen store: its RemoteUnavailable
+    # would replace the resume's, which says that nothing was skipped or deleted.
     url = _url(server, "resume")
-    Checkpointer(f"{url}/checkpoints", storage_options=_options(server)).save(2, {"w": torch.ones(3)})
+    Checkpointer(f"{url}/checkpoints", storage_options=_options(server)).save(
+        2, {"w": torch.ones(3)}
+    )
     real = layout.candidates
     frozen_at = []
 
