@@ -309,7 +309,7 @@ def test_tensorboard_curves_of_a_resumed_run_equal_the_uninterrupted_ones(tmp_pa
 
 
 def test_a_clean_up_runs_every_step_and_never_replaces_the_error_on_its_way(caplog):
-    from unbroken.train.trainer import clean_up
+    from unbroken.train.ending import clean_up
 
     ran = []
 

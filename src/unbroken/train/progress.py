@@ -237,7 +237,7 @@ def say(message: str, every_rank: bool = False, level: int = logging.INFO) -> No
     (what one rank alone knows, such as a save for a rank that died). ``level``: DEBUG for
     the details a user asks for (the reasons of an interval, a fresh start's phases)."""
     if every_rank or World.current().first:
-        # INFO by default: "unbroken: <message>" on stderr, flushed (``_log``).
+        # At INFO, shown by default as "unbroken: <message>" on stderr, flushed (``_log``).
         logger.log(level, message)
 
 

@@ -10,28 +10,18 @@ saves (``agreement``), rank 0 alone writes the logs, and when a rank dies a surv
 as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
 step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
 ``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
-
-What a process logs at INFO (``unbroken._log``, rank 0): one line as it starts (``no checkpoint
-in ...: starting fresh``, or ``resumed from checkpoint ...``), a resume's way to its first step,
-and one line at the end (``finished: ...``, or ``already complete: ...`` when it had nothing
-to train). Its clean-up (the background save, the log's upload) never hides the error that
-ended ``fit``: a failure of its own is added to that error as a note (logged on Python 3.10),
-and a process that logged nothing uploads nothing.
+At INFO, rank 0 says where the run starts and, at the end, how it ended (``ending``).
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from typing_extensions import Unpack
 
-from .._log import logger
-from ..checkpoint.files import join
-from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
 from ..distributed.reduction import ensure_exact
 from ..preemption import Preemption
@@ -39,6 +29,7 @@ from .agreement import Agreement, Boundary, exit_if_preempted
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
 from .csvlog import RunLog
 from .determinism import determinism
+from .ending import NOTHING_TO_TRAIN, close, summary
 from .globalrng import TRAIN, VAL, seed_everything, seed_step
 from .hooks import call_hooks, check_loaders, hooks
 from .jit import JustInTime
@@ -126,7 +117,6 @@ class Trainer:
             The logs: the latest value of each logged name.
         """
         self.startup.mark("your code from Trainer() to fit()")
-        self.ending = ""  # what the last line says, once fit's clean-up went through
         try:
             self.model, self.optimizer = model, optimizer
             self.scheduler, self.scaler = scheduler, scaler
@@ -147,19 +137,19 @@ class Trainer:
                 self.run.open(self.options.remote_timeout)
                 try:
                     with self.run.locked(self.agreement, self.options.lease_seconds):
-                        self._fit(train_loader, val_loader)
+                        ending = self._fit(train_loader, val_loader)
                 finally:
                     self.run.close()
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
             if "jit" in self.__dict__:  # a survivor that saved for the job obeys torchrun now
                 self.jit.obey(self.preemption.received)
-        if self.ending:
-            say(self.ending)
+        if ending:  # once the lock is released
+            say(ending)
         call_hooks(self.options.callbacks, "on_fit_end", self)
         return self.logs
 
-    def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
+    def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> str:
         self.startup.mark("run directory and its lock")
         self.run_log = RunLog(
             self.run,
@@ -193,10 +183,7 @@ class Trainer:
             self.startup.resumed(restored.seconds if restored else {})
             rerun = restored is not None and self._done()  # nothing trains, nothing is saved
             if rerun:
-                say(
-                    f"already complete: {self._summary()}; nothing to train (raise max_epochs "
-                    "or max_steps to train on, or train in a new directory)"
-                )
+                say(f"already complete: {summary(self)}; {NOTHING_TO_TRAIN}")
             exit_if_preempted(self.agreement, self.preemption)
             if restored is None:
                 self.run_log.restart()
@@ -215,44 +202,22 @@ class Trainer:
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             try:
-                self._epochs(train_loader, val_loader)
+                if not rerun:
+                    self._epochs(train_loader, val_loader)
             except Exception as error:
                 self.jit.on_failure(error)  # a rank died: a survivor saves the last step
                 raise
             self.schedule.history.end("finished")
         except BaseException as error:
-            self._close(error)
+            close(self.checkpointer, self.run_log, error)  # never in the place of `error`
             raise
-        self._close(None)
-        if not rerun:
-            self.ending = f"finished: {self._summary()}"  # said once the lock is released
-
-    def _close(self, failed: BaseException | None) -> None:
-        """The end of ``_fit``: the background save waited for, the logs closed (uploaded, for
-        a URL). ``failed``: the error ending ``fit``, kept (see ``clean_up``)."""
-        if self.run_log.rows == 0 and self.run_log.csv is not None:
-            # Nothing logged: a start that failed before its first batch (a resume that met
-            # a frozen store) or a run already complete. The store's copy is as the checkpoint
-            # recorded it, and an upload to a store that just failed would only fail again.
-            self.run_log.csv.publish = None
-        clean_up((self.checkpointer.close, self.run_log.close), failed)
-
-    def _summary(self) -> str:
-        """Epochs, optimizer steps and the final checkpoint: the run's last line."""
-        progress, max_steps = self.progress, self.options.max_steps
-        epochs = f"{progress.epoch} epoch{'s' * (progress.epoch != 1)}"
-        steps = f"{progress.steps} optimizer step{'s' * (progress.steps != 1)}"
-        reached = f" (max_steps={max_steps} reached)" if self._max_steps_reached() else ""
-        # The last save is at the loop's end, named by its tick (or was there already).
-        final = join(self.checkpointer.directory, final_name(progress.ticks))
-        return f"{epochs}, {steps}{reached}; final checkpoint {final}"
+        close(self.checkpointer, self.run_log, None)
+        return "" if rerun else f"finished: {summary(self)}"  # the last line
 
     def _epochs(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         progress, jit = self.progress, self.jit
         jit.take()
-        ran = False
         while not self._done():
-            ran = True
             if progress.phase == "train":
                 self._train_epoch(train_loader)
                 progress.phase = "val" if val_loader is not None else "end"
@@ -264,10 +229,7 @@ class Trainer:
             call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
             progress.next_epoch()
             jit.take()
-        if ran and progress.saved_at == progress.ticks:
-            # Saved at this tick, but before the epoch ended (a periodic save after the last
-            # batch): the end is a later place, which a rerun must find complete.
-            progress.saved_at = -1
+        progress.saved_at = -1  # a save at this tick came before the end: the end is saved too
         save(self)
 
     def _train_epoch(self, loader: Iterable) -> None:
@@ -372,8 +334,7 @@ class Trainer:
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
 
-    def _done(self) -> bool:
-        """Whether the loop has nothing left to train: ``max_epochs`` or ``max_steps`` reached."""
+    def _done(self) -> bool:  # nothing left to train: max_epochs or max_steps reached
         return self.progress.epoch >= self.options.max_epochs or self._max_steps_reached()
 
     def log(self, values: Mapping[str, Any], phase: str = "train") -> None:
@@ -386,32 +347,3 @@ class Trainer:
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
         self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
-
-
-def clean_up(steps: Iterable[Callable[[], object]], failed: BaseException | None) -> None:
-    """Run every step of a clean-up, each even when one before it failed.
-
-    Args:
-        steps: The clean-up's steps, in order.
-        failed: The error already on its way out, if any. It stays the error: a step's own
-            failure is added to it as a note (Python 3.11+; logged at ERROR on 3.10), never
-            raised in its place, so the user sees the cause first.
-
-    Raises:
-        Exception: without ``failed``, the first step's failure (the later ones noted on it).
-    """
-    first = failed
-    for step in steps:
-        try:
-            step()
-        except Exception as error:
-            if first is None:
-                first = error
-                continue
-            failure = f"{type(error).__name__}: {error}"
-            if sys.version_info >= (3, 11):
-                first.add_note(f"then, cleaning up after it: {failure}")
-            else:  # no notes: said before the error's traceback
-                logger.error(f"cleaning up after {type(first).__name__} ({first}): {failure}")
-    if first is not None and first is not failed:
-        raise first
