@@ -3,6 +3,7 @@ waste, the failure rate read from the run's history, the measured cost, and the 
 record of its processes; the time to the first step, by phase."""
 
 import json
+import logging
 import math
 import os
 import re
@@ -25,6 +26,12 @@ from unbroken.train.schedule import (
     daly_interval,
 )
 from unbroken.train.startup import process_age
+
+
+@pytest.fixture
+def details(caplog):
+    """The "unbroken" logger at DEBUG: the interval's reasons and a fresh start's phases."""
+    caplog.set_level(logging.DEBUG, logger="unbroken")
 
 
 def _expected_time_per_work(interval: float, cost: float, mtbf: float) -> float:
@@ -115,7 +122,7 @@ def test_the_history_is_written_durably_beside_nothing_else(tmp_path, monkeypatc
 
 
 def test_auto_measures_first_then_assumes_hours_then_learns_from_failures(
-    tmp_path, monkeypatch, capfd
+    tmp_path, monkeypatch, capfd, details
 ):
     monkeypatch.setattr(schedule, "_now", lambda: 100.0)
     fresh = AutoInterval(_history(tmp_path, []), lambda: False, decide=True)
@@ -147,7 +154,7 @@ def _said(capfd):
 
 
 def test_the_interval_is_printed_when_chosen_and_when_it_changes_not_at_every_save(
-    tmp_path, monkeypatch, capfd
+    tmp_path, monkeypatch, capfd, details
 ):
     """The costs `make demo`'s first process measured (a run's first saves are slower) moved
     the interval 10-15% at each of its first saves, and each move was printed; now a line says
@@ -228,7 +235,7 @@ def test_the_trainer_records_its_processes_and_learns_from_a_crash(tmp_path, cap
     assert sessions[0]["alive"] <= sessions[1]["start"] <= sessions[2]["start"]
 
 
-def test_the_way_to_the_first_step_is_printed_by_phase(tmp_path, capfd):
+def test_the_way_to_the_first_step_is_printed_by_phase(tmp_path, capfd, details):
     with pytest.raises(SystemExit):
         run(tmp_path, callbacks=[SignalAt("train", 5)])
     fresh = capfd.readouterr().err

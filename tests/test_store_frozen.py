@@ -7,9 +7,11 @@ the way out, and by a timer at the latest, so that code that would wait forever 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 
@@ -24,6 +26,9 @@ from unbroken.testing import assert_same
 TIMEOUT = 1.5  # remote_timeout here: seconds an operation may go without progress
 BOUND = TIMEOUT + 6.0  # when the failure must be reported by, on a loaded machine
 THAW_AFTER = 60.0  # the safety timer: a frozen server is continued after this long anyway
+# A whole Trainer run's remote_timeout: its start, right after a test thawed the server (which
+# then answers the requests it held first), may take longer than TIMEOUT on a loaded machine.
+RUN_TIMEOUT = 2 * TIMEOUT
 
 
 class Freezer:
@@ -240,3 +245,86 @@ def test_a_store_frozen_during_the_leases_renewal_fails_its_fence_in_time_not_a_
         began = time.monotonic()
         lease.release()  # the heartbeat, stuck in a frozen request, stops in time too
         assert time.monotonic() - began < BOUND
+
+
+def _writes(monkeypatch) -> list[str]:
+    """The paths written through FsspecStorage.write from now on (uploads of whole objects)."""
+    written: list[str] = []
+    real = FsspecStorage.write
+
+    def write(storage, path, fill):
+        written.append(path)
+        return real(storage, path, fill)
+
+    monkeypatch.setattr(FsspecStorage, "write", write)
+    return written
+
+
+def test_a_store_frozen_during_a_resume_shows_the_resumes_error_and_uploads_nothing(
+    server, freezer, monkeypatch
+):
+    # The clean-up must not upload metrics.csv to the frozen store: its RemoteUnavailable
+    # would replace the resume's, which says that nothing was skipped or deleted.
+    url = _url(server, "resume")
+    Checkpointer(f"{url}/checkpoints", storage_options=_options(server)).save(
+        2, {"w": torch.ones(3)}
+    )
+    real = layout.candidates
+    frozen_at = []
+
+    def listed_then_frozen(storage, root):
+        found = real(storage, root)
+        freezer.freeze()
+        frozen_at.append(time.monotonic())
+        return found
+
+    monkeypatch.setattr(layout, "candidates", listed_then_frozen)
+    written = _writes(monkeypatch)
+    model = torch.nn.Linear(8, 3)
+    loader = unbroken.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 8)), seed=0)
+    trainer = unbroken.Trainer(
+        url, storage_options=_options(server), remote_timeout=RUN_TIMEOUT, max_epochs=1, signals=()
+    )
+    with pytest.raises(RemoteUnavailable, match="could not read the checkpoints in") as raised:
+        trainer.fit(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            loader,
+            training_step=lambda model, batch: model(batch[0]).sum(),
+        )
+    assert "No checkpoint was skipped, restored or deleted" in str(raised.value)
+    assert not getattr(raised.value, "__notes__", None)  # the clean-up had nothing to add
+    assert not [path for path in written if path.endswith("metrics.csv")], written
+    # The resume's deadline, then the lease's release (its heartbeat and its mark, each bounded).
+    assert time.monotonic() - frozen_at[0] < 3 * RUN_TIMEOUT + 6.0
+
+
+def test_a_clean_up_failing_on_a_frozen_store_is_added_to_the_error_that_ended_the_run(
+    server, freezer, caplog
+):
+    from trainer_job import Crash, run
+
+    class FreezeThenCrash:
+        """After the first batch (logged: metrics.csv has rows to upload), the store freezes
+        and the user's code fails."""
+
+        def on_train_batch_end(self, trainer, logs) -> None:
+            freezer.freeze()
+            raise Crash("the user's code failed")
+
+    url = _url(server, "crash")
+    with pytest.raises(Crash, match="the user's code failed") as raised:
+        run(
+            url,
+            epochs=1,
+            callbacks=[FreezeThenCrash()],
+            storage_options=_options(server),
+            remote_timeout=RUN_TIMEOUT,
+        )
+    if sys.version_info >= (3, 11):  # a note, shown under the error's traceback
+        (said,) = raised.value.__notes__
+        assert said.startswith("then, cleaning up after it: RemoteUnavailable: could not ")
+    else:  # logged
+        (said,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert said.startswith("cleaning up after Crash (the user's code failed): ")
+    assert "RemoteUnavailable: could not " in said and "the store did not answer" in said, said

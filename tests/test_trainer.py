@@ -306,3 +306,31 @@ def test_tensorboard_curves_of_a_resumed_run_equal_the_uninterrupted_ones(tmp_pa
     _finish(tmp_path)
     expected = curve(reference)
     assert len(expected) == 30 + 3 and curve(tmp_path) == expected
+
+
+def test_a_clean_up_runs_every_step_and_never_replaces_the_error_on_its_way(caplog):
+    from unbroken.train.ending import clean_up
+
+    ran = []
+
+    def step(name, fails):
+        def run_step():
+            ran.append(name)
+            if fails:
+                raise OSError(f"{name} failed")
+
+        return run_step
+
+    steps = [step("wait", True), step("upload", True), step("close", False)]
+    first = ValueError("the resume failed")
+    clean_up(steps, first)  # the caller raises `first`: nothing replaces it
+    assert ran == ["wait", "upload", "close"]
+    said = getattr(first, "__notes__", None) or [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "OSError: wait failed" in said[0] and "upload failed" in said[1]
+    ran.clear()
+    with pytest.raises(OSError, match="wait failed") as raised:  # without one: the first failure
+        clean_up(steps, None)
+    assert ran == ["wait", "upload", "close"]
+    if sys.version_info >= (3, 11):
+        assert raised.value.__notes__ == ["then, cleaning up after it: OSError: upload failed"]
+    clean_up([step("close", False)], None)  # nothing failed: nothing raised

@@ -2,7 +2,9 @@
 ``log_every`` batches of a phase, epoch values at every phase's end, and no host read in
 between (``LossSum`` keeps the running loss where the loss lives)."""
 
+import logging
 import random
+import re
 
 import pytest
 import torch
@@ -233,3 +235,134 @@ def test_a_drawn_progress_bar_counts_every_batch_and_changes_nothing(tmp_path, m
         assert torch.equal(tensor, drawn.state_dict()[name]), name
     quiet_log = (tmp_path / "quiet" / "metrics.csv").read_bytes()
     assert (tmp_path / "drawn" / "metrics.csv").read_bytes() == quiet_log
+
+
+# --------------------------------------------------------------- what a run says at INFO
+
+
+def _said(caplog) -> tuple[list[str], list[str]]:
+    """The unbroken logger's lines since the last call: at INFO or above, and at DEBUG."""
+    records = [r for r in caplog.records if r.name == "unbroken"]
+    caplog.clear()
+    info = [r.getMessage() for r in records if r.levelno >= logging.INFO]
+    return info, [r.getMessage() for r in records if r.levelno == logging.DEBUG]
+
+
+def test_a_run_says_one_line_as_it_starts_and_one_as_it_ends(tmp_path, caplog):
+    # trainer_job: 10 training and 5 validation batches an epoch, 5 optimizer steps (accumulate
+    # 2), 3 epochs; the checkpoints are named by batches seen, both phases: step-000000045 last.
+    caplog.set_level(logging.DEBUG, logger="unbroken")
+    checkpoints = tmp_path / "checkpoints"
+    final = f"final checkpoint {checkpoints / 'step-000000045'}"
+    run(tmp_path)
+    info, debug = _said(caplog)
+    assert info == [
+        f"no checkpoint in {checkpoints}: starting fresh",
+        f"finished: 3 epochs, 15 optimizer steps; {final}",
+    ]
+    assert (checkpoints / "step-000000045" / "manifest.json").is_file()
+    # The details, for a user who asks for them (logging.DEBUG).
+    assert any(x.startswith("started fresh, first step after ") for x in debug), debug
+    assert "checkpoint interval 2.0 s (auto: the first save measures its cost)" in debug, debug
+
+    run(tmp_path)  # the same command again: nothing to train
+    info, debug = _said(caplog)
+    assert info == [
+        f"already complete: 3 epochs, 15 optimizer steps; {final}; nothing to train (raise "
+        "max_epochs or max_steps to train on, or train in a new directory)"
+    ]
+    assert not any("first step after" in x for x in debug), debug  # no step was taken
+
+    run(tmp_path, epochs=4)  # more epochs: it resumes, and ends anew
+    info, _ = _said(caplog)
+    assert info[0] == (
+        f"resumed from checkpoint {checkpoints / 'step-000000045'} (epoch 3, train batch 0, "
+        "optimizer step 15)"
+    )
+    assert info[1].startswith("resumed, first step after "), info  # what the restart cost
+    assert info[2:] == [
+        f"finished: 4 epochs, 20 optimizer steps; final checkpoint {checkpoints / 'step-000000060'}"
+    ]
+
+
+def test_a_preempted_then_resumed_run_says_where_and_how_it_ends(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG, logger="unbroken")
+    checkpoints = tmp_path / "checkpoints"
+    with pytest.raises(SystemExit):
+        run(tmp_path, callbacks=[SignalAt("train", 7)])
+    info, _ = _said(caplog)
+    assert info[0] == f"no checkpoint in {checkpoints}: starting fresh"
+    assert re.fullmatch(
+        r"SIGTERM received; checkpoint at epoch 0, train batch 7, optimizer step 3 committed "
+        rf"\d+\.\d+ s after the signal; exiting with {EXIT_CODE} to be requeued",
+        info[1],
+    ), info
+    assert len(info) == 2, info
+    run(tmp_path, max_steps=12)  # stops inside epoch 2, which validates and ends
+    info, _ = _said(caplog)
+    assert info[0] == (
+        f"resumed from checkpoint {checkpoints / 'step-000000007'} (epoch 0, train batch 7, "
+        "optimizer step 3)"
+    )
+    assert info[1].startswith("resumed, first step after "), info
+    assert info[2:] == [
+        "finished: 3 epochs, 12 optimizer steps (max_steps=12 reached); final checkpoint "
+        f"{checkpoints / 'step-000000039'}"
+    ]
+    assert (checkpoints / "step-000000039" / "manifest.json").is_file()
+    run(tmp_path, max_steps=12)
+    info, _ = _said(caplog)
+    assert info == [
+        "already complete: 3 epochs, 12 optimizer steps (max_steps=12 reached); final "
+        f"checkpoint {checkpoints / 'step-000000039'}; nothing to train (raise max_epochs or "
+        "max_steps to train on, or train in a new directory)"
+    ]
+
+
+def test_a_run_whose_last_batch_was_saved_saves_its_end_and_a_rerun_finds_it_complete(
+    tmp_path, caplog
+):
+    # A periodic save after the last batch (here every 4th step of 4) is at the tick the end is
+    # at; the end itself (the epoch's loss logged, the next epoch) comes later, and is saved.
+    caplog.set_level(logging.INFO, logger="unbroken")
+    dataset = torch.utils.data.TensorDataset(torch.arange(16.0).reshape(8, 2))
+
+    def fit(log: list) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        trainer = unbroken.Trainer(
+            tmp_path,
+            max_epochs=1,
+            checkpoint_every_steps=4,
+            checkpoint_every_seconds=None,
+            callbacks=[Calls(log)],
+            progress_bar=False,
+            tensorboard=False,
+            signals=(),
+        )
+        trainer.fit(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            unbroken.DataLoader(dataset, batch_size=2, seed=0),
+            training_step=lambda model, batch: model(batch[0]).mean(),
+        )
+        return model.weight.detach().clone()
+
+    class Calls:
+        def __init__(self, log: list) -> None:
+            self.log = log
+
+        def on_epoch_end(self, trainer, logs) -> None:
+            self.log.append("on_epoch_end")
+
+    first: list = []
+    weight = fit(first)
+    final = tmp_path / "checkpoints" / "step-000000004"
+    assert _said(caplog)[0][-1] == f"finished: 1 epoch, 4 optimizer steps; final checkpoint {final}"
+    rerun: list = []
+    assert torch.equal(fit(rerun), weight)
+    assert _said(caplog)[0] == [
+        f"already complete: 1 epoch, 4 optimizer steps; final checkpoint {final}; nothing to "
+        "train (raise max_epochs or max_steps to train on, or train in a new directory)"
+    ]
+    assert first == ["on_epoch_end"] and rerun == []  # the epoch ended once

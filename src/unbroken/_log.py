@@ -1,7 +1,8 @@
 """The library's run messages: ``logging.getLogger("unbroken")``.
 
-The run's course (resumed from where, the checkpoint interval chosen, a preemption saved, the
-way to the first step) is logged at INFO; warnings stay ``warnings``. A user who configures
+The run's course (started or resumed from where, a preemption saved, how it finished) is logged
+at INFO, its details (the reasons of a checkpoint interval, a fresh start's way to its first
+step) at DEBUG; warnings stay ``warnings``. A user who configures
 nothing sees each message on stderr as ``unbroken: <message>``, flushed at once: a batch job's
 log shows it as it happens. A user who configures logging decides:
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypedDict, TypeGuard
 
 import torch
@@ -239,14 +239,19 @@ def through_dcp(
 
 
 def resume(
-    checkpointer: Checkpointer, entries: dict[str, Any], val_loader: Iterable | None, seed: int
+    checkpointer: Checkpointer,
+    entries: dict[str, Any],
+    val_loader: Iterable | None,
+    seed: int,
+    complete: Callable[[], bool] = lambda: False,
 ) -> Restored | None:
     """Restore ``entries`` from the newest valid checkpoint, if any, and say where the run starts.
 
     Refuses (before any training) a checkpoint taken inside the validation phase when this
     ``fit`` has no ``val_loader`` to finish it with. A checkpoint of another number of ranks
     has no RNG state for this rank: the process RNGs are seeded from ``seed``, the step and
-    the rank instead.
+    the rank instead. ``complete()``, asked once the checkpoint is restored, says that it left
+    nothing to train: the caller then says so, and this says nothing of where it resumed.
     """
     try:
         restored = checkpointer.load_latest(entries)
@@ -276,10 +281,13 @@ def resume(
         say(f"no checkpoint in {checkpointer.directory}: starting fresh{ranks}")
         return None
     saved = restored.world_size
+    if saved != world:
+        seed_everything(derive_key(seed % 2**64, progress.ticks, rank) % 2**63)
+    if complete():
+        return restored
     if saved == world:
         say(f"resumed from checkpoint {restored.path} ({progress.where()}){ranks}")
     else:
-        seed_everything(derive_key(seed % 2**64, progress.ticks, rank) % 2**63)
         say(
             f"resumed from checkpoint {restored.path} ({progress.where()}), saved by {saved} "
             f"rank{'s' * (saved > 1)}, on {world} rank{'s' * (world > 1)}: the same samples "

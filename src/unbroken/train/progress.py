@@ -16,6 +16,7 @@ reaches the host at the end of a phase and in ``state_dict`` (a checkpoint) only
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -230,12 +231,14 @@ def _mismatch(field: str, saved: Any, current: Any) -> StateMismatch:
     )
 
 
-def say(message: str, every_rank: bool = False) -> None:
+def say(message: str, every_rank: bool = False, level: int = logging.INFO) -> None:
     """Print a line about the run's course (resumed, preempted) for the job's log; in a
     data-parallel job, rank 0's only (every rank would print the same), unless ``every_rank``
-    (what one rank alone knows, such as a save for a rank that died)."""
+    (what one rank alone knows, such as a save for a rank that died). ``level``: DEBUG for
+    the details a user asks for (the reasons of an interval, a fresh start's phases)."""
     if every_rank or World.current().first:
-        logger.info(message)  # by default "unbroken: <message>" on stderr, flushed (``_log``)
+        # At INFO, shown by default as "unbroken: <message>" on stderr, flushed (``_log``).
+        logger.log(level, message)
 
 
 class _Bar:

@@ -24,9 +24,10 @@ restart's cost nor how long a background save takes to reach the disk changes th
   failures; before any failure, ``PRIOR_MTBF`` (4 hours: a node of a large GPU cluster, a spot
   instance), or the time lived if longer.
 
-The interval is printed with its reasons when a process first chooses it, and again only when
+The interval is logged with its reasons when a process first chooses it, and again only when
 its reasons change (a failure seen, the prior given up, a bound reached or left) or it moves by
-a factor of ``SAY_FACTOR`` (1.5) or more from the one last printed. The waste is flat around
+a factor of ``SAY_FACTOR`` (1.5) or more from the one last logged: at INFO once failures shaped
+it, at DEBUG before any (a first run's reasoning is a detail). The waste is flat around
 the optimum: at ``k`` times the best interval the time lost to saves and failures is
 ``(k + 1/k) / 2`` of the least, so within a factor of 1.5 it is at most 8% more (of a waste
 that is itself a few percent). A 10% rule printed noise: a run's first saves cost more (caches
@@ -36,6 +37,7 @@ are cold), so the median of the first few moved the interval 10-15% at each of t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import statistics
 import time
@@ -278,7 +280,10 @@ class AutoInterval:
     def _first(self) -> float:
         first = FIRST_SECONDS
         self._said = (first, ("first save",))
-        say(f"checkpoint interval {first:.1f} s (auto: the first save measures its cost)")
+        say(
+            f"checkpoint interval {first:.1f} s (auto: the first save measures its cost)",
+            level=logging.DEBUG,
+        )
         return first
 
     def _choose(self) -> float:
@@ -301,7 +306,8 @@ class AutoInterval:
             say(
                 f"checkpoint interval {interval:.1f} s ({bound}auto: a save blocks training "
                 f"{cost:.3f} s, the median of {len(self.costs)}; mean time between failures "
-                f"{mtbf:.0f} s, {seen})"
+                f"{mtbf:.0f} s, {seen})",
+                level=logging.INFO if failures else logging.DEBUG,
             )
         return interval
 

@@ -1,9 +1,10 @@
 """Where a process's time went from its start to its first training step, phase by phase.
 
-The Trainer prints it once the first batch is done (``unbroken: resumed, first step after
+The Trainer logs it once the first batch is done (``unbroken: resumed, first step after
 3.1 s: ...``): what a restart costs is the sum of these phases, and the ones a resume adds to a fresh
 start (finding, reading and restoring the checkpoint) are named apart from the interpreter's,
-the imports' and the user's own setup, so that a slow restart says where it is slow.
+the imports' and the user's own setup, so that a slow restart says where it is slow. A restart's
+line is at INFO; a fresh start's at DEBUG (its one INFO line says it starts fresh).
 
 The process's start is read from Linux's ``/proc`` (its age against the system's uptime, to
 10 ms); elsewhere the first phase is left out.
@@ -11,6 +12,7 @@ The process's start is read from Linux's ``/proc`` (its age against the system's
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -66,11 +68,13 @@ class Startup:
             self.mark("first batch")
 
     def first_step(self, resumed: bool) -> None:
-        """Called after every batch: after the first one's step, print the phases, once."""
+        """Called after every batch: after the first one's step, log the phases, once (at
+        INFO after a resume, what the restart cost; at DEBUG after a fresh start)."""
         if self.reported:
             return
         self.reported = True
         self.mark("first batch's step")
         phases = "; ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phases)
         how = "resumed" if resumed else "started fresh"
-        say(f"{how}, first step after {self.total():.2f} s: {phases}")
+        level = logging.INFO if resumed else logging.DEBUG
+        say(f"{how}, first step after {self.total():.2f} s: {phases}", level=level)

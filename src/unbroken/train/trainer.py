@@ -10,6 +10,7 @@ saves (``agreement``), rank 0 alone writes the logs, and when a rank dies a surv
 as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
 step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
 ``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
+At INFO, rank 0 says where the run starts and, at the end, how it ended (``ending``).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from .agreement import Agreement, Boundary, exit_if_preempted
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
 from .csvlog import RunLog
 from .determinism import determinism
+from .ending import NOTHING_TO_TRAIN, close, summary
 from .globalrng import TRAIN, VAL, seed_everything, seed_step
 from .hooks import call_hooks, check_loaders, hooks
 from .jit import JustInTime
 from .options import NAMES, TrainerKeywords, TrainerOptions, options_of
-from .progress import Progress, bar
+from .progress import Progress, bar, say
 from .rundir import RunDirectory
 from .saves import exit_preempted, save
 from .schedule import SaveSchedule
@@ -135,17 +137,19 @@ class Trainer:
                 self.run.open(self.options.remote_timeout)
                 try:
                     with self.run.locked(self.agreement, self.options.lease_seconds):
-                        self._fit(train_loader, val_loader)
+                        ending = self._fit(train_loader, val_loader)
                 finally:
                     self.run.close()
         finally:
             self.preemption.uninstall()  # also when fit() raised before its `with`
             if "jit" in self.__dict__:  # a survivor that saved for the job obeys torchrun now
                 self.jit.obey(self.preemption.received)
+        if ending:  # once the lock is released
+            say(ending)
         call_hooks(self.options.callbacks, "on_fit_end", self)
         return self.logs
 
-    def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
+    def _fit(self, train_loader: Iterable, val_loader: Iterable | None) -> str:
         self.startup.mark("run directory and its lock")
         self.run_log = RunLog(
             self.run,
@@ -173,9 +177,13 @@ class Trainer:
         )
         progress = self.progress
         try:
-            restored = resume(self.checkpointer, self.entries, val_loader, self.options.seed)
+            seed = self.options.seed
+            restored = resume(self.checkpointer, self.entries, val_loader, seed, self._done)
             self.resumed = restored is not None
             self.startup.resumed(restored.seconds if restored else {})
+            rerun = restored is not None and self._done()  # nothing trains, nothing is saved
+            if rerun:
+                say(f"already complete: {summary(self)}; {NOTHING_TO_TRAIN}")
             exit_if_preempted(self.agreement, self.preemption)
             if restored is None:
                 self.run_log.restart()
@@ -194,19 +202,22 @@ class Trainer:
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             try:
-                self._epochs(train_loader, val_loader)
+                if not rerun:
+                    self._epochs(train_loader, val_loader)
             except Exception as error:
                 self.jit.on_failure(error)  # a rank died: a survivor saves the last step
                 raise
             self.schedule.history.end("finished")
-        finally:
-            self.checkpointer.close()
-            self.run_log.close()
+        except BaseException as error:
+            close(self.checkpointer, self.run_log, error)  # never in the place of `error`
+            raise
+        close(self.checkpointer, self.run_log, None)
+        return "" if rerun else f"finished: {summary(self)}"  # the last line
 
     def _epochs(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         progress, jit = self.progress, self.jit
         jit.take()
-        while progress.epoch < self.options.max_epochs and not self._max_steps_reached():
+        while not self._done():
             if progress.phase == "train":
                 self._train_epoch(train_loader)
                 progress.phase = "val" if val_loader is not None else "end"
@@ -218,6 +229,7 @@ class Trainer:
             call_hooks(self.options.callbacks, "on_epoch_end", self, self.logs)
             progress.next_epoch()
             jit.take()
+        progress.saved_at = -1  # a save at this tick came before the end: the end is saved too
         save(self)
 
     def _train_epoch(self, loader: Iterable) -> None:
@@ -321,6 +333,9 @@ class Trainer:
 
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
+
+    def _done(self) -> bool:  # nothing left to train: max_epochs or max_steps reached
+        return self.progress.epoch >= self.options.max_epochs or self._max_steps_reached()
 
     def log(self, values: Mapping[str, Any], phase: str = "train") -> None:
         """Log scalars at the current step of ``phase`` (for callbacks): CSV, TensorBoard, logs.
