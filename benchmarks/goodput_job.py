@@ -217,7 +217,13 @@ def run_lightning(args: argparse.Namespace, events: Events, exact: bool) -> None
 
 
 def run_trainer(args: argparse.Namespace, events: Events) -> None:
+    import logging
+
     import unbroken
+
+    # goodput.py reads the Trainer's start-up breakdown and interval lines, which a fresh start
+    # logs at DEBUG.
+    logging.getLogger("unbroken").setLevel(logging.DEBUG)
 
     batch_ids: list = []  # the sample ids of the batch in the step, from training_step
 
