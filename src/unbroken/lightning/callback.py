@@ -23,6 +23,12 @@ the checkpoint. What else a resumed run needs, this callback adds:
   ``last.ckpt`` is saved where ``ckpt_path="last"`` loads it, and the process exits with 75.
   That place is the end of the signal's training step, or later: the optimizer step that ends a
   gradient accumulation window, the end of a validation after the batch, an epoch's end.
+  Where the run ends anyway (``trainer.should_stop`` set by ``EarlyStopping``, a ``Timer`` or
+  the user; ``max_steps`` or ``max_epochs`` reached) it saves nothing: the run finishes, exit 0.
+  So that the stop decided at a place is known before the save there, the callback runs after
+  every ``EarlyStopping`` and ``Timer`` (``setup`` moves it behind them), and waits past an
+  epoch's end where an ``EarlyStopping`` decides (Lightning calls it last there). A checkpoint
+  saved after a stop was decided keeps ``trainer.should_stop``; a run resumed from it stops.
 - **DDP on 3 or more ranks**: ``unbroken.distributed.exact_reduce`` registered on the strategy's
   model, so a resumed step sums its gradients as the uninterrupted one did.
 - **Whole checkpoints**: ``AtomicCheckpointIO``, installed unless the Trainer has a checkpoint
@@ -32,7 +38,8 @@ the checkpoint. What else a resumed run needs, this callback adds:
   a validation, inside an accumulation window); a torch ``DataLoader`` (its position is not
   saved, and a SIGTERM to the process group kills its workers before anything is saved); numpy
   or ``random`` draws after a resume that moved a loader between 0 and more workers
-  (``draws``).
+  (``draws``); a ``ModelCheckpoint`` that writes no checkpoint (``save_top_k=0`` without
+  ``save_last``).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, Timer
 
 from .._checks import is_int
 from ..data.epochs import EpochIterable
@@ -54,10 +61,11 @@ from ..distributed.world import World
 from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.globalrng import GlobalRNG
+from ..train.progress import say
 from . import draws, loops, restart
 from .advice import WHAT, Advice, resumed_inexactly
 from .io import AtomicCheckpointIO
-from .saved import VERSION, metrics, read_state, tensors
+from .saved import VERSION, metrics, read_state, stop_decided, tensors
 
 
 class ExactResume(Callback):
@@ -91,6 +99,8 @@ class ExactResume(Callback):
         self._saved_workers: dict[str, list[int]] | None = None  # the loaders' num_workers
         self._draws = draws.DrawWatch([])  # watches the steps if they changed across 0
         self._loader_states: list | None = None
+        self._stop_decided = False  # the checkpoint was saved after the run decided to stop
+        self._finishing = False  # preempted as the run ends: it finishes instead of saving
 
     @property
     def state_key(self) -> str:
@@ -104,8 +114,11 @@ class ExactResume(Callback):
             return
         self._trainer, self._agreement = trainer, Agreement()
         self._advice.first = self._agreement.world.first
+        self._finishing = False
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        _run_after_stop_deciders(trainer, self)
+        self._advice.writes_nothing(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Lightning's DDP on 3+ ranks: register sums that its bucket rebuild cannot change."""
@@ -133,7 +146,15 @@ class ExactResume(Callback):
             dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
         saved_at = self._place.to_state()
         workers = draws.worker_counts(trainer)
-        return {"version": VERSION, "ranks": ranks, "saved_at": saved_at, "workers": workers}
+        # Lightning saves no stop decision: a run resumed after one would train on.
+        should_stop = bool(trainer is not None and trainer.should_stop)
+        return {
+            "version": VERSION,
+            "ranks": ranks,
+            "saved_at": saved_at,
+            "workers": workers,
+            "should_stop": should_stop,
+        }
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -163,6 +184,7 @@ class ExactResume(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take this rank's generators and metrics, put back when training starts."""
         ranks, place, self._saved_workers = read_state(state_dict)
+        self._stop_decided = stop_decided(state_dict)
         here = World.current()
         rank, world = here.rank, here.size
         if len(ranks) != world:
@@ -191,6 +213,11 @@ class ExactResume(Callback):
             now = draws.worker_counts(trainer)
             self._draws = draws.DrawWatch(draws.crossed(self._saved_workers, now))
             self._saved_workers = None
+        if self._stop_decided:
+            # Set before Lightning's first check: where it may stop (min_epochs and min_steps
+            # met) the run ends at once, as the one that saved the checkpoint did.
+            trainer.should_stop, self._stop_decided = True, False
+            say("resumed from a checkpoint saved after the run decided to stop: it stops")
         if self._restore is not None:
             self._epoch_metrics_before = self._restore.get("epoch_metrics", [])
             GlobalRNG().load_state_dict(self._restore["rng"])
@@ -277,12 +304,14 @@ class ExactResume(Callback):
             loader.set_epoch(trainer.current_epoch)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Step plateau schedulers after a resume; save and exit here if preempted."""
+        """Step plateau schedulers after a resume; save and exit here if preempted, unless an
+        ``EarlyStopping`` decides after this hook (Lightning runs it last): then the save
+        waits for the next place, where its decision is known."""
         if trainer.fit_loop.restarting:  # the first epoch's end after a resume
             self._first_epoch_end_after_resume(trainer)
         self._place = loops.epoch_end_place(trainer)
-        if self._place.exact_but_for_counters:
-            self._stop_if_preempted(trainer)
+        if self._place.exact_but_for_counters and not loops.stop_decided_after_epoch_end(trainer):
+            self._stop_if_preempted(trainer, epoch_end=True)
 
     def _first_epoch_end_after_resume(self, trainer: Trainer) -> None:
         before: Any = self._batches_before_resume
@@ -297,16 +326,40 @@ class ExactResume(Callback):
         if missing:
             self._advice.plateau(missing)
 
-    def _stop_if_preempted(self, trainer: Trainer) -> None:
-        if self._agreement is None:
+    def _stop_if_preempted(self, trainer: Trainer, epoch_end: bool = False) -> None:
+        """Save ``last.ckpt`` and exit 75 if any rank was preempted, unless every rank's run
+        ends here (a stop decided, ``max_steps`` or ``max_epochs`` reached): it finishes as the
+        uninterrupted run does, and exits 0. One all-reduce of two ints under DDP."""
+        if self._agreement is None or self._finishing:
             return
-        (stop,) = self._agreement.any_of(self.preemption.requested)
+        ends = loops.ends_here(trainer, epoch_end)
+        stop, going_on = self._agreement.any_of(self.preemption.requested, not ends)
         if not stop:
+            return
+        if not going_on:
+            self._finishing = True
+            say("preempted as the run ends: it finishes instead of saving a checkpoint")
             return
         trainer.save_checkpoint(_last_path(trainer))  # on every rank: it gathers their states
         self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
         loops.keep_ignoring_after_teardown(trainer, self.preemption.signals)
         exit_to_be_requeued(destroy_groups=False)  # Lightning's teardown still uses them
+
+
+def _run_after_stop_deciders(trainer: Trainer, callback: ExactResume) -> None:
+    """Move ``callback`` behind every ``EarlyStopping`` and ``Timer`` in ``trainer.callbacks``
+    (a new list; the other callbacks keep their order): Lightning calls the callbacks' hooks in
+    that order, and a preemption save must come after their stop decision at the same place."""
+    callbacks = list(trainer.callbacks)
+    if not any(c is callback for c in callbacks):
+        return
+    mine = next(i for i, c in enumerate(callbacks) if c is callback)
+    deciders = [i for i, c in enumerate(callbacks) if isinstance(c, (EarlyStopping, Timer))]
+    if not deciders or deciders[-1] < mine:
+        return
+    callbacks.insert(deciders[-1] + 1, callback)
+    del callbacks[mine]
+    trainer.callbacks = callbacks
 
 
 def _last_path(trainer: Trainer) -> str:
