@@ -396,6 +396,12 @@ PLACE = {
             "saved_at": PLACE,
             "workers": {"train": ["2"]},
         },
+        {
+            "version": 2,
+            "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}],
+            "saved_at": PLACE,
+            "should_stop": "yes",
+        },
     ],
 )
 def test_a_malformed_callback_state_is_refused(state):

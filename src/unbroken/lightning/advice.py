@@ -31,7 +31,8 @@ WHAT = "unbroken.lightning.ExactResume"
 AVOID = (
     "Weights and data stay exact unless what is skipped changes the training. To avoid it, save "
     "at validation ends, where Lightning resumes exactly: "
-    "ModelCheckpoint(save_on_train_epoch_end=False) without every_n_train_steps, with "
+    "ModelCheckpoint(save_on_train_epoch_end=False, save_last=True) without "
+    "every_n_train_steps, with "
     "val_check_interval setting how often. "
     "every_n_train_steps=n lands on an epoch's last batch every lcm(n, optimizer steps an "
     "epoch) steps, whatever n. ExactResume's own preemption save always waits for an exact place."
@@ -132,7 +133,7 @@ class Advice:
                     f"ModelCheckpoint(dirpath={callback.dirpath!r}) has save_top_k=0 and no "
                     "save_last: it writes no checkpoint, so a run killed (not preempted) starts "
                     "again from its beginning. Give it save_last=True: it writes last.ckpt "
-                    "where it saves, which ckpt_path=\"last\" resumes from (save_top_k=0 keeps "
+                    'where it saves, which ckpt_path="last" resumes from (save_top_k=0 keeps '
                     "no other checkpoint).",
                 )
 
