@@ -37,8 +37,9 @@ class Tiny(L.LightningModule):
     there at step ``signal_at``; ``stop_in_step``: the training step of step 10 sets
     ``trainer.should_stop``."""
 
-    def __init__(self, signal_in: str = "", signal_at: int = STOP_AT, stop_in_step=False):
+    def __init__(self, signal_in="", signal_at=STOP_AT, stop_in_step=False, floor=0.2):
         super().__init__()
+        self.floor = floor  # where val_loss stops improving
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2))
         self.head = torch.nn.Linear(8, 1)
         self.signal_in, self.signal_at, self.stop_in_step = signal_in, signal_at, stop_in_step
@@ -62,7 +63,7 @@ class Tiny(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         if self.signal_in == "validation" and self.global_step == self.signal_at:
             os.kill(os.getpid(), signal.SIGTERM)
-        self.log("val_loss", max(0.2, 1.0 - 0.1 * self.global_step))
+        self.log("val_loss", max(self.floor, 1.0 - 0.1 * self.global_step))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -125,21 +126,24 @@ def fit(
     signal_at: int = STOP_AT,
     ckpt_path: str | None = None,
     saver: ModelCheckpoint | None = None,
+    once_an_epoch: bool = False,
 ) -> tuple[int | None, L.Trainer, Tiny]:
     """Fit ``Tiny`` with the stop ``source`` and a SIGTERM at ``signal_in`` after step
-    ``signal_at``: (exit code: None if ``fit`` returned, the trainer, the model)."""
+    ``signal_at``: (exit code: None if ``fit`` returned, the trainer, the model).
+    ``once_an_epoch``: validate at each epoch's end only, over 4 epochs, ``val_loss`` improving
+    until step 6: an ``EarlyStopping`` then decides at the end of epoch 1 (step 12)."""
     before, after, stop_in_step = SOURCES[source]
     torch.manual_seed(0)  # the weights' initialization, and the generators the run starts with
     in_step = signal_in if signal_in in ("training_step", "validation") else ""
-    model = Tiny(in_step, signal_at, stop_in_step)
+    model = Tiny(in_step, signal_at, stop_in_step, floor=0.4 if once_an_epoch else 0.2)
     callbacks = [*before(), ExactResume(), *after()]
     if signal_in == "on_validation_end":
         callbacks.append(SignalAtValidationEnd(signal_at))
     saving = saver or ModelCheckpoint(root / "ckpt", save_top_k=0, save_last=True)
     trainer = L.Trainer(
         default_root_dir=root,
-        max_epochs=3,
-        val_check_interval=2,
+        max_epochs=4 if once_an_epoch else 3,
+        val_check_interval=1.0 if once_an_epoch else 2,
         num_sanity_val_steps=0,
         callbacks=[*callbacks, saving],
         enable_progress_bar=False,
@@ -176,12 +180,16 @@ def test_each_source_stops_the_uninterrupted_run_at_step_10(uninterrupted):
         assert step == (LAST if source == "none" else STOP_AT), source
 
 
-def end_of_preempted_run(tmp_path: Path, source: str, signal_in: str, signal_at: int):
+def end_of_preempted_run(
+    tmp_path: Path, source: str, signal_in: str, signal_at: int, once_an_epoch: bool = False
+):
     """(its exit code, its last step and weights; after a resume if it exited 75)."""
-    code, trainer, model = fit(tmp_path, source, signal_in, signal_at)
+    code, trainer, model = fit(tmp_path, source, signal_in, signal_at, once_an_epoch=once_an_epoch)
     if code == EXIT_CODE:  # saved on preemption: resume it, as the scheduler would
         last = tmp_path / "ckpt" / "last.ckpt"
-        resumed, trainer, model = fit(tmp_path / "resumed", source, ckpt_path=str(last))
+        resumed, trainer, model = fit(
+            tmp_path / "resumed", source, ckpt_path=str(last), once_an_epoch=once_an_epoch
+        )
         assert resumed is None
     return code, ended(trainer, model)
 
@@ -217,6 +225,21 @@ def test_a_sigterm_before_the_decision_still_saves_and_resumes_into_it(tmp_path,
     code, end = end_of_preempted_run(tmp_path, "early-stopping-after", "training_step", 8)
     assert code == EXIT_CODE
     assert_same_end(end, uninterrupted["early-stopping-after"], "SIGTERM at step 8")
+
+
+@pytest.mark.parametrize("place", ["training_step", "validation", "on_validation_end"])
+def test_an_early_stopping_deciding_at_the_epochs_end_is_waited_for(tmp_path, place):
+    # Validating once an epoch, EarlyStopping decides at on_train_epoch_end, where Lightning
+    # calls it after every other callback. A signal seen there (after ExactResume's check at
+    # the validation's end) was saved for before the decision: the run resumed from that epoch
+    # end trained on. Now the save waits; the run stops at step 12 and exits 0. A signal seen
+    # at the validation's end is saved there, before the decision, and the resumed run makes it.
+    code, trainer, model = fit(tmp_path / "whole", "early-stopping-after", once_an_epoch=True)
+    assert code is None and trainer.global_step == 2 * 6
+    reference = ended(trainer, model)
+    code, end = end_of_preempted_run(tmp_path, "early-stopping-after", place, 12, True)
+    assert_same_end(end, reference, f"SIGTERM in {place} before the epoch end's decision")
+    assert code == (None if place == "on_validation_end" else EXIT_CODE)
 
 
 @pytest.mark.parametrize("source", ["early-stopping-after", "timer", "user-callback"])
