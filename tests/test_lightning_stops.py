@@ -92,8 +92,8 @@ class StepTimer(Timer):
     """Lightning's ``Timer`` on a clock that reads the optimizer steps as seconds, so that it
     stops the run at step 10 every time (at its ``on_train_batch_end``)."""
 
-    def __init__(self) -> None:
-        super().__init__(duration=datetime.timedelta(seconds=STOP_AT), interval="step")
+    def __init__(self, at: int = STOP_AT) -> None:
+        super().__init__(duration=datetime.timedelta(seconds=at), interval="step")
         self.steps = 0
 
     def on_train_batch_end(self, trainer, *args, **kwargs):
@@ -113,6 +113,7 @@ SOURCES = {
     "early-stopping-after": (lambda: [], lambda: [early_stopping()], False),
     "early-stopping-before": (lambda: [early_stopping()], lambda: [], False),
     "timer": (lambda: [], lambda: [StepTimer()], False),
+    "timer-at-9": (lambda: [], lambda: [StepTimer(9)], False),  # no validation was due there
     "user-step": (lambda: [], lambda: [], True),
     "user-callback": (lambda: [UserStop()], lambda: [], False),
     "none": (lambda: [], lambda: [], False),
@@ -177,7 +178,7 @@ def uninterrupted(tmp_path_factory):
 
 def test_each_source_stops_the_uninterrupted_run_at_step_10(uninterrupted):
     for source, (step, _) in uninterrupted.items():
-        assert step == (LAST if source == "none" else STOP_AT), source
+        assert step == {"none": LAST, "timer-at-9": 9}.get(source, STOP_AT), source
 
 
 def end_of_preempted_run(
@@ -201,7 +202,7 @@ def assert_same_end(got, expected, what: str) -> None:
 
 
 @pytest.mark.parametrize("place", ["training_step", "validation", "on_validation_end"])
-@pytest.mark.parametrize("source", [s for s in SOURCES if s != "none"])
+@pytest.mark.parametrize("source", [s for s in SOURCES if s not in ("none", "timer-at-9")])
 def test_a_sigterm_where_the_run_decides_to_stop_ends_it_as_the_uninterrupted_run(
     tmp_path, uninterrupted, source, place
 ):
@@ -209,6 +210,15 @@ def test_a_sigterm_where_the_run_decides_to_stop_ends_it_as_the_uninterrupted_ru
     code, end = end_of_preempted_run(tmp_path, source, place, STOP_AT)
     assert_same_end(end, uninterrupted[source], f"{source}, SIGTERM in {place}")
     assert code is None, f"{source}, SIGTERM in {place}: exit {code}, though the run had ended"
+
+
+def test_a_timer_after_exact_resume_stops_the_run_before_its_save(tmp_path, uninterrupted):
+    # The Timer stops the run at step 9's on_train_batch_end, where no validation was due:
+    # ExactResume, before it in the callbacks, saved there and the resumed run stopped at 10.
+    # ExactResume now runs after it, and sees the run end.
+    code, end = end_of_preempted_run(tmp_path, "timer-at-9", "training_step", 9)
+    assert_same_end(end, uninterrupted["timer-at-9"], "SIGTERM in the Timer's step")
+    assert code is None
 
 
 @pytest.mark.parametrize("place", ["training_step", "validation"])
