@@ -350,7 +350,8 @@ def _run_after_stop_deciders(trainer: Trainer, callback: ExactResume) -> None:
     """Move ``callback`` behind every ``EarlyStopping`` and ``Timer`` in ``trainer.callbacks``
     (a new list; the other callbacks keep their order): Lightning calls the callbacks' hooks in
     that order, and a preemption save must come after their stop decision at the same place."""
-    callbacks = list(trainer.callbacks)
+    owner: Any = trainer  # Trainer.callbacks is public, set by Lightning outside its __init__
+    callbacks = list(owner.callbacks)
     if not any(c is callback for c in callbacks):
         return
     mine = next(i for i, c in enumerate(callbacks) if c is callback)
@@ -359,7 +360,7 @@ def _run_after_stop_deciders(trainer: Trainer, callback: ExactResume) -> None:
         return
     callbacks.insert(deciders[-1] + 1, callback)
     del callbacks[mine]
-    trainer.callbacks = callbacks
+    owner.callbacks = callbacks
 
 
 def _last_path(trainer: Trainer) -> str:

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 from .._checks import is_int
@@ -201,9 +200,8 @@ def stop_decided_after_epoch_end(trainer: Trainer) -> bool:
     would come before its decision. Its choice is resolved in its ``setup`` (validating once an
     epoch at its end); unknown, it is taken as deciding there."""
     return any(
-        isinstance(callback, EarlyStopping)
-        and getattr(callback, "_check_on_train_epoch_end", True) is not False
-        for callback in trainer.callbacks
+        getattr(callback, "_check_on_train_epoch_end", True) is not False
+        for callback in trainer.early_stopping_callbacks
     )
 
 
