@@ -23,11 +23,7 @@ the checkpoint. What else a resumed run needs, this callback adds:
   ``last.ckpt`` is saved where ``ckpt_path="last"`` loads it, and the process exits with 75.
   That place is the end of the signal's training step, or later: the optimizer step that ends a
   gradient accumulation window, the end of a validation after the batch, an epoch's end.
-  Where the run ends anyway (``trainer.should_stop`` set by ``EarlyStopping``, a ``Timer`` or
-  the user; ``max_steps`` or ``max_epochs`` reached) it saves nothing: the run finishes, exit 0.
-  So that the stop decided at a place is known before the save there, the callback runs after
-  every ``EarlyStopping`` and ``Timer`` (``setup`` moves it behind them), and waits past an
-  epoch's end where an ``EarlyStopping`` decides (Lightning calls it last there). A checkpoint
+  Where the run ends anyway, nothing is saved: it finishes, exit 0 (``stops``). A checkpoint
   saved after a stop was decided keeps ``trainer.should_stop``; a run resumed from it stops.
 - **DDP on 3 or more ranks**: ``unbroken.distributed.exact_reduce`` registered on the strategy's
   model, so a resumed step sums its gradients as the uninterrupted one did.
@@ -51,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, Timer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from .._checks import is_int
 from ..data.epochs import EpochIterable
@@ -62,7 +58,7 @@ from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.globalrng import GlobalRNG
 from ..train.progress import say
-from . import draws, loops, restart
+from . import draws, loops, restart, stops
 from .advice import WHAT, Advice, resumed_inexactly
 from .io import AtomicCheckpointIO
 from .saved import VERSION, metrics, read_state, stop_decided, tensors
@@ -117,7 +113,7 @@ class ExactResume(Callback):
         self._finishing = False
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        _run_after_stop_deciders(trainer, self)
+        stops.run_after_stop_deciders(trainer, self)
         self._advice.writes_nothing(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -148,13 +144,13 @@ class ExactResume(Callback):
         workers = draws.worker_counts(trainer)
         # Lightning saves no stop decision: a run resumed after one would train on.
         should_stop = bool(trainer is not None and trainer.should_stop)
-        return {
-            "version": VERSION,
-            "ranks": ranks,
-            "saved_at": saved_at,
-            "workers": workers,
-            "should_stop": should_stop,
-        }
+        return dict(
+            version=VERSION,
+            ranks=ranks,
+            saved_at=saved_at,
+            workers=workers,
+            should_stop=should_stop,
+        )
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -305,12 +301,11 @@ class ExactResume(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Step plateau schedulers after a resume; save and exit here if preempted, unless an
-        ``EarlyStopping`` decides after this hook (Lightning runs it last): then the save
-        waits for the next place, where its decision is known."""
+        ``EarlyStopping`` decides after this hook (``stops``)."""
         if trainer.fit_loop.restarting:  # the first epoch's end after a resume
             self._first_epoch_end_after_resume(trainer)
         self._place = loops.epoch_end_place(trainer)
-        if self._place.exact_but_for_counters and not loops.stop_decided_after_epoch_end(trainer):
+        if self._place.exact_but_for_counters and not stops.decided_after_epoch_end(trainer):
             self._stop_if_preempted(trainer, epoch_end=True)
 
     def _first_epoch_end_after_resume(self, trainer: Trainer) -> None:
@@ -332,7 +327,7 @@ class ExactResume(Callback):
         uninterrupted run does, and exits 0. One all-reduce of two ints under DDP."""
         if self._agreement is None or self._finishing:
             return
-        ends = loops.ends_here(trainer, epoch_end)
+        ends = stops.ends_here(trainer, epoch_end)
         stop, going_on = self._agreement.any_of(self.preemption.requested, not ends)
         if not stop:
             return
@@ -344,23 +339,6 @@ class ExactResume(Callback):
         self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
         loops.keep_ignoring_after_teardown(trainer, self.preemption.signals)
         exit_to_be_requeued(destroy_groups=False)  # Lightning's teardown still uses them
-
-
-def _run_after_stop_deciders(trainer: Trainer, callback: ExactResume) -> None:
-    """Move ``callback`` behind every ``EarlyStopping`` and ``Timer`` in ``trainer.callbacks``
-    (a new list; the other callbacks keep their order): Lightning calls the callbacks' hooks in
-    that order, and a preemption save must come after their stop decision at the same place."""
-    owner: Any = trainer  # Trainer.callbacks is public, set by Lightning outside its __init__
-    callbacks = list(owner.callbacks)
-    if not any(c is callback for c in callbacks):
-        return
-    mine = next(i for i, c in enumerate(callbacks) if c is callback)
-    deciders = [i for i, c in enumerate(callbacks) if isinstance(c, (EarlyStopping, Timer))]
-    if not deciders or deciders[-1] < mine:
-        return
-    callbacks.insert(deciders[-1] + 1, callback)
-    del callbacks[mine]
-    owner.callbacks = callbacks
 
 
 def _last_path(trainer: Trainer) -> str:

@@ -26,14 +26,10 @@ preemption only where Lightning goes on exactly, and warns when a checkpoint tak
 - ``prefetched``: how many batches Lightning's fetcher holds ahead of the training step (one,
   for a training loader without ``len()``): the loaders' states already count them;
 - ``epoch_counts``: the fit loop's epoch progress, which ``restart`` repairs after a resume.
-- ``ends_here``: whether the run trains no further step (a stop decided, ``max_steps`` or
-  ``max_epochs`` reached), where a preemption save would be for nothing; and
-  ``stop_decided_after_epoch_end``: whether an ``EarlyStopping`` decides after ``ExactResume``'s
-  ``on_train_epoch_end`` (Lightning runs it last there).
 
 Some of these read Lightning's private loop attributes (``fit_loop.epoch_loop``, its
 ``_should_check_val_fx`` and ``batch_progress``, ``fit_loop.epoch_progress``,
-``fit_loop._can_stop_early``, ``EarlyStopping._check_on_train_epoch_end``,
+
 ``fit_loop._data_fetcher``, ``fit_loop._combined_loader_states_to_load``); if a Lightning
 release renames the first four, ``LightningInternalsChanged`` says so rather than guessing.
 Each is a few attribute reads, once a batch.
@@ -171,38 +167,6 @@ def _ran_last_step(trainer: Trainer) -> bool:
     """Bounded by ``max_steps``, whether the run made its last step: a run resumed from here
     ends at once, without the end of the epoch the uninterrupted run still runs."""
     return 0 <= trainer.max_steps <= trainer.global_step
-
-
-def ends_here(trainer: Trainer, epoch_end: bool = False) -> bool:
-    """Whether Lightning trains no further step after this place (``epoch_end``: its
-    ``on_train_epoch_end``): a stop was decided (``trainer.should_stop``, by ``EarlyStopping``,
-    a ``Timer`` or the user) where Lightning may stop (``min_epochs`` and ``min_steps`` met),
-    ``max_steps`` is reached, or this is the last epoch's last batch or end (``max_epochs``).
-    A preemption save here would be for nothing: the run ends as the uninterrupted one does."""
-    try:
-        can_stop = bool(trainer.fit_loop._can_stop_early)
-        last_batch = epoch_end or bool(_epoch_loop(trainer).batch_progress.is_last_batch)
-    except AttributeError as error:
-        raise LightningInternalsChanged(
-            f"unbroken.lightning: Lightning {lightning_version()} has no {error.name!r} where "
-            "2.x has it (whether the fit may stop early); this release of unbroken cannot tell "
-            "whether a run ends. Use Lightning 2.4-2.6, or report it."
-        ) from error
-    if (trainer.should_stop and can_stop) or _ran_last_step(trainer):
-        return True
-    max_epochs = trainer.max_epochs
-    return last_batch and max_epochs is not None and 0 <= max_epochs <= trainer.current_epoch + 1
-
-
-def stop_decided_after_epoch_end(trainer: Trainer) -> bool:
-    """Whether an ``EarlyStopping`` decides at the training epoch's end: Lightning runs it after
-    the other callbacks' ``on_train_epoch_end`` (``ExactResume``'s), so a preemption save there
-    would come before its decision. Its choice is resolved in its ``setup`` (validating once an
-    epoch at its end); unknown, it is taken as deciding there."""
-    return any(
-        getattr(callback, "_check_on_train_epoch_end", True) is not False
-        for callback in trainer.early_stopping_callbacks
-    )
 
 
 def epoch_end_place(trainer: Trainer) -> Place:
