@@ -128,6 +128,7 @@ def fit(
     ckpt_path: str | None = None,
     saver: ModelCheckpoint | None = None,
     once_an_epoch: bool = False,
+    **options,
 ) -> tuple[int | None, L.Trainer, Tiny]:
     """Fit ``Tiny`` with the stop ``source`` and a SIGTERM at ``signal_in`` after step
     ``signal_at``: (exit code: None if ``fit`` returned, the trainer, the model).
@@ -150,6 +151,7 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         logger=False,
+        **options,
     )
     code = None
     with warnings.catch_warnings():
@@ -227,6 +229,16 @@ def test_a_sigterm_in_the_last_step_lets_the_run_finish(tmp_path, uninterrupted,
     # complete, and a requeue would run it once for nothing.
     code, end = end_of_preempted_run(tmp_path, "none", place, LAST)
     assert_same_end(end, uninterrupted["none"], f"SIGTERM in the last step's {place}")
+    assert code is None
+
+
+def test_a_sigterm_in_the_last_step_of_limited_epochs_lets_the_run_finish(tmp_path):
+    # limit_train_batches=3: the epoch's last batch is not its loader's; the run still ends.
+    code, trainer, model = fit(tmp_path / "whole", "none", limit_train_batches=3)
+    assert code is None and trainer.global_step == 9
+    reference = ended(trainer, model)
+    code, trainer, model = fit(tmp_path, "none", "training_step", 9, limit_train_batches=3)
+    assert_same_end(ended(trainer, model), reference, "SIGTERM in the last limited step")
     assert code is None
 
 
