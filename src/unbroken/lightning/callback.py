@@ -124,6 +124,7 @@ class ExactResume(Callback):
         """Put back the signal handlers; a later ``validate()`` or fit is not this resume."""
         self.preemption.uninstall()
         self._draws = draws.DrawWatch([])  # a later validate() or fit is not this resume
+        self._stop_decided = False  # nor is a checkpoint loaded by validate()
 
     # What the checkpoint holds.
     def state_dict(self) -> dict[str, Any]:
@@ -144,13 +145,8 @@ class ExactResume(Callback):
         workers = draws.worker_counts(trainer)
         # Lightning saves no stop decision: a run resumed after one would train on.
         should_stop = bool(trainer is not None and trainer.should_stop)
-        return dict(
-            version=VERSION,
-            ranks=ranks,
-            saved_at=saved_at,
-            workers=workers,
-            should_stop=should_stop,
-        )
+        state = dict(version=VERSION, ranks=ranks, saved_at=saved_at, workers=workers)
+        return {**state, "should_stop": should_stop}
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
