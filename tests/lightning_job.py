@@ -25,19 +25,20 @@ states go to ``OUT/final.pt``.
   1 over the whole run); ``--signal-at B`` sends SIGTERM to the whole process group there, as a
   scheduler does (with ``--signal-rank R``, to rank R's process alone).
 - ``--sweep saves``: in this one process, the uninterrupted run (``OUT/whole``) saving a
-  checkpoint at every place Lightning can save one (every training batch's end, every
-  validation's end, every training epoch's end: ``OUT/whole/cuts/NNN-hook.ckpt``), then a run
-  resumed from each of them (``OUT/runs/NNN-hook/resumed``; ``--first kinds``: from the first
-  of each kind of place only). ``--sweep signals``: the same with a run sent SIGTERM at the end
-  of each training batch (``OUT/runs/signal-BBB/signalled``), then resumed from the
-  ``last.ckpt`` it saved. ``--resumes R``: each resumed run saves everywhere too, numbering on
-  from its checkpoint, and is resumed in turn from the first checkpoint of each kind it saved
-  (``OUT/runs/NNN-hook+MMM-hook``), R resumes in a row. ``--resume-workers N``: the resumed
-  runs with N workers. Each checkpoint holds the number of records written before it;
-  ``OUT/runs/NAME/about.json`` has it, the run it resumed from, the step, where ``ExactResume``
-  says it was saved and the warnings unbroken gave. A resumed run is exact if the records of the
-  run it resumed from before the cut followed by its own are that run's records, and its final
-  states are that run's.
+  checkpoint at every place Lightning can save one (every training batch's end, every validation's
+  end, every training epoch's end: ``OUT/whole/cuts/NNN-hook.ckpt``), then a run resumed from each
+  of them (``OUT/runs/NNN-hook/resumed``; ``--first kinds``: from the first of each kind of place
+  only). ``--sweep signals``: the same with a run sent SIGTERM at the end of each training batch
+  (``OUT/runs/signal-BBB/signalled``), then resumed from the ``last.ckpt`` it saved; a signalled
+  run that ends without saving (exit 0: it had nothing left to train) is itself
+  ``OUT/runs/signal-BBB/resumed``, with ``"finished": true``. ``--resumes R``: each resumed run
+  saves everywhere too, numbering on from its checkpoint, and is resumed in turn from the first
+  checkpoint of each kind it saved (``OUT/runs/NNN-hook+MMM-hook``), R resumes in a row.
+  ``--resume-workers N``: the resumed runs with N workers. Each checkpoint holds the number of
+  records written before it; ``OUT/runs/NAME/about.json`` has it, the run it resumed from, the
+  step, where ``ExactResume`` says it was saved and the warnings unbroken gave. A resumed run is
+  exact if the records of the run it resumed from before the cut followed by its own are that
+  run's records, and its final states are that run's.
 """
 
 from __future__ import annotations
@@ -227,7 +228,11 @@ class Interrupt(L.Callback):
         self.args = args
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        done = trainer.current_epoch * trainer.num_training_batches + batch_idx + 1
+        per_epoch = trainer.num_training_batches
+        if per_epoch == float("inf"):  # a training set without len(): Lightning's own count
+            done = trainer.fit_loop.epoch_loop.total_batch_idx + 1
+        else:
+            done = trainer.current_epoch * per_epoch + batch_idx + 1
         if done == self.args.kill_at and trainer.global_rank == self.args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         if done == self.args.signal_at and self.args.signal_rank >= 0:
@@ -353,6 +358,8 @@ def resume(args, out: Path, parent: str, name: str, cut, depth: int) -> None:
     deeper = depth < args.resumes
     changed = {**vars(args), "workers": args.resume_workers}
     resumed_args = argparse.Namespace(**changed) if args.resume_workers >= 0 else args
+    finished = False
+    resumed = run / "resumed"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if isinstance(cut, int):  # a run signalled at the end of batch `cut`, saving last.ckpt
@@ -360,16 +367,19 @@ def resume(args, out: Path, parent: str, name: str, cut, depth: int) -> None:
             first.mkdir(parents=True)
             try:
                 fit(argparse.Namespace(**{**vars(args), "signal_at": cut}), first, None)
-                cut = None  # the run ended before it could save: nothing to resume
+                # It ended (exit 0) before a place to save: the whole run, nothing to resume.
+                finished, cut = True, None
+                first.rename(resumed)
             except SystemExit as stop:
                 assert stop.code == 75, stop.code
                 cut = first / "ckpt" / "last.ckpt"
-        resumed = run / "resumed"
-        resumed.mkdir(parents=True)
         saved = torch.load(cut, weights_only=False) if cut is not None else {}
-        extra = (SaveEverywhere(resumed / "cuts"),) if deeper else ()
-        fit(resumed_args, resumed, None if cut is None else str(cut), extra)
+        if not finished:
+            resumed.mkdir(parents=True)
+            extra = (SaveEverywhere(resumed / "cuts"),) if deeper else ()
+            fit(resumed_args, resumed, None if cut is None else str(cut), extra)
     about = {
+        "finished": finished,
         "parent": parent,
         "records_before": saved.get("records_before", 0),
         "global_step": saved.get("global_step", 0),

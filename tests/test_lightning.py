@@ -275,6 +275,19 @@ def test_ddp_a_signal_on_one_rank_is_agreed_and_every_rank_saves_and_exits_75(tm
     assert len(state["ranks"]) == 2
 
 
+def test_ddp_a_signal_on_one_rank_in_the_last_step_lets_every_rank_finish(tmp_path):
+    # SIGTERM reaches rank 1 alone in the run's last step (batch 18 of 6 an epoch per rank, 3
+    # epochs; Lightning validates after it): the run is complete at that validation's end. The
+    # ranks agree that it ends there, save nothing and exit 0; a requeue would be for nothing.
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    stderr = run(cut, "--signal-at", "18", "--signal-rank", "1", devices=2)
+    assert "preempted as the run ends: it finishes instead of saving" in stderr
+    assert (cut / "final.pt").exists()
+    saved = torch.load(cut / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 15  # ModelCheckpoint's (every 5 steps): none at 18
+
+
 # The parts, without a training run.
 
 
@@ -395,6 +408,12 @@ PLACE = {
             "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}],
             "saved_at": PLACE,
             "workers": {"train": ["2"]},
+        },
+        {
+            "version": 2,
+            "ranks": [{"rng": {}, "metrics": {}, "epoch_metrics": []}],
+            "saved_at": PLACE,
+            "should_stop": "yes",
         },
     ],
 )

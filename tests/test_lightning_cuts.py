@@ -114,6 +114,7 @@ class Resumed:
     global_step: int
     warnings: list[str]  # ExactResume's, as the checkpoint loaded and the run went on
     records: list[dict]  # the resumed run's own
+    finished: bool = False  # signalled where the run ends: it finished (exit 0), saving nothing
 
     @property
     def place_exact(self) -> bool:
@@ -165,7 +166,9 @@ def outcomes(sweeps, name: str) -> tuple[list[dict], list[Resumed]]:
         # where Lightning does not resume exactly too (last.ckpt at an epoch's end, before the
         # ReduceLROnPlateau step; once inside an accumulation window after a resume).
         ours = [w for w in about["warnings"] if "ExactResume" in w and "is being saved" not in w]
-        resumed.append(Resumed(run.name, exact, saved_at, about["global_step"], ours, own))
+        finished = about.get("finished", False)
+        step = about["global_step"]
+        resumed.append(Resumed(run.name, exact, saved_at, step, ours, own, finished))
     assert resumed
     return whole, resumed
 
@@ -242,6 +245,13 @@ def test_a_preemption_signal_in_any_training_step_resumes_exactly(sweeps):
     for r in resumed:
         assert r.exact and not r.warnings, (r.name, r.warnings)
         batch = batch_of(r)
+        # In the run's last step, or in the step before (acted on after the last): the run ends
+        # there anyway, and finishes (exit 0) instead of saving for a requeue that has nothing
+        # left to train.
+        assert r.finished == (batch >= 3 * PER_EPOCH - 1), r.name
+        if r.finished:
+            assert not r.saved_at
+            continue
         # Saved at the end of the next step, except when Lightning validates after it (then at
         # that validation's end) and at an epoch's last batch (its validation's end).
         if batch % PER_EPOCH in (5, 11):
@@ -263,7 +273,10 @@ def test_epoch_end_checkpoints_without_validation(sweeps):
     _, signalled = outcomes(sweeps, "no-val-signals")
     for r in signalled:
         assert r.exact and not r.warnings, (r.name, r.warnings)
-        if batch_of(r) % PER_EPOCH == 0:  # a signal in an epoch's last step: saved at its end
+        assert r.finished == (batch_of(r) >= 2 * PER_EPOCH - 1), r.name  # the run's end
+        if (
+            batch_of(r) % PER_EPOCH == 0 and not r.finished
+        ):  # a signal in an epoch's last step: saved at its end
             assert r.saved_at["hook"] == "train_epoch_end"
 
 
@@ -274,6 +287,10 @@ def test_a_signal_inside_an_accumulation_window_waits_for_its_optimizer_step(swe
         assert r.exact and not r.warnings, (r.name, r.warnings)
         # Windows of 3 batches; validation after the 6th and 12th batch of an epoch.
         batch = batch_of(r)
+        # Acted on at the last window's step (batch 24, the run's last): the run finishes.
+        assert r.finished == (batch > 2 * PER_EPOCH - 3 - 1), r.name
+        if r.finished:
+            continue
         if batch % 6 == 0:  # a window's end, before a validation: at that validation's end
             assert r.saved_at["hook"] == "validation_end" and r.global_step == batch // 3
             continue
@@ -316,6 +333,9 @@ def test_a_training_set_without_len_is_prefetched_by_lightning(sweeps):
     for r in signalled:
         assert r.exact, r.name
         assert not r.warnings, r.warnings
+        # Signalled in every step (the job counts the batches of a stream too); saved but in
+        # the last two steps, where the run ends.
+        assert r.finished == (batch_of(r) >= 2 * PER_EPOCH - 1), r.name
 
 
 def test_epoch_level_training_metrics_after_a_mid_epoch_resume_are_said_to_be_partial(sweeps):

@@ -15,6 +15,7 @@ with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckp
 - ``advice``: its warnings where exactness is out of its hands, and what to do instead.
 - ``loops``: what it reads of Lightning's loops: where a checkpoint would resume exactly.
 - ``restart``: what it changes in them after a resume.
+- ``stops``: where a run stops: a preempted run that ends anyway finishes (exit 0).
 - ``draws``: steps drawing from numpy or ``random`` after a resume with other worker counts.
 - ``saved``: what it keeps in Lightning's checkpoint.
 - ``io``: ``AtomicCheckpointIO``, checkpoint files written whole or not at all.

@@ -9,7 +9,9 @@ do instead. Each kind of warning is given once per callback, by the first rank o
   group kills their workers before anything is saved;
 - epoch-level values and ``ReduceLROnPlateau`` monitors that a resume leaves short;
 - numpy or ``random`` draws after a resume that moved a loader between 0 and more workers
-  (``draws``).
+  (``draws``);
+- a ``ModelCheckpoint`` that writes no checkpoint at all (``save_top_k=0`` without
+  ``save_last``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ..data.loader import DataLoader
 from . import loops
@@ -28,7 +31,8 @@ WHAT = "unbroken.lightning.ExactResume"
 AVOID = (
     "Weights and data stay exact unless what is skipped changes the training. To avoid it, save "
     "at validation ends, where Lightning resumes exactly: "
-    "ModelCheckpoint(save_on_train_epoch_end=False) without every_n_train_steps, with "
+    "ModelCheckpoint(save_on_train_epoch_end=False, save_last=True) without "
+    "every_n_train_steps, with "
     "val_check_interval setting how often. "
     "every_n_train_steps=n lands on an epoch's last batch every lcm(n, optimizer steps an "
     "epoch) steps, whatever n. ExactResume's own preemption save always waits for an exact place."
@@ -117,6 +121,21 @@ class Advice:
             f"the checkpoint: its metric {missing} is not available after the resume (an epoch "
             "aggregate of training batches run before it). Monitor a validation metric.",
         )
+
+    def writes_nothing(self, trainer: Trainer) -> None:
+        """A ``ModelCheckpoint`` with ``save_top_k=0`` and no ``save_last`` never writes a file."""
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint):
+                continue
+            if callback.save_top_k == 0 and not callback.save_last:
+                self.once(
+                    "writes-nothing",
+                    f"ModelCheckpoint(dirpath={callback.dirpath!r}) has save_top_k=0 and no "
+                    "save_last: it writes no checkpoint, so a run killed (not preempted) starts "
+                    "again from its beginning. Give it save_last=True: it writes last.ckpt "
+                    'where it saves, which ckpt_path="last" resumes from (save_top_k=0 keeps '
+                    "no other checkpoint).",
+                )
 
     def draws(self, said: str | None) -> None:
         if said is not None:

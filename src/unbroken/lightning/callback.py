@@ -23,6 +23,8 @@ the checkpoint. What else a resumed run needs, this callback adds:
   ``last.ckpt`` is saved where ``ckpt_path="last"`` loads it, and the process exits with 75.
   That place is the end of the signal's training step, or later: the optimizer step that ends a
   gradient accumulation window, the end of a validation after the batch, an epoch's end.
+  Where the run ends anyway, nothing is saved: it finishes, exit 0 (``stops``). A checkpoint
+  saved after a stop was decided keeps ``trainer.should_stop``; a run resumed from it stops.
 - **DDP on 3 or more ranks**: ``unbroken.distributed.exact_reduce`` registered on the strategy's
   model, so a resumed step sums its gradients as the uninterrupted one did.
 - **Whole checkpoints**: ``AtomicCheckpointIO``, installed unless the Trainer has a checkpoint
@@ -32,7 +34,8 @@ the checkpoint. What else a resumed run needs, this callback adds:
   a validation, inside an accumulation window); a torch ``DataLoader`` (its position is not
   saved, and a SIGTERM to the process group kills its workers before anything is saved); numpy
   or ``random`` draws after a resume that moved a loader between 0 and more workers
-  (``draws``).
+  (``draws``); a ``ModelCheckpoint`` that writes no checkpoint (``save_top_k=0`` without
+  ``save_last``).
 """
 
 from __future__ import annotations
@@ -54,10 +57,11 @@ from ..distributed.world import World
 from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.globalrng import GlobalRNG
-from . import draws, loops, restart
+from ..train.progress import say
+from . import draws, loops, restart, stops
 from .advice import WHAT, Advice, resumed_inexactly
 from .io import AtomicCheckpointIO
-from .saved import VERSION, metrics, read_state, tensors
+from .saved import VERSION, metrics, read_state, stop_decided, tensors
 
 
 class ExactResume(Callback):
@@ -91,6 +95,8 @@ class ExactResume(Callback):
         self._saved_workers: dict[str, list[int]] | None = None  # the loaders' num_workers
         self._draws = draws.DrawWatch([])  # watches the steps if they changed across 0
         self._loader_states: list | None = None
+        self._stop_decided = False  # the checkpoint was saved after the run decided to stop
+        self._finishing = False  # preempted as the run ends: it finishes instead of saving
 
     @property
     def state_key(self) -> str:
@@ -104,8 +110,11 @@ class ExactResume(Callback):
             return
         self._trainer, self._agreement = trainer, Agreement()
         self._advice.first = self._agreement.world.first
+        self._finishing = False
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's own
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        stops.run_after_stop_deciders(trainer, self)
+        self._advice.writes_nothing(trainer)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Lightning's DDP on 3+ ranks: register sums that its bucket rebuild cannot change."""
@@ -115,6 +124,7 @@ class ExactResume(Callback):
         """Put back the signal handlers; a later ``validate()`` or fit is not this resume."""
         self.preemption.uninstall()
         self._draws = draws.DrawWatch([])  # a later validate() or fit is not this resume
+        self._stop_decided = False  # nor is a checkpoint loaded by validate()
 
     # What the checkpoint holds.
     def state_dict(self) -> dict[str, Any]:
@@ -133,7 +143,10 @@ class ExactResume(Callback):
             dist.all_gather_object(ranks, mine)  # Lightning writes rank 0's checkpoint only
         saved_at = self._place.to_state()
         workers = draws.worker_counts(trainer)
-        return {"version": VERSION, "ranks": ranks, "saved_at": saved_at, "workers": workers}
+        # Lightning saves no stop decision: a run resumed after one would train on.
+        should_stop = bool(trainer is not None and trainer.should_stop)
+        state = dict(version=VERSION, ranks=ranks, saved_at=saved_at, workers=workers)
+        return {**state, "should_stop": should_stop}
 
     def on_save_checkpoint(
         self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
@@ -163,6 +176,7 @@ class ExactResume(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Take this rank's generators and metrics, put back when training starts."""
         ranks, place, self._saved_workers = read_state(state_dict)
+        self._stop_decided = stop_decided(state_dict)
         here = World.current()
         rank, world = here.rank, here.size
         if len(ranks) != world:
@@ -191,6 +205,11 @@ class ExactResume(Callback):
             now = draws.worker_counts(trainer)
             self._draws = draws.DrawWatch(draws.crossed(self._saved_workers, now))
             self._saved_workers = None
+        if self._stop_decided:
+            # Set before Lightning's first check: where it may stop (min_epochs and min_steps
+            # met) the run ends at once, as the one that saved the checkpoint did.
+            trainer.should_stop, self._stop_decided = True, False
+            say("resumed from a checkpoint saved after the run decided to stop: it stops")
         if self._restore is not None:
             self._epoch_metrics_before = self._restore.get("epoch_metrics", [])
             GlobalRNG().load_state_dict(self._restore["rng"])
@@ -277,12 +296,13 @@ class ExactResume(Callback):
             loader.set_epoch(trainer.current_epoch)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Step plateau schedulers after a resume; save and exit here if preempted."""
+        """Step plateau schedulers after a resume; save and exit here if preempted, unless an
+        ``EarlyStopping`` decides after this hook (``stops``)."""
         if trainer.fit_loop.restarting:  # the first epoch's end after a resume
             self._first_epoch_end_after_resume(trainer)
         self._place = loops.epoch_end_place(trainer)
-        if self._place.exact_but_for_counters:
-            self._stop_if_preempted(trainer)
+        if self._place.exact_but_for_counters and not stops.decided_after_epoch_end(trainer):
+            self._stop_if_preempted(trainer, epoch_end=True)
 
     def _first_epoch_end_after_resume(self, trainer: Trainer) -> None:
         before: Any = self._batches_before_resume
@@ -297,11 +317,19 @@ class ExactResume(Callback):
         if missing:
             self._advice.plateau(missing)
 
-    def _stop_if_preempted(self, trainer: Trainer) -> None:
-        if self._agreement is None:
+    def _stop_if_preempted(self, trainer: Trainer, epoch_end: bool = False) -> None:
+        """Save ``last.ckpt`` and exit 75 if any rank was preempted, unless every rank's run
+        ends here (a stop decided, ``max_steps`` or ``max_epochs`` reached): it finishes as the
+        uninterrupted run does, and exits 0. One all-reduce of two ints under DDP."""
+        if self._agreement is None or self._finishing:
             return
-        (stop,) = self._agreement.any_of(self.preemption.requested)
+        ends = stops.ends_here(trainer, epoch_end)
+        stop, going_on = self._agreement.any_of(self.preemption.requested, not ends)
         if not stop:
+            return
+        if not going_on:
+            self._finishing = True
+            say("preempted as the run ends: it finishes instead of saving a checkpoint")
             return
         trainer.save_checkpoint(_last_path(trainer))  # on every rank: it gathers their states
         self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now

@@ -29,6 +29,7 @@ preemption only where Lightning goes on exactly, and warns when a checkpoint tak
 
 Some of these read Lightning's private loop attributes (``fit_loop.epoch_loop``, its
 ``_should_check_val_fx`` and ``batch_progress``, ``fit_loop.epoch_progress``,
+
 ``fit_loop._data_fetcher``, ``fit_loop._combined_loader_states_to_load``); if a Lightning
 release renames the first four, ``LightningInternalsChanged`` says so rather than guessing.
 Each is a few attribute reads, once a batch.

@@ -1,11 +1,12 @@
 """What ``ExactResume`` keeps in Lightning's checkpoint, and its check on load.
 
 ``{"version": 2, "ranks": [{"rng": ..., "metrics": ..., "epoch_metrics": ...} per rank],
-"saved_at": loops.Place.to_state(), "workers": {"train": [2], "val": [0]}}``: each rank's
-generator states (``GlobalRNG``), its ``trainer.callback_metrics`` as plain scalars with their
-dtype, the training step's epoch aggregates, the place in the loop the checkpoint was taken at,
-and the loaders' ``num_workers`` (``draws``). Version 1 (the generators only) still loads, and
-so do version 2 states saved before ``workers`` and the later places' fields were added.
+"saved_at": loops.Place.to_state(), "workers": {"train": [2], "val": [0]}, "should_stop":
+false}``: each rank's generator states (``GlobalRNG``), its ``trainer.callback_metrics`` as plain
+scalars with their dtype, the training step's epoch aggregates, the place in the loop the
+checkpoint was taken at, the loaders' ``num_workers`` (``draws``), and ``trainer.should_stop``
+(which Lightning does not save). Version 1 (the generators only) still loads, and so do version
+2 states saved before ``workers``, ``should_stop`` and the later places' fields were added.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def read_state(state: Any) -> tuple[list[dict], dict | None, dict[str, list[int]
             f"{str(state)[:200]}"
         )
     return ranks, place, workers
+
+
+def stop_decided(state: dict[str, Any]) -> bool:
+    """Whether the run had decided to stop (``trainer.should_stop``) when the state was saved;
+    False for a state saved before it was kept.
+
+    Raises:
+        CorruptState: ``should_stop`` is there and not a bool.
+    """
+    decided = state.get("should_stop", False)
+    if not isinstance(decided, bool):
+        raise CorruptState(f"{_WHAT} state: 'should_stop' must be a bool, got {decided!r}")
+    return decided
 
 
 def _worker_counts(workers: Any) -> bool:
