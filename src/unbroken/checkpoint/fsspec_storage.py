@@ -95,15 +95,17 @@ class FsspecStorage(Storage):
         self._fs: Any = None
         self._pid = -1
         self._last: tuple[str, bytes] | None = None  # the last object read, whole
+        self._listed: dict[str, set[str]] = {}  # checkpoint -> the sha256s its manifest lists
         self.sent = self.received = 0  # bytes uploaded and downloaded by this process
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("_fs", "_pid", "_last", "sent", "received")
+        skip = ("_fs", "_pid", "_last", "_listed", "sent", "received")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._pid, self._last = None, -1, None
+        self._listed = {}
         self.sent = self.received = 0
 
     @property
@@ -219,6 +221,7 @@ class FsspecStorage(Storage):
     def write(self, path: str, fill: Callable[[BinaryIO], object]) -> Digest:
         self._fenced()
         self._last = None
+        self._listed.pop(path.rpartition("/")[0], None)  # a new manifest lists other files
         self.copies.known.pop(path, None)
         return self._call(
             "upload",
@@ -254,7 +257,8 @@ class FsspecStorage(Storage):
 
     def prune_cache(self, kept: list[str]) -> None:
         """Delete the local copies that no kept checkpoint lists; the rest stay for a restart
-        on this machine. The writer calls it once old checkpoints are dropped.
+        on this machine. The writer calls it once old checkpoints are dropped. Each kept
+        checkpoint's manifest is read once by this process (a new manifest of it, again).
 
         Args:
             kept: The kept checkpoints' directories; their manifests' sha256s are kept.
@@ -264,17 +268,22 @@ class FsspecStorage(Storage):
         listed: set[str] = set()
         try:
             for path in kept:
-                manifest = join(path, MANIFEST)
-                data = self._call("download", manifest, partial(download, self.fs, manifest))
-                listed.update(spec.get("sha256") for spec in json.loads(data)["files"].values())
+                if path not in self._listed:  # each manifest read once: a save's requests
+                    manifest = join(path, MANIFEST)  # do not grow with the checkpoints kept
+                    data = self._call("download", manifest, partial(download, self.fs, manifest))
+                    files = json.loads(data)["files"].values()
+                    self._listed[path] = {spec.get("sha256") for spec in files}
+                listed.update(self._listed[path])
         except (OSError, ValueError, KeyError, AttributeError):
             return  # not known: nothing is deleted
+        self._listed = {path: self._listed[path] for path in kept}
         self.copies.prune(listed)
 
     def rename(self, source: str, target: str) -> None:
         # Not atomic here (a copy, then a delete): the commit protocol never renames on a
         # store; this is for tools.
         self._fenced()
+        self._listed.pop(source, None)
         self._call("rename", source, lambda: self.fs.mv(source, target, recursive=True))
 
     def remove_tree(self, path: str) -> None:
@@ -313,6 +322,7 @@ class FsspecStorage(Storage):
             self.remove_tree(staged)
 
     def retire(self, path: str, aside: str) -> None:
+        self._listed.pop(path, None)
         self.remove_tree(join(path, MANIFEST))  # out of view first
         self.remove_tree(path)
 

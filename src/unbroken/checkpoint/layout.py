@@ -48,11 +48,12 @@ def doomed_name(name: str) -> str:
     return f"{_DOOMED}{name}-{secrets.token_hex(4)}"
 
 
-def clean(storage: Storage, root: str) -> None:
+def clean(storage: Storage, root: str, known: set[str] | None = None) -> None:
     """Remove what killed writers left: temporary and half-deleted directories, and checkpoint
     directories never committed (on a store without rename: prefixes without a manifest); put
     back a checkpoint moved aside whose replacement never arrived; abort what a killed writer
-    left of an upload, where the store keeps it (``Storage.abort_uploads``)."""
+    left of an upload, where the store keeps it (``Storage.abort_uploads``). ``known``: as
+    ``committed``'s."""
     storage.abort_uploads(root)
     for entry in storage.list_directory(root):
         path = join(root, entry.name)
@@ -62,22 +63,39 @@ def clean(storage: Storage, root: str) -> None:
             storage.rename(path, final)
         elif old or entry.name.startswith((_TMP, _DOOMED, SHARED)):
             storage.remove_tree(path)
-        elif _FINAL.fullmatch(entry.name) and not storage.is_committed(path):
+        elif _FINAL.fullmatch(entry.name) and not _is_committed(storage, path, known):
             storage.remove_tree(path)
 
 
-def committed(storage: Storage, root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every committed checkpoint directory, oldest step first."""
+def committed(
+    storage: Storage, root: str, known: set[str] | None = None
+) -> list[tuple[int, str]]:
+    """``(step, path)`` of every committed checkpoint directory, oldest step first.
+
+    ``known``: the checkpoints this process already found committed (``Writing.known``), not
+    asked again; those found now are added, and those no longer listed dropped. The listing
+    itself is always fresh, so a checkpoint deleted since is never counted."""
     if not storage.is_directory(root):
         return []
-    found = [
+    listed = [
         (int(m.group(1)), join(root, entry.name))
         for entry in storage.list_directory(root)
-        if (m := _FINAL.fullmatch(entry.name))
-        and entry.is_directory
-        and storage.is_committed(join(root, entry.name))
+        if (m := _FINAL.fullmatch(entry.name)) and entry.is_directory
     ]
-    return sorted(found)
+    if known is not None:
+        known.intersection_update(path for _, path in listed)
+    return sorted((step, path) for step, path in listed if _is_committed(storage, path, known))
+
+
+def _is_committed(storage: Storage, path: str, known: set[str] | None) -> bool:
+    """``Storage.is_committed``, asked once per process of a checkpoint in ``known``."""
+    if known is not None and path in known:
+        return True
+    if not storage.is_committed(path):
+        return False
+    if known is not None:
+        known.add(path)
+    return True
 
 
 def stage(storage: Storage, root: str, step: int) -> str:
