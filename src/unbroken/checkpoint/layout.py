@@ -48,14 +48,16 @@ def doomed_name(name: str) -> str:
     return f"{_DOOMED}{name}-{secrets.token_hex(4)}"
 
 
-def clean(storage: Storage, root: str, known: set[str] | None = None) -> None:
+def clean(storage: Storage, root: str) -> None:
     """Remove what killed writers left: temporary and half-deleted directories, and checkpoint
     directories never committed (on a store without rename: prefixes without a manifest); put
     back a checkpoint moved aside whose replacement never arrived; abort what a killed writer
-    left of an upload, where the store keeps it (``Storage.abort_uploads``). ``known``: as
-    ``committed``'s."""
+    left of an upload, where the store keeps it (``Storage.abort_uploads``)."""
     storage.abort_uploads(root)
-    for entry in storage.list_directory(root):
+    entries = storage.list_directory(root)
+    finals = [join(root, e.name) for e in entries if _FINAL.fullmatch(e.name)]
+    whole = set(storage.committed_among(finals)) if finals else set()
+    for entry in entries:
         path = join(root, entry.name)
         old = _OLD.fullmatch(entry.name)
         final = join(root, f"step-{old.group(1)}") if old else ""
@@ -63,18 +65,13 @@ def clean(storage: Storage, root: str, known: set[str] | None = None) -> None:
             storage.rename(path, final)
         elif old or entry.name.startswith((_TMP, _DOOMED, SHARED)):
             storage.remove_tree(path)
-        elif _FINAL.fullmatch(entry.name) and not _is_committed(storage, path, known):
+        elif _FINAL.fullmatch(entry.name) and path not in whole:
             storage.remove_tree(path)
 
 
-def committed(
-    storage: Storage, root: str, known: set[str] | None = None
-) -> list[tuple[int, str]]:
-    """``(step, path)`` of every committed checkpoint directory, oldest step first.
-
-    ``known``: the checkpoints this process already found committed (``Writing.known``), not
-    asked again; those found now are added, and those no longer listed dropped. The listing
-    itself is always fresh, so a checkpoint deleted since is never counted."""
+def committed(storage: Storage, root: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every committed checkpoint directory, oldest step first; one listing
+    and one ``Storage.committed_among``, whatever their number."""
     if not storage.is_directory(root):
         return []
     listed = [
@@ -82,20 +79,8 @@ def committed(
         for entry in storage.list_directory(root)
         if (m := _FINAL.fullmatch(entry.name)) and entry.is_directory
     ]
-    if known is not None:
-        known.intersection_update(path for _, path in listed)
-    return sorted((step, path) for step, path in listed if _is_committed(storage, path, known))
-
-
-def _is_committed(storage: Storage, path: str, known: set[str] | None) -> bool:
-    """``Storage.is_committed``, asked once per process of a checkpoint in ``known``."""
-    if known is not None and path in known:
-        return True
-    if not storage.is_committed(path):
-        return False
-    if known is not None:
-        known.add(path)
-    return True
+    whole = set(storage.committed_among([path for _, path in listed])) if listed else set()
+    return sorted((step, path) for step, path in listed if path in whole)
 
 
 def stage(storage: Storage, root: str, step: int) -> str:

@@ -53,7 +53,7 @@ class Loading:
         started = time.perf_counter()
         listed = attempt(self._candidates if ranks.world.first else self.check_directory)
         found: list[tuple[int, str]] = ranks.settle(listed, "listing the checkpoints")[0]
-        self.writing.seen(found)
+        self.writing.seen([step for step, _ in found])
         scanned = time.perf_counter()
         for step, where in reversed(found):
             path = where

@@ -11,10 +11,9 @@ anything is written, naming it. The check lists the directory only when a larger
 there: before the first save that follows no listing, and when saving below the largest step
 seen.
 
-Each save lists the directory once; whether a listed checkpoint is committed (on an object
-store, a request for its manifest) is asked once per process (``Writing.known``): the ones this
-process committed, or found committed before, are not asked again, so a save's requests do not
-grow with ``keep``."""
+A save asks which checkpoints are committed with one listing (``Storage.committed_among``; an
+object store lists every object under the directory at once, 1,000 a request), never once per
+checkpoint kept, so its requests do not grow with ``keep``."""
 
 from __future__ import annotations
 
@@ -44,14 +43,11 @@ class Writing:
         self.damaged: dict[str, list[str]] = {}
         """Checkpoints that ``load_latest`` read and skipped as corrupt, with why: the next save
         moves them aside (``quarantine``)."""
-        self.known: set[str] = set()
-        """Checkpoints known to be committed: this process committed them, or found them so."""
         self.newest: int | None = None  # the largest committed step seen (None: not listed)
 
-    def seen(self, found: list[tuple[int, str]]) -> None:
-        """The committed checkpoints ``(step, path)``, as ``load_latest`` listed them."""
-        self.newest = max((step for step, _ in found), default=-1)
-        self.known.update(path for _, path in found)
+    def seen(self, steps: list[int]) -> None:
+        """The steps of the committed checkpoints, as ``load_latest`` listed them."""
+        self.newest = max(steps, default=-1)
 
     def write(
         self,
@@ -139,9 +135,8 @@ class Writing:
         """Rank 0: the new checkpoint's temporary directory, after cleaning up."""
         storage, root = self.storage, self.root
         storage.make_directories(root)
-        self.known.discard(join(root, layout.final_name(step)))  # replaced: not committed now
         self._move_damaged()  # first: ``clean`` would put a damaged ``.old-*`` back in view
-        layout.clean(storage, root, self.known)
+        layout.clean(storage, root)
         if self.newest is None or step < self.newest:  # a larger step may be there
             self._refuse_newer(step)
         return layout.stage(storage, root, step)
@@ -152,12 +147,11 @@ class Writing:
             if self.storage.exists(path):
                 quarantine.move_aside(self.storage, self.root, path, problems)
             del self.damaged[path]
-            self.known.discard(path)
 
     def _refuse_newer(self, step: int) -> None:
         """Raise if a checkpoint of a larger step than ``step`` is committed and was not found
         damaged: saving would leave it to be resumed from, or delete it (see the module)."""
-        committed = layout.committed(self.storage, self.root, self.known)
+        committed = layout.committed(self.storage, self.root)
         self.newest = max((number for number, _ in committed), default=-1)
         newer = [path for number, path in committed if number > step and path not in self.damaged]
         if newer:
@@ -215,13 +209,12 @@ class Writing:
         storage.write(join(tmp, MANIFEST), lambda out: out.write(data))  # last: the seal
         storage.sync_directory(tmp)
         storage.commit(tmp, target, join(root, layout.aside_name(basename(final))))
-        self.known.add(target)
 
     def _drop_old(self, step: int) -> None:
         """Rank 0, once every rank heard that checkpoint ``step`` is committed: those beyond the
         newest ``keep``. A larger step stays (a damaged one was moved aside by ``_open``)."""
         storage, root = self.storage, self.root
-        committed = layout.committed(storage, root, self.known)
+        committed = layout.committed(storage, root)
         stay = [path for number, path in committed if number > step]
         if stay:  # written since the save began: by another job?
             warnings.warn(
@@ -234,5 +227,4 @@ class Writing:
         doomed = [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             layout.retire(storage, root, path)
-            self.known.discard(path)
         storage.prune_cache([path for _, path in committed if path not in doomed])
