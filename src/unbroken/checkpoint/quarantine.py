@@ -140,7 +140,9 @@ def listed(storage: Storage, root: str) -> list[Damaged]:
             Damaged(
                 name=name,
                 path=path,
-                checkpoint=note.get("checkpoint") if isinstance(note.get("checkpoint"), str) else None,
+                checkpoint=note.get("checkpoint")
+                if isinstance(note.get("checkpoint"), str)
+                else None,
                 moved=note.get("moved") if isinstance(note.get("moved"), str) else None,
                 problems=tuple(str(p) for p in problems) if isinstance(problems, list) else (),
             )

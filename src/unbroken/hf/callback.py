@@ -28,8 +28,8 @@ from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.progress import say
 from . import internals
-from .loader import TrainLoader
 from .aside import judged, put_aside
+from .loader import TrainLoader
 from .seal import Verdict, check, checkpoints, prune, resume_point, seal
 from .state import FORMAT, VERSION, state_file
 
