@@ -117,3 +117,28 @@ def test_the_trainer_resume_moves_a_damaged_newer_folder_aside(tmp_path, capsys)
     (found,) = json.loads(capsys.readouterr().out)["damaged"]
     assert found["checkpoint"] == str(out / "checkpoint-3")
     assert found["path"] == os.path.abspath(next((out / DIRECTORY).iterdir()))
+
+
+class Saving(Accelerator):
+    """An ``Accelerator`` whose ``save_state`` writes a model file, as Accelerate's does."""
+
+    def save_state(self, folder: str) -> None:
+        os.makedirs(folder)
+        Path(folder, "model.safetensors").write_bytes(b"weights" * 100)
+
+
+def test_rotation_moves_a_damaged_folder_aside_rather_than_deleting_it(tmp_path):
+    out = tmp_path / "out"
+    accelerator = Saving()
+    for step in (1, 2, 3):
+        unbroken.hf.accelerate.save_state(accelerator, str(out), step, keep=2)
+    model = out / "checkpoint-3" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-1])  # a size the seal does not vouch for
+    evidence = _files(out / "checkpoint-3")
+    unbroken.hf.accelerate.save_state(accelerator, str(out), 4, keep=2)
+    (moved,) = (out / DIRECTORY).iterdir()
+    assert moved.name.endswith("-checkpoint-3") and _files(moved) == evidence
+    assert (
+        "model.safetensors has 699 bytes" in json.loads((moved / REASON).read_text())["problems"][0]
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "checkpoint-4", DIRECTORY]
