@@ -2,8 +2,8 @@
 ``ExactResumeMixin`` adds (``hf.trainer`` says what it changes and why).
 
 It finds and checks the checkpoint a resume loads (the newest sealed one), reads this rank's
-state from it and removes the newer folders (a damaged one is moved aside: ``aside``); restores the training loader's position and the
-logged loss when training starts; agrees with the other ranks on a preemption signal every
+state from it and removes the newer folders (a damaged one is moved aside: ``aside``); restores
+the training loader's position and the logged loss when training starts; agrees with the other ranks on a preemption signal every
 ``check_every`` optimizer steps; moves a save that lands on an epoch's last step after the
 epoch's end; writes each rank's state beside transformers' files, seals the folder and keeps
 ``save_total_limit`` sealed ones. Cost per save: one small JSON file per rank, a seal (a read,
