@@ -128,27 +128,49 @@ def url(tmp_path, monkeypatch):
         MEMORY.rm(root, recursive=True)
 
 
-def test_a_damaged_checkpoint_in_a_store_is_moved_aside_whole(url, tmp_path, monkeypatch):
-    directory = f"{url}/ckpt"
-    checkpointer = Checkpointer(directory)
+def _moved_aside_in_a_store(directory: str, options: dict, fs, new_machine) -> None:
+    """A damaged newest checkpoint in ``directory`` (a URL, of filesystem ``fs``), resumed past
+    on a ``new_machine()`` (no local copies) and saved again: moved into ``damaged/`` object by
+    object, the damage included."""
+    checkpointer = Checkpointer(directory, storage_options=options)
     for step in (1, 2):
         checkpointer.save(step, {"value": list(range(step * 100))})
     data = f"{directory}/step-000000002/000-value.pt"
-    damaged = bytearray(MEMORY.cat_file(data))
+    damaged = bytearray(fs.cat_file(data))
     damaged[len(damaged) // 2] ^= 0xFF
-    MEMORY.pipe_file(data, bytes(damaged))
+    fs.pipe_file(data, bytes(damaged))
     evidence = {
-        path.rpartition("/")[2]: MEMORY.cat_file(path)
-        for path in MEMORY.find(f"{directory}/step-000000002")
+        path.rpartition("/")[2]: fs.cat_file(path)
+        for path in fs.find(f"{directory}/step-000000002")
     }
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "machine-2"))  # no local copies there
-    resumed = Checkpointer(directory)
+    new_machine()
+    resumed = Checkpointer(directory, storage_options=options)
     assert _resume(resumed) == 1
     resumed.save(2, {"value": "again"})
-    (moved,) = MEMORY.ls(f"{directory}/{DIRECTORY}", detail=False)
-    found = {path.rpartition("/")[2]: MEMORY.cat_file(path) for path in MEMORY.find(moved)}
+    fs.invalidate_cache()
+    (moved,) = fs.ls(f"{directory}/{DIRECTORY}", detail=False)
+    found = {path.rpartition("/")[2]: fs.cat_file(path) for path in fs.find(moved)}
     assert found.pop(REASON) and found == evidence
-    assert Checkpointer(directory).load_latest({"value": None}).values == {"value": "again"}
+    again = Checkpointer(directory, storage_options=options).load_latest({"value": None})
+    assert again.values == {"value": "again"}
+
+
+def _machines(tmp_path, monkeypatch):
+    """A callable that moves this process to a machine with no local copies yet."""
+    return lambda: monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / secrets.token_hex(4)))
+
+
+def test_a_damaged_checkpoint_in_a_store_is_moved_aside_whole(url, tmp_path, monkeypatch):
+    new_machine = _machines(tmp_path, monkeypatch)
+    _moved_aside_in_a_store(f"{url}/ckpt", {}, MEMORY, new_machine)
+
+
+def test_a_damaged_checkpoint_in_s3_is_moved_aside_whole(s3, tmp_path, monkeypatch):
+    new_machine = _machines(tmp_path, monkeypatch)
+    new_machine()
+    directory = f"{s3.make_bucket(f'quarantine-{secrets.token_hex(4)}')}/ckpt"
+    fs = FsspecStorage(directory, s3.storage_options).fs
+    _moved_aside_in_a_store(directory, s3.storage_options, fs, new_machine)
 
 
 class Counting(FsspecStorage):

@@ -286,10 +286,23 @@ class FsspecStorage(Storage):
         self.copies.prune(listed)
 
     def rename(self, source: str, target: str) -> None:
-        # Not atomic here (a copy, then a delete): the commit protocol never renames on a
-        # store; this is for tools.
+        # Not atomic here: the commit protocol never renames on a store; tools and
+        # ``quarantine`` do. Each object is copied (in the store), then the source deleted,
+        # its manifest first: a move cut short leaves the source whole or out of view. Object
+        # by object: s3fs's recursive ``mv`` of a prefix fails on the prefix itself.
         self._fenced()
-        self._call("rename", source, lambda: self.fs.mv(source, target, recursive=True))
+        self.fs.invalidate_cache()
+        base = self.fs._strip_protocol(source).rstrip("/")
+        names = self._call("list", source, lambda: self.fs.find(source))
+        if not names:
+            raise FileNotFoundError(errno.ENOENT, f"cannot rename {source}: nothing is there")
+        for name in names:
+            relative = name[len(base) :].lstrip("/")
+            copy = join(target, relative) if relative else target
+            self._call("copy", name, partial(self.fs.copy, name, copy))
+        if any(name.endswith("/" + MANIFEST) for name in names):
+            self.remove_tree(join(source, MANIFEST))
+        self.remove_tree(source)
 
     def remove_tree(self, path: str) -> None:
         self._fenced()
