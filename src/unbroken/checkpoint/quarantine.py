@@ -13,7 +13,7 @@ No listing of checkpoints ever takes ``damaged/`` or what it holds for a checkpo
 match neither ``step-<n>`` nor ``checkpoint-<n>``. ``unbroken verify`` lists them.
 
 Costs: on a local disk one rename; on an object store a copy of every object of the checkpoint
-and a delete (fsspec's move), once per damaged checkpoint.
+in the store and a delete (``FsspecStorage.rename``), once per damaged checkpoint.
 """
 
 from __future__ import annotations
