@@ -95,15 +95,20 @@ class FsspecStorage(Storage):
         self._fs: Any = None
         self._pid = -1
         self._last: tuple[str, bytes] | None = None  # the last object read, whole
+        # Each committed checkpoint's manifest version, as the last listing said (``committed_
+        # among``), and the sha256s that version lists (``prune_cache``), read once per version.
+        self._versions: dict[str, str] = {}
+        self._listed: dict[str, tuple[str, set[str]]] = {}
         self.sent = self.received = 0  # bytes uploaded and downloaded by this process
 
     def __getstate__(self) -> dict[str, Any]:
-        skip = ("_fs", "_pid", "_last", "sent", "received")
+        skip = ("_fs", "_pid", "_last", "_versions", "_listed", "sent", "received")
         return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._fs, self._pid, self._last = None, -1, None
+        self._versions, self._listed = {}, {}
         self.sent = self.received = 0
 
     @property
@@ -254,7 +259,8 @@ class FsspecStorage(Storage):
 
     def prune_cache(self, kept: list[str]) -> None:
         """Delete the local copies that no kept checkpoint lists; the rest stay for a restart
-        on this machine. The writer calls it once old checkpoints are dropped.
+        on this machine. The writer calls it once old checkpoints are dropped. Each kept
+        checkpoint's manifest is read once by this process (a new manifest of it, again).
 
         Args:
             kept: The kept checkpoints' directories; their manifests' sha256s are kept.
@@ -264,18 +270,39 @@ class FsspecStorage(Storage):
         listed: set[str] = set()
         try:
             for path in kept:
-                manifest = join(path, MANIFEST)
-                data = self._call("download", manifest, partial(download, self.fs, manifest))
-                listed.update(spec.get("sha256") for spec in json.loads(data)["files"].values())
+                version = self._versions.get(path)
+                known = self._listed.get(path)
+                if version is None or known is None or known[0] != version:
+                    manifest = join(path, MANIFEST)  # a version not read yet (or not listed)
+                    data = self._call("download", manifest, partial(download, self.fs, manifest))
+                    files = json.loads(data)["files"].values()
+                    known = (version or "", {spec.get("sha256") for spec in files})
+                    if version is not None:
+                        self._listed[path] = known
+                listed.update(known[1])
         except (OSError, ValueError, KeyError, AttributeError):
             return  # not known: nothing is deleted
+        self._listed = {path: self._listed[path] for path in kept if path in self._listed}
         self.copies.prune(listed)
 
     def rename(self, source: str, target: str) -> None:
-        # Not atomic here (a copy, then a delete): the commit protocol never renames on a
-        # store; this is for tools.
+        # Not atomic here: the commit protocol never renames on a store; tools and
+        # ``quarantine`` do. Each object is copied (in the store), then the source deleted,
+        # its manifest first: a move cut short leaves the source whole or out of view. Object
+        # by object: s3fs's recursive ``mv`` of a prefix fails on the prefix itself.
         self._fenced()
-        self._call("rename", source, lambda: self.fs.mv(source, target, recursive=True))
+        self.fs.invalidate_cache()
+        base = self.fs._strip_protocol(source).rstrip("/")
+        names = self._call("list", source, lambda: self.fs.find(source))
+        if not names:
+            raise FileNotFoundError(errno.ENOENT, f"cannot rename {source}: nothing is there")
+        for name in names:
+            relative = name[len(base) :].lstrip("/")
+            copy = join(target, relative) if relative else target
+            self._call("copy", name, partial(self.fs.copy, name, copy))
+        if any(name.endswith("/" + MANIFEST) for name in names):
+            self.remove_tree(join(source, MANIFEST))
+        self.remove_tree(source)
 
     def remove_tree(self, path: str) -> None:
         self._fenced()
@@ -318,6 +345,32 @@ class FsspecStorage(Storage):
 
     def is_committed(self, path: str) -> bool:
         return self.exists(join(path, MANIFEST))
+
+    def committed_among(self, paths: list[str]) -> list[str]:
+        """Those of ``paths`` (in one directory) whose manifest is there, from one listing of
+        every object under that directory (1,000 a request), never a request per checkpoint;
+        each manifest's version is kept for ``prune_cache``."""
+        if not paths:
+            return []
+        root = paths[0].rstrip("/").rpartition("/")[0]
+        self.fs.invalidate_cache()
+        try:
+            found = self._call("list", root, lambda: self.fs.find(root, detail=True))
+        except FileNotFoundError:
+            found = {}
+        finally:  # not kept: s3fs would answer later reads of new objects "not found" from it
+            self.fs.invalidate_cache(root)
+        versions = {
+            name.rstrip("/").rpartition("/")[0]: json.dumps(info, sort_keys=True, default=str)
+            for name, info in found.items()
+            if name.rstrip("/").rpartition("/")[2] == MANIFEST
+        }
+        self._versions = {}  # only what this listing saw: none left of retired checkpoints
+        for path in paths:
+            version = versions.get(self.fs._strip_protocol(path).rstrip("/"))
+            if version is not None:
+                self._versions[path] = version
+        return [path for path in paths if path in self._versions]
 
     # Whole small objects.
     def create(self, path: str, data: bytes) -> None:

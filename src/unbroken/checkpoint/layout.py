@@ -54,7 +54,10 @@ def clean(storage: Storage, root: str) -> None:
     back a checkpoint moved aside whose replacement never arrived; abort what a killed writer
     left of an upload, where the store keeps it (``Storage.abort_uploads``)."""
     storage.abort_uploads(root)
-    for entry in storage.list_directory(root):
+    entries = storage.list_directory(root)
+    finals = [join(root, e.name) for e in entries if _FINAL.fullmatch(e.name)]
+    whole = set(storage.committed_among(finals)) if finals else set()
+    for entry in entries:
         path = join(root, entry.name)
         old = _OLD.fullmatch(entry.name)
         final = join(root, f"step-{old.group(1)}") if old else ""
@@ -62,22 +65,22 @@ def clean(storage: Storage, root: str) -> None:
             storage.rename(path, final)
         elif old or entry.name.startswith((_TMP, _DOOMED, SHARED)):
             storage.remove_tree(path)
-        elif _FINAL.fullmatch(entry.name) and not storage.is_committed(path):
+        elif _FINAL.fullmatch(entry.name) and path not in whole:
             storage.remove_tree(path)
 
 
 def committed(storage: Storage, root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of every committed checkpoint directory, oldest step first."""
+    """``(step, path)`` of every committed checkpoint directory, oldest step first; one listing
+    and one ``Storage.committed_among``, whatever their number."""
     if not storage.is_directory(root):
         return []
-    found = [
+    listed = [
         (int(m.group(1)), join(root, entry.name))
         for entry in storage.list_directory(root)
-        if (m := _FINAL.fullmatch(entry.name))
-        and entry.is_directory
-        and storage.is_committed(join(root, entry.name))
+        if (m := _FINAL.fullmatch(entry.name)) and entry.is_directory
     ]
-    return sorted(found)
+    whole = set(storage.committed_among([path for _, path in listed])) if listed else set()
+    return sorted((step, path) for step, path in listed if path in whole)
 
 
 def stage(storage: Storage, root: str, step: int) -> str:

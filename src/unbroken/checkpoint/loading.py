@@ -3,9 +3,9 @@
 Rank 0 lists the candidates (``layout.candidates``); every rank tries them newest first: it reads
 the manifest and its share of the entries (``entries``: one class per kind), checking each
 file's sha256, and the ranks agree on a verdict, so that a checkpoint any rank finds corrupt is
-skipped by all, with a warning saying why (``Writing.damaged``: a later save may drop it). The
-first that every rank read whole is restored in place (``restore``), DCP's entries last and
-collectively. Costs: each file read twice (the hash, then ``torch.load`` from the page cache or,
+skipped by all, with a warning saying why (``Writing.damaged``: the next save moves it aside,
+``quarantine``). The first that every rank read whole is restored in place (``restore``), DCP's
+entries last and collectively. Costs: each file read twice (the hash, then ``torch.load`` from the page cache or,
 from a store, the one download).
 """
 
@@ -69,7 +69,10 @@ class Loading:
                 warnings.warn(
                     f"unbroken.Checkpointer: skipping checkpoint {path}: {why}", stacklevel=3
                 )
-                self.writing.damaged.add(path)  # read, and proven damaged: a save may drop it
+                # Read, and proven damaged: the next save moves it aside, never deletes it.
+                self.writing.damaged[path] = [
+                    f"rank {r}: {v}" if ranks.world.size > 1 else str(v) for r, v in corrupt
+                ]
                 if not isinstance(read, BaseException):  # this rank's downloads of it go
                     for value in read[1].values():
                         if isinstance(value, CopiedDirectory):

@@ -7,6 +7,8 @@ Layout of ``save(123, {"model": ..., "optimizer": ...})``::
                               /manifest.json      format, version, step, entry -> file, the
                                                   sha256 and size of every file, its own sha256
     <directory>/.tmp-step-000000123-<pid>-<hex>/  a save in progress, or a killed one: ignored
+    <directory>/damaged/<time>-step-000000130/    one load_latest found damaged, moved aside by
+                                                  the next save (``quarantine``): never deleted
 
 Everything is written and fsynced in the hidden ``.tmp-*`` directory, the manifest last; the
 directory is then renamed into place, so a SIGKILL at any instant leaves the previous
@@ -24,7 +26,7 @@ The parts: ``layout`` (names, cleanup), ``entries`` (replicated, per rank, DCP),
 and ``loading`` (the write and read paths), ``weights_only``, ``storage`` (the ``Storage``
 protocol, with the commit protocol: another backend is one new class; ``local``,
 ``fsspec_storage``), ``space``, ``manifest``, ``group`` (how ranks agree), ``per_rank``,
-``background``, ``restore``.
+``background``, ``restore``, ``quarantine`` (damaged checkpoints moved aside).
 
 Costs: a save writes each byte once, hashed on the way (sha256: ~1 GB/s a core), one fsync per
 file, two per directory; ``blocking=False`` blocks while the state is copied to CPU memory.
@@ -133,8 +135,9 @@ class Checkpointer:
     def save(self, step: int, state: dict[str, Any], blocking: bool = True) -> str:
         """Write ``state`` as checkpoint ``step``.
 
-        A checkpoint of the same step is replaced; larger steps that ``load_latest`` skipped as
-        corrupt are removed, with a warning. Then only the newest ``keep`` remain.
+        A checkpoint of the same step is replaced. Checkpoints that ``load_latest`` skipped as
+        corrupt are moved into ``damaged/`` beside them, never deleted (the newest 3 stay
+        there), with a warning saying where. Then only the newest ``keep`` remain.
 
         Args:
             step: The training step, an int >= 0.

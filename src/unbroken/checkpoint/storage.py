@@ -206,6 +206,18 @@ class Storage(Protocol):
         """
         return True
 
+    def committed_among(self, paths: list[str]) -> list[str]:
+        """Those of ``paths`` that were committed: ``is_committed`` asked of many at once.
+
+        Args:
+            paths: Checkpoint directories (named ``step-*``) in one directory.
+
+        Returns:
+            The committed ones; by default ``is_committed`` of each (a store overrides it with
+            one listing, so a save's requests do not grow with the checkpoints kept).
+        """
+        return [path for path in paths if self.is_committed(path)]
+
     def blocker(self, path: str) -> str | None:
         """What keeps a directory from being at ``path``: a file there or above it.
 

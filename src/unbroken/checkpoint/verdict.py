@@ -12,7 +12,8 @@ A checkpoint is
 A checkpoint that could not be read at all gets no verdict: a store that did not answer (after
 its retries, or past its deadline) raises ``RemoteUnavailable`` from ``classify`` and
 ``load_latest`` alike, never "corrupt". Only what was read and found wrong (or a file the store
-said is not there) makes a checkpoint corrupt, to be skipped, and deleted by a later save.
+said is not there) makes a checkpoint corrupt, to be skipped, and moved aside by a later save
+(``quarantine``), never deleted.
 
 The checks themselves are ``manifest.read_manifest`` (the seal, the schema, every file's size),
 ``manifest.verify_file`` (a file's sha256) and ``manifest.load_entry_file`` (weights-only load and

@@ -2,12 +2,18 @@
 writes its entries' files into it (``entries``: one class per kind), rank 0 seals the manifest
 once all are durable, commits it through the storage and drops what is no longer kept.
 
-A checkpoint of a larger step than the one saved is deleted only if ``load_latest`` read it and
-found it damaged (``Writing.damaged``): one that could not be read (a store that did not answer)
-or was never read (a new Checkpointer's save into a directory of a later run) may be good, so
-the save is refused before anything is written, naming it. The check lists the directory only
-when a larger step may be there: before the first save that follows no listing, and when
-saving below the largest step seen."""
+A checkpoint that ``load_latest`` read and found damaged (``Writing.damaged``) is never deleted:
+the next save moves it into ``damaged/`` beside the checkpoints (``quarantine``), the evidence
+of what damaged it. A checkpoint of a larger step than the one saved that was not found damaged
+(one that could not be read, a store that did not answer, or one never read, a new
+Checkpointer's save into a directory of a later run) may be good, so the save is refused before
+anything is written, naming it. The check lists the directory only when a larger step may be
+there: before the first save that follows no listing, and when saving below the largest step
+seen.
+
+A save asks which checkpoints are committed with one listing (``Storage.committed_among``; an
+object store lists every object under the directory at once, 1,000 a request), never once per
+checkpoint kept, so its requests do not grow with ``keep``."""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import layout
+from . import layout, quarantine
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
 from .files import Digest, basename, join
 from .group import CheckpointGroup, attempt
@@ -34,8 +40,9 @@ class Writing:
 
     def __init__(self, storage: Storage, root: str, group: CheckpointGroup, keep: int) -> None:
         self.storage, self.root, self.group, self.keep = storage, root, group, keep
-        self.damaged: set[str] = set()
-        """Checkpoints that ``load_latest`` read and skipped as corrupt: a save may drop them."""
+        self.damaged: dict[str, list[str]] = {}
+        """Checkpoints that ``load_latest`` read and skipped as corrupt, with why: the next save
+        moves them aside (``quarantine``)."""
         self.newest: int | None = None  # the largest committed step seen (None: not listed)
 
     def seen(self, steps: list[int]) -> None:
@@ -128,10 +135,18 @@ class Writing:
         """Rank 0: the new checkpoint's temporary directory, after cleaning up."""
         storage, root = self.storage, self.root
         storage.make_directories(root)
+        self._move_damaged()  # first: ``clean`` would put a damaged ``.old-*`` back in view
         layout.clean(storage, root)
         if self.newest is None or step < self.newest:  # a larger step may be there
             self._refuse_newer(step)
         return layout.stage(storage, root, step)
+
+    def _move_damaged(self) -> None:
+        """Rank 0: move each checkpoint found damaged into ``damaged/``; never deleted."""
+        for path, problems in list(self.damaged.items()):
+            if self.storage.exists(path):
+                quarantine.move_aside(self.storage, self.root, path, problems)
+            del self.damaged[path]
 
     def _refuse_newer(self, step: int) -> None:
         """Raise if a checkpoint of a larger step than ``step`` is committed and was not found
@@ -196,20 +211,11 @@ class Writing:
         storage.commit(tmp, target, join(root, layout.aside_name(basename(final))))
 
     def _drop_old(self, step: int) -> None:
-        """Rank 0, once every rank heard that checkpoint ``step`` is committed: the checkpoints
-        of a larger step found damaged (a run that went back) and those beyond the newest
-        ``keep``; a larger step not found damaged stays (see the module)."""
+        """Rank 0, once every rank heard that checkpoint ``step`` is committed: those beyond the
+        newest ``keep``. A larger step stays (a damaged one was moved aside by ``_open``)."""
         storage, root = self.storage, self.root
-        committed = layout.committed(self.storage, self.root)
-        doomed = [path for number, path in committed if number > step and path in self.damaged]
-        if doomed:
-            warnings.warn(
-                f"unbroken.Checkpointer: {[basename(path) for path in doomed]} in {root} have a "
-                f"larger step than {step}, were skipped as corrupt by load_latest, and are "
-                f"removed now that step {step} is saved",
-                stacklevel=2,
-            )
-        stay = [path for number, path in committed if number > step and path not in doomed]
+        committed = layout.committed(storage, root)
+        stay = [path for number, path in committed if number > step]
         if stay:  # written since the save began: by another job?
             warnings.warn(
                 f"unbroken.Checkpointer: {[basename(path) for path in stay]} in {root} have a "
@@ -217,9 +223,8 @@ class Writing:
                 "be writing this directory",
                 stacklevel=2,
             )
-        self.damaged.difference_update(doomed)
         self.newest = max([step, *(number for number, path in committed if path in stay)])
-        doomed += [path for number, path in committed if number <= step][: -self.keep]
+        doomed = [path for number, path in committed if number <= step][: -self.keep]
         for path in doomed:
             layout.retire(storage, root, path)
         storage.prune_cache([path for _, path in committed if path not in doomed])

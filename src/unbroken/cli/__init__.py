@@ -8,6 +8,8 @@ directory; a local path, or a URL in object storage (``s3://bucket/runs/exp1``, 
 ``--storage-options '{"endpoint_url": ...}'`` for its filesystem, or the ``AWS_*`` environment
 variables). Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
 a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
+Checkpoints moved into ``damaged/`` as damaged (``checkpoint.quarantine``) are listed apart,
+with why; they never fail ``verify``, since no resume reads them.
 
 ``DIR`` may also be, on a local disk, a Hugging Face output directory (``transformers.Trainer``'s
 ``output_dir``, holding ``checkpoint-<step>`` folders) or one ``checkpoint-<step>`` folder,
@@ -85,7 +87,12 @@ missing directory, no checkpoints found, or a store that could not be read
                     "expected": 5120,                       # what the resume's checkpoint records
                     "sha256": "<64 hex digits>" | null,     # of those bytes, as it records
                     "ok": false,                            # long enough, and those bytes hash so
-                    "problem": "<path> has 4096 bytes, and checkpoint ... says 5120 were ..."}}
+                    "problem": "<path> has 4096 bytes, and checkpoint ... says 5120 were ..."},
+     "damaged": [                           # moved aside as damaged: listed, never a failure
+        {"name": "2025-01-31T12-00-00.000000Z-step-000000130",
+         "path": "<absolute path, in damaged/>", "checkpoint": "<where it was>" | null,
+         "moved": "2025-01-31T12:00:00Z" | null, "problems": ["<why it was judged damaged>"]},
+        ...]}
 
     <loader>: {"name": "train_loader", "format": "unbroken.DataLoader", "version": 3,
                "seed": 0, "epoch": 2, "batches": 37, "samples": 2368}

@@ -1,5 +1,6 @@
 """Finding a directory's checkpoints and checking each as ``load_latest`` would; what its
-small entries say of where the run stands (the Trainer's counters, the loaders' cursors)."""
+small entries say of where the run stands (the Trainer's counters, the loaders' cursors); the
+damaged checkpoints moved aside beside them (``damaged``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from datetime import timezone
 from typing import Any, TypedDict, cast
 
-from ..checkpoint import layout
+from ..checkpoint import layout, quarantine
 from ..checkpoint.files import basename, join, parent
 from ..checkpoint.schema import MANIFEST, Manifest
 from ..checkpoint.storage import Storage
@@ -89,6 +90,14 @@ class LogReport(TypedDict):
     problem: str | None
 
 
+class DamagedReport(TypedDict):
+    name: str
+    path: str
+    checkpoint: str | None
+    moved: str | None
+    problems: list[str]
+
+
 class Report(TypedDict):
     command: str
     directory: str
@@ -99,6 +108,7 @@ class Report(TypedDict):
     ok: bool
     resume: Resume
     log: LogReport | None
+    damaged: list[DamagedReport]
 
 
 class UsageError(Exception):
@@ -137,6 +147,21 @@ def locate(directory: str, storage: Storage) -> tuple[str, str, list[tuple[int, 
         f"checkpoint (with {MANIFEST}), nor, on a local disk, a Hugging Face output directory "
         "or checkpoint (checkpoint-<step> folders with unbroken-seal.json or trainer_state.json)"
     )
+
+
+def damaged(storage: Storage, root: str) -> list[DamagedReport]:
+    """The checkpoints moved aside from ``root`` as damaged (``checkpoint.quarantine``), the
+    oldest moved first: out of a resume's view, so listed, never judged again."""
+    return [
+        DamagedReport(
+            name=found.name,
+            path=found.path if is_url(found.path) else os.path.abspath(found.path),
+            checkpoint=found.checkpoint,
+            moved=found.moved,
+            problems=list(found.problems),
+        )
+        for found in quarantine.listed(storage, root)
+    ]
 
 
 def _manifest_step(storage: Storage, directory: str) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._units import human
+from ..checkpoint import quarantine
 from ..checkpoint.files import basename, join, parent
 from ..checkpoint.storage import Storage
 from ..checkpoint.stores import is_url, storage_for
@@ -28,6 +29,7 @@ from .checkpoints import (
     Resume,
     UsageError,
     check,
+    damaged,
     locate,
 )
 
@@ -71,6 +73,7 @@ def report(
         ok=checked[-1]["verified"] and (log is None or log["ok"]),
         resume=resume,
         log=log,
+        damaged=damaged(storage, root),
     )
 
 
@@ -275,6 +278,11 @@ def text(document: Report) -> str:
     for checkpoint in troubled:
         for problem in checkpoint["problems"]:
             lines.append(f"{checkpoint['name']}: {problem}")
+    if document["damaged"]:  # out of a resume's view: listed, never a failure
+        lines += ["", f"moved aside as damaged, in {join(where, quarantine.DIRECTORY)}:"]
+        for found in document["damaged"]:
+            why = "; ".join(found["problems"]) or "why is not recorded"
+            lines.append(f"  {found['name']} (was {found['checkpoint'] or '?'}): {why}")
     resume = document["resume"]
     if inspecting and resume["loaders"]:
         lines += ["", f"loaders in {resume['checkpoint']}:"]

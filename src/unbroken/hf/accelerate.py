@@ -8,7 +8,8 @@ functions put that folder under a seal (``unbroken.hf.seal``):
   waits for every process to write its files, then seals the folder and keeps the newest
   ``keep`` sealed ones;
 - ``load_state(accelerator, directory)`` loads the newest sealed ``checkpoint-<step>``, skips
-  newer unsealed or damaged ones with a warning naming each, removes them, and returns the step
+  newer unsealed or damaged ones with a warning naming each, removes the unsealed ones, moves
+  the damaged ones aside (``aside``), and returns the step
   (0 when the directory holds no checkpoint yet: the job's first run).
 
 They take any object with Accelerate's ``save_state``, ``load_state``, ``wait_for_everyone``,
@@ -32,13 +33,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import warnings
 from typing import Any
 
 import torch.distributed as dist
 
 from ..distributed.process_group import scoped_to_attempt, under_agent
+from .aside import keep_damaged, put_aside
 from .seal import UnsealedCheckpointWarning, prune, resume_point, seal
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def save_state(accelerator: Any, directory: str, step: int, keep: int | None = N
     if _writes(accelerator):
         seal(folder)
         if keep is not None:
+            keep_damaged(directory, step, keep, PREFIX)  # moved aside, never deleted
             for removed in prune(directory, keep, step, PREFIX):
                 log.info("removing %s (keep=%d)", removed, keep)
     accelerator.wait_for_everyone()  # no process goes on (or dies) believing an unsealed save
@@ -80,8 +82,9 @@ def load_state(accelerator: Any, directory: str) -> int:
 
     Returns 0, loading nothing, when ``directory`` holds no checkpoint folder. Folders newer
     than the one loaded are unsealed or damaged: each is named in an
-    ``UnsealedCheckpointWarning`` (on the main process) and removed, since the resumed run
-    writes them again.
+    ``UnsealedCheckpointWarning`` (on the main process). An unsealed one is removed, since the
+    resumed run writes it again; a damaged one is moved into ``directory/damaged/``, never
+    deleted (``unbroken.hf.aside``).
 
     Raises:
         CorruptCheckpoint: checkpoint folders exist but none is sealed and whole.
@@ -100,9 +103,8 @@ def load_state(accelerator: Any, directory: str) -> int:
     accelerator.load_state(path)
     accelerator.wait_for_everyone()  # every process chose and read before any folder goes
     if _writes(accelerator):
-        for verdict in skipped:
-            log.warning("removing %s, newer than the checkpoint resumed", verdict.folder)
-            shutil.rmtree(verdict.folder, ignore_errors=True)
+        for verdict in skipped:  # a damaged one is moved aside, never deleted (``aside``)
+            put_aside(directory, verdict.folder, verdict)
     accelerator.wait_for_everyone()
     log.info("resumed from %s", path)
     return int(os.path.basename(path).rsplit("-", 1)[1])

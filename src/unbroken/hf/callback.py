@@ -2,8 +2,8 @@
 ``ExactResumeMixin`` adds (``hf.trainer`` says what it changes and why).
 
 It finds and checks the checkpoint a resume loads (the newest sealed one), reads this rank's
-state from it and removes the newer folders; restores the training loader's position and the
-logged loss when training starts; agrees with the other ranks on a preemption signal every
+state from it and removes the newer folders (a damaged one is moved aside: ``aside``); restores
+the training loader's position and the logged loss when training starts; agrees with the other ranks on a preemption signal every
 ``check_every`` optimizer steps; moves a save that lands on an epoch's last step after the
 epoch's end; writes each rank's state beside transformers' files, seals the folder and keeps
 ``save_total_limit`` sealed ones. Cost per save: one small JSON file per rank, a seal (a read,
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from typing import Any
 
@@ -29,8 +28,9 @@ from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.progress import say
 from . import internals
+from .aside import judged, keep_damaged, put_aside
 from .loader import TrainLoader
-from .seal import check, checkpoints, prune, resume_point, seal
+from .seal import Verdict, check, checkpoints, prune, resume_point, seal
 from .state import FORMAT, VERSION, state_file
 
 _PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
@@ -60,8 +60,9 @@ class ExactResumeCallback(TrainerCallback):
         self._restore = None
         if resume is None or resume is False:
             return None
+        skipped: list[Verdict] = []  # the newer folders judged on the way
         if resume is True:
-            path, _ = resume_point(args.output_dir, _PREFIX)
+            path, skipped = resume_point(args.output_dir, _PREFIX)
             if path is None:  # the job's first run: the same command starts it
                 say(f"no checkpoint in {args.output_dir}: training from the start")
                 return None
@@ -74,7 +75,7 @@ class ExactResumeCallback(TrainerCallback):
                     "resume_from_checkpoint=True takes the newest sealed checkpoint"
                 )
         self._restore = self._read_state(path)
-        self._remove_newer(path)
+        self._remove_newer(path, skipped)
         say(f"resuming from {path}")
         return path
 
@@ -109,16 +110,17 @@ class ExactResumeCallback(TrainerCallback):
             state["logging"] = None
         return state
 
-    def _remove_newer(self, path: str) -> None:
-        """Checkpoints newer than the resumed one belong to a run that is being redone."""
+    def _remove_newer(self, path: str, skipped: list[Verdict]) -> None:
+        """Checkpoints newer than the resumed one belong to a run that is being redone: a
+        damaged one is moved aside, never deleted; the others are removed (``aside``)."""
         args = self.trainer.args
         if args.should_save:  # process 0, or each node's first with save_on_each_node
             resumed = os.path.realpath(path)
+            verdicts = judged(skipped)
             for _, folder in checkpoints(args.output_dir, _PREFIX):
                 if os.path.realpath(folder) == resumed:
                     break
-                say(f"removing {folder}, newer than the checkpoint resumed")
-                shutil.rmtree(folder, ignore_errors=True)
+                put_aside(args.output_dir, folder, verdicts.get(os.path.realpath(folder)))
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
@@ -210,5 +212,6 @@ class ExactResumeCallback(TrainerCallback):
             return
         step = state.global_step
         spare = state.best_model_checkpoint
+        keep_damaged(os.path.dirname(newest), step, self._keep, _PREFIX, spare)  # not deleted
         for folder in prune(os.path.dirname(newest), self._keep, step, _PREFIX, spare):
             say(f"removing {folder} (save_total_limit={self._keep})")

@@ -23,7 +23,8 @@ What it changes, all through transformers' public hooks except for what ``intern
   one, skipping unsealed or damaged ones with a warning naming them, and trains from the start
   when there is no checkpoint folder at all (so one command starts and resumes a job); folders
   of which none is sealed are an error. A path must be sealed.
-  Checkpoints newer than the one resumed are removed: the resumed run writes them again.
+  Checkpoints newer than the one resumed are removed: the resumed run writes them again; a
+  damaged one is moved into ``damaged/`` (``aside``).
 - **Where saves happen**: a save that lands on an epoch's last step waits for the epoch's end,
   after transformers' epoch-end evaluation and logging, which a run resumed from it would skip
   otherwise. ``save_total_limit`` keeps that many *sealed* checkpoints (and the best one);
