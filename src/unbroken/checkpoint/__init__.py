@@ -8,7 +8,8 @@
   ``entries`` (one class per kind of entry: how it is written, described and read back).
 - The read path: ``layout`` (the names in a checkpoint directory and what they say after a
   kill), ``loading`` (the newest whole checkpoint, every rank together), ``verdict`` (the one
-  judgement of a checkpoint, shared with ``unbroken verify``).
+  judgement of a checkpoint, shared with ``unbroken verify``), ``quarantine`` (a damaged one
+  moved aside, never deleted).
 - ``manifest``: the sealed manifest that makes a checkpoint directory verifiable; ``schema``: its
   format and the checks of one read back.
 - ``storage``: every operation on where checkpoints live, as the protocol ``Storage`` that a

@@ -5,7 +5,8 @@
   ``ExactResumeMixin`` gives the same to a subclass of ``transformers.Trainer`` of your own
   (module ``trainer``; ``callback``: the callback doing the work; ``loader``: the training loader
   as transformers sees it; ``state``: what a checkpoint folder gets; ``internals``: what is
-  touched of transformers beyond its public API).
+  touched of transformers beyond its public API; ``aside``: what a resume does with the folders
+  newer than the one it resumed).
 - ``seal``, ``check``, ``last_sealed``: checkpoint folders written whole or ignored (``seal``),
   for the Trainer's checkpoints and for ``accelerate.Accelerator.save_state`` folders.
 - ``accelerate``: ``save_state`` / ``load_state`` for a loop of your own with

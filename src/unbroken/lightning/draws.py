@@ -5,11 +5,12 @@ and leaves numpy's and ``random``'s global generators as the batch's last sample
 (seeded anew for every batch); with workers it leaves them alone. A training or validation step
 that draws from them therefore draws other numbers after a resume that moved a loader between
 0 and more workers, and the run goes on with other weights. The loader cannot tell (it does not
-see the step), and putting those generators back after every batch would cost every run ~70 us
-a batch. So ``ExactResume`` saves the loaders' worker counts, and a run resumed with counts on
+see the step), and putting those generators back after every batch would cost every run two
+state copies a batch (rows ``numpy_rng_back`` and ``random_rng_back`` of
+docs/benchmarks/unit-costs.md). So ``ExactResume`` saves the loaders' worker counts, and a run resumed with counts on
 the other side of 0 watches its steps: the first that draws from numpy's or ``random``'s global
-generator is warned about. Cost: nothing when no count crossed 0; else ~40 us a step (both
-generators' states read at the step's start and end) for the first ``WATCHED`` steps after the
+generator is warned about. Cost: nothing when no count crossed 0; else both generators' states
+read at the step's start and end (row ``draws_check`` of the unit costs) for the first ``WATCHED`` steps after the
 resume, or until a draw is seen.
 """
 
