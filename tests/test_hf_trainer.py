@@ -100,6 +100,8 @@ CUTS = [
     (("--draw", "--accum", "3", "--save-every", "1"), ["--kill-at", "6"]),  # numpy/random steps
     (("--stream", "--max-steps", "30"), ["--kill-at", "13"]),  # a stream, after a pass's end
     (("--stream", "--max-steps", "14", "--accum", "5", "--save-every", "2"), ["--kill-at", "9"]),
+    (("--mlm",), ["--kill-at", "9"]),  # a collator that draws (MLM masking), in this process
+    (("--mlm", "--workers", "2"), ["--kill-at", "9"]),  # ... and in the workers
 ]
 
 
@@ -126,6 +128,36 @@ def test_the_uninterrupted_run_trains_the_documented_order(reference):
     assert sum((stream[s][0]["index"] for s in range(12)), []) == list(range(N))
     augmentations = [a for s in range(12) for a in stream[s][0]["aug"]]
     assert len(set(augmentations)) == N  # every sample drew its own augmentation
+
+
+def test_a_masking_collator_masks_as_derived_at_any_worker_count(reference):
+    """transformers' MLM collator draws its masks from torch's global generator, which the
+    loader seeds for each batch's collate, in a worker or (num_workers=0) in this process: the
+    masks are the documented derivation's, and 0 and 2 workers train bit for bit alike."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from unbroken.data import keys
+    from unbroken.data.rng import collate_seeds
+
+    alone = reference("--mlm")
+    assert_same_run(alone, reference("--mlm", "--workers", "2"))
+    steps = records(alone)
+    collator = DataCollatorForLanguageModeling(hf_trainer_job.tokenizer())
+    order = unbroken.DataLoader(list(range(N)), batch_size=BATCH, shuffle=True, seed=7)
+    saved = torch.get_rng_state()
+    try:
+        for epoch in range(3):
+            for number, indices in enumerate(order):
+                seeds = collate_seeds(keys.samples(7, epoch), number * BATCH)
+                torch.default_generator.manual_seed(seeds[0])
+                batch = collator([hf_trainer_job.Sentences()[i] for i in indices.tolist()])
+                (row,) = steps[epoch * 12 + number]
+                assert row["input_ids"] == batch["input_ids"].tolist(), (epoch, number)
+                assert row["labels"] == batch["labels"].tolist(), (epoch, number)
+    finally:
+        torch.set_rng_state(saved)
+    labels = [label for rows in steps.values() for row in rows for seq in row["labels"] for label in seq]
+    assert 0 < sum(label != -100 for label in labels) < len(labels) / 2  # ~15% masked
 
 
 def test_stock_transformers_resumes_other_augmentations_and_weights(job, reference, tmp_path):
