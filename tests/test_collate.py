@@ -73,7 +73,8 @@ class Replayed(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return iter([Positions()[i] for i in range(worker, 14, workers)])
+        for i in range(worker, 14, workers):
+            yield Positions()[i]  # drawn as it is read, seeded for its batch
 
 
 def _epochs(loader, epochs: int = 2) -> list:
@@ -146,6 +147,7 @@ def test_without_automatic_batching_the_collate_fn_is_seeded_per_sample():
             assert torch.equal(sample["noise"], torch.rand(2, generator=expected)), position
 
 
+@pytest.mark.filterwarnings("ignore:unbroken. Replayed has no state_dict")
 @pytest.mark.parametrize(
     "dataset, workers, resumed_workers",
     [

@@ -85,6 +85,8 @@ def kill_and_resume(job, out: str, cut: list[str], config: tuple[str, ...]) -> N
     job(out, "--resume", *config)
 
 
+MLM = ("--mlm", "--max-steps", "16")  # a tiny BERT, into its second epoch
+
 CUTS = [
     # (configuration, where the kill comes)
     ((), ["--kill-at", "10"]),  # mid-epoch: resumed from step 8
@@ -100,8 +102,8 @@ CUTS = [
     (("--draw", "--accum", "3", "--save-every", "1"), ["--kill-at", "6"]),  # numpy/random steps
     (("--stream", "--max-steps", "30"), ["--kill-at", "13"]),  # a stream, after a pass's end
     (("--stream", "--max-steps", "14", "--accum", "5", "--save-every", "2"), ["--kill-at", "9"]),
-    (("--mlm",), ["--kill-at", "9"]),  # a collator that draws (MLM masking), in this process
-    (("--mlm", "--workers", "2"), ["--kill-at", "9"]),  # ... and in the workers
+    (MLM, ["--kill-at", "9"]),  # a collator that draws (MLM masking), in this process
+    ((*MLM, "--workers", "2"), ["--kill-at", "9"]),  # ... and in the workers
 ]
 
 
@@ -139,21 +141,24 @@ def test_a_masking_collator_masks_as_derived_at_any_worker_count(reference):
     from unbroken.data import keys
     from unbroken.data.rng import collate_seeds
 
-    alone = reference("--mlm")
-    assert_same_run(alone, reference("--mlm", "--workers", "2"))
+    alone = reference(*MLM)
+    assert_same_run(alone, reference(*MLM, "--workers", "2"))
     steps = records(alone)
+    assert sorted(steps) == list(range(16))
     collator = DataCollatorForLanguageModeling(hf_trainer_job.tokenizer())
-    order = unbroken.DataLoader(list(range(N)), batch_size=BATCH, shuffle=True, seed=7)
+    loader = unbroken.DataLoader(list(range(N)), batch_size=BATCH, shuffle=True, seed=7)
+    order = [[batch.tolist() for batch in loader] for epoch in range(2)]
     saved = torch.get_rng_state()
     try:
-        for epoch in range(3):
-            for number, indices in enumerate(order):
-                seeds = collate_seeds(keys.samples(7, epoch), number * BATCH)
-                torch.default_generator.manual_seed(seeds[0])
-                batch = collator([hf_trainer_job.Sentences()[i] for i in indices.tolist()])
-                (row,) = steps[epoch * 12 + number]
-                assert row["input_ids"] == batch["input_ids"].tolist(), (epoch, number)
-                assert row["labels"] == batch["labels"].tolist(), (epoch, number)
+        for step in range(16):
+            epoch, number = divmod(step, 12)
+            indices = order[epoch][number]
+            seeds = collate_seeds(keys.samples(7, epoch), number * BATCH)
+            torch.default_generator.manual_seed(seeds[0])
+            batch = collator([hf_trainer_job.Sentences()[i] for i in indices])
+            (row,) = steps[step]
+            assert row["input_ids"] == batch["input_ids"].tolist(), f"step {step}"
+            assert row["labels"] == batch["labels"].tolist(), f"step {step}"
     finally:
         torch.set_rng_state(saved)
     labels = [label for rows in steps.values() for row in rows for seq in row["labels"] for label in seq]
