@@ -116,7 +116,9 @@ def test_a_collate_fn_draws_what_the_documented_derivation_gives(workers, datase
         assert len(batches) == 4
         for batch in batches:
             first = batch["index"][0].item()
-            drawn = {name: batch[name] for name in ("mask", "mask_torch", "mask_numpy", "mask_random")}
+            drawn = {
+                name: batch[name] for name in ("mask", "mask_torch", "mask_numpy", "mask_random")
+            }
             assert_same(drawn, collate_draws(len(batch["index"]), key, first), f"batch at {first}")
 
 
@@ -204,7 +206,7 @@ def test_the_collate_leaves_numpy_and_random_as_its_seeds_give_them():
 
 
 def test_torch_s_own_collate_functions_are_not_seeded():
-    # They draw nothing: seeding them would cost ~7 us a batch for no change.
+    # They draw nothing: seeding them would cost ~8 us a batch for no change.
     assert SeededCollate(default_collate, GLOBAL_RNGS).seeds is None
     assert SeededCollate(masking, ()).seeds is None
     assert SeededCollate(masking, GLOBAL_RNGS).seeds is not None

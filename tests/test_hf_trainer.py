@@ -161,7 +161,9 @@ def test_a_masking_collator_masks_as_derived_at_any_worker_count(reference):
             assert row["labels"] == batch["labels"].tolist(), f"step {step}"
     finally:
         torch.set_rng_state(saved)
-    labels = [label for rows in steps.values() for row in rows for seq in row["labels"] for label in seq]
+    labels = [
+        label for rows in steps.values() for row in rows for seq in row["labels"] for label in seq
+    ]
     assert 0 < sum(label != -100 for label in labels) < len(labels) / 2  # ~15% masked
 
 

@@ -18,7 +18,7 @@ function with ``collate_seeds`` seeds the chosen global generators again, from t
 position: a masking or mixing collator (transformers' ``DataCollatorForLanguageModeling``) then
 draws the same numbers for a batch at any worker count and after any resume, and how much the
 batch's samples drew does not move its stream. ``sources.fetch.SeededCollate`` skips that
-seeding for torch's ``default_collate``/``default_convert``, which draw nothing (~7 us a batch
+seeding for torch's ``default_collate``/``default_convert``, which draw nothing (~8 us a batch
 saved, the three seeding calls). In the training process, torch's generator is put back after
 the collate as it is after the samples (``keep_main_torch_rng``): the collator's draws never
 reach the step's.
