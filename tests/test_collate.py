@@ -180,13 +180,15 @@ def test_a_drawing_collate_fn_resumes_exactly(dataset, workers, resumed_workers)
     assert assert_resumes_exactly(make(workers), 2, resume_with=make(resumed_workers), cuts=cuts)
 
 
-def test_a_collate_fn_in_the_training_process_leaves_its_torch_generator_alone():
+@pytest.mark.parametrize("dataset", ["map", "range-stream"])
+def test_a_collate_fn_in_the_training_process_leaves_its_torch_generator_alone(dataset):
     """With ``num_workers=0`` the collate runs in the training process: the step's dropout must
     draw what it would have drawn with workers, or with no loader at all."""
     torch.manual_seed(0)
     expected = torch.rand(5)
     torch.manual_seed(0)
-    loader = unbroken.DataLoader(Augmented(8), batch_size=4, seed=1, collate_fn=masking)
+    data = Range() if dataset == "range-stream" else Augmented(8)
+    loader = unbroken.DataLoader(data, batch_size=4, seed=1, collate_fn=masking)
     for _ in loader:
         pass
     assert torch.equal(torch.rand(5), expected)
