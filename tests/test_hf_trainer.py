@@ -263,6 +263,15 @@ def test_resuming_from_an_unsealed_path_or_a_stock_checkpoint_is_refused(job, tm
         trainer.train(resume_from_checkpoint=True)
 
 
+def test_a_collator_with_a_generator_of_its_own_is_refused(tmp_path):
+    trainer = hf_trainer_job.build(hf_trainer_job.main_options(["--out", str(tmp_path), *MLM]))
+    trainer.data_collator.seed = 3  # as DataCollatorForLanguageModeling(seed=3) keeps it
+    with pytest.raises(ValueError, match="DataCollatorForLanguageModeling has seed=3"):
+        trainer.get_train_dataloader()
+    trainer.data_collator.seed = None
+    trainer.get_train_dataloader()
+
+
 def test_an_untested_transformers_is_refused_unless_asked(monkeypatch):
     monkeypatch.setattr(internals.transformers, "__version__", "5.99.0")
     with pytest.raises(internals.UntestedTransformers, match="5.99.0 is installed"):
