@@ -13,6 +13,11 @@ optimizer and before the rest; ``--kill-before-seal STEP`` after transformers' f
 written and before unbroken's state and seal. ``--kill-in-window STEP`` inside the accumulation window after step STEP (after its first
 micro-batch). ``--term-at STEP`` sends SIGTERM to itself
 there (a preemption). ``--stock`` runs transformers.Trainer itself.
+
+``--mlm`` trains a tiny BERT (from a config) on masked language modelling instead: 96 token
+sequences, masked by transformers' ``DataCollatorForLanguageModeling``, which draws torch's
+global generator; the tokenizer it needs is a word-level one built here, offline. Each batch is
+recorded with its masked ``input_ids`` and ``labels``.
 """
 
 from __future__ import annotations
@@ -141,6 +146,69 @@ class Tracer(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+# --mlm: [PAD] [UNK] [CLS] [SEP] [MASK], then 20 words.
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORDS = [f"w{i}" for i in range(20)]
+
+
+def tokenizer():
+    """A word-level fast tokenizer over ``SPECIAL + WORDS``, built in code (nothing downloaded)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocabulary = {token: i for i, token in enumerate(SPECIAL + WORDS)}
+    words = Tokenizer(WordLevel(vocabulary, unk_token="[UNK]"))
+    words.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+class Sentences(torch.utils.data.Dataset):
+    """Sequence i: [CLS], 10 words derived from i, [SEP]; nothing random (the collator is)."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, index: int) -> dict:
+        first = len(SPECIAL)
+        words = [first + (index * 7 + 3 * j * j) % len(WORDS) for j in range(10)]
+        return {"input_ids": [2, *words, 3]}
+
+
+def masked_lm():
+    from transformers import BertConfig, BertForMaskedLM
+
+    class MaskedLM(BertForMaskedLM):
+        """Records each training batch as the model receives it: masks and all."""
+
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            output = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+            if self.training and RECORD is not None:
+                row = {"step": STEP[0], "rank": RANK, "input_ids": input_ids.tolist()}
+                row.update(labels=labels.tolist(), loss=output.loss.item())
+                RECORD.write(json.dumps(row) + "\n")
+                RECORD.flush()
+            return output
+
+    config = BertConfig(
+        vocab_size=len(SPECIAL) + len(WORDS),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    return MaskedLM(config)
+
+
 def build(options):
     import unbroken.hf
 
@@ -177,8 +245,13 @@ def build(options):
         remove_unused_columns=False,
     )
     torch.manual_seed(0)
-    model = MLP(MLPConfig())
+    model = MLP(MLPConfig()) if not options.mlm else masked_lm()
     dataset = Stream() if options.stream else Samples()
+    collator = None
+    if options.mlm:
+        from transformers import DataCollatorForLanguageModeling
+
+        dataset, collator = Sentences(), DataCollatorForLanguageModeling(tokenizer())
     evaluation = torch.utils.data.Subset(Samples(), range(16)) if options.eval else None
     DRAW[0] = options.draw
     trainer = Job(
@@ -186,6 +259,7 @@ def build(options):
         args=args,
         train_dataset=dataset,
         eval_dataset=evaluation,
+        data_collator=collator,
         callbacks=[Tracer(options)],
     )
     # The Tracer kills before unbroken's on_save seals: put it before unbroken's callback.
@@ -205,6 +279,7 @@ def main_options(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--keep", type=int, default=None)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--mlm", action="store_true", help="BERT, masked by the collator")
     parser.add_argument("--eval", action="store_true", help="evaluate at each epoch's end")
     parser.add_argument("--draw", action="store_true", help="the step draws numpy and random")
     parser.add_argument("--stock", action="store_true")

@@ -85,6 +85,8 @@ def kill_and_resume(job, out: str, cut: list[str], config: tuple[str, ...]) -> N
     job(out, "--resume", *config)
 
 
+MLM = ("--mlm", "--max-steps", "16")  # a tiny BERT, into its second epoch
+
 CUTS = [
     # (configuration, where the kill comes)
     ((), ["--kill-at", "10"]),  # mid-epoch: resumed from step 8
@@ -100,6 +102,8 @@ CUTS = [
     (("--draw", "--accum", "3", "--save-every", "1"), ["--kill-at", "6"]),  # numpy/random steps
     (("--stream", "--max-steps", "30"), ["--kill-at", "13"]),  # a stream, after a pass's end
     (("--stream", "--max-steps", "14", "--accum", "5", "--save-every", "2"), ["--kill-at", "9"]),
+    (MLM, ["--kill-at", "9"]),  # a collator that draws (MLM masking), in this process
+    ((*MLM, "--workers", "2"), ["--kill-at", "9"]),  # ... and in the workers
 ]
 
 
@@ -126,6 +130,41 @@ def test_the_uninterrupted_run_trains_the_documented_order(reference):
     assert sum((stream[s][0]["index"] for s in range(12)), []) == list(range(N))
     augmentations = [a for s in range(12) for a in stream[s][0]["aug"]]
     assert len(set(augmentations)) == N  # every sample drew its own augmentation
+
+
+def test_a_masking_collator_masks_as_derived_at_any_worker_count(reference):
+    """transformers' MLM collator draws its masks from torch's global generator, which the
+    loader seeds for each batch's collate, in a worker or (num_workers=0) in this process: the
+    masks are the documented derivation's, and 0 and 2 workers train bit for bit alike."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from unbroken.data import keys
+    from unbroken.data.rng import collate_seeds
+
+    alone = reference(*MLM)
+    assert_same_run(alone, reference(*MLM, "--workers", "2"))
+    steps = records(alone)
+    assert sorted(steps) == list(range(16))
+    collator = DataCollatorForLanguageModeling(hf_trainer_job.tokenizer())
+    loader = unbroken.DataLoader(list(range(N)), batch_size=BATCH, shuffle=True, seed=7)
+    order = [[batch.tolist() for batch in loader] for epoch in range(2)]
+    saved = torch.get_rng_state()
+    try:
+        for step in range(16):
+            epoch, number = divmod(step, 12)
+            indices = order[epoch][number]
+            seeds = collate_seeds(keys.samples(7, epoch), number * BATCH)
+            torch.default_generator.manual_seed(seeds[0])
+            batch = collator([hf_trainer_job.Sentences()[i] for i in indices])
+            (row,) = steps[step]
+            assert row["input_ids"] == batch["input_ids"].tolist(), f"step {step}"
+            assert row["labels"] == batch["labels"].tolist(), f"step {step}"
+    finally:
+        torch.set_rng_state(saved)
+    labels = [
+        label for rows in steps.values() for row in rows for seq in row["labels"] for label in seq
+    ]
+    assert 0 < sum(label != -100 for label in labels) < len(labels) / 2  # ~15% masked
 
 
 def test_stock_transformers_resumes_other_augmentations_and_weights(job, reference, tmp_path):
@@ -222,6 +261,15 @@ def test_resuming_from_an_unsealed_path_or_a_stock_checkpoint_is_refused(job, tm
         trainer.train(resume_from_checkpoint=stock)
     with pytest.raises(CorruptCheckpoint, match="no sealed checkpoint"):
         trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_collator_with_a_generator_of_its_own_is_refused(tmp_path):
+    trainer = hf_trainer_job.build(hf_trainer_job.main_options(["--out", str(tmp_path), *MLM]))
+    trainer.data_collator.seed = 3  # as DataCollatorForLanguageModeling(seed=3) keeps it
+    with pytest.raises(ValueError, match="DataCollatorForLanguageModeling has seed=3"):
+        trainer.get_train_dataloader()
+    trainer.data_collator.seed = None
+    trainer.get_train_dataloader()
 
 
 def test_an_untested_transformers_is_refused_unless_asked(monkeypatch):

@@ -17,8 +17,9 @@ window w of a shuffle buffer  ``(seed, epoch, 4, w)``             ``shuffle_buff
 The first three are unchanged since the first state format (version 1), so map-style and
 global-cursor states of version 1 still resume exactly; the last two changed with version 2
 (see ``unbroken.data.states``). Under a key, ``rng`` derives the global generators' seeds of
-the batch starting at a position (``batch_seeds``), a sample's ``sample_seed_at`` and its
-``sample_rng()`` seed (``sample_rng_seed``).
+the batch starting at a position (``batch_seeds``) and of that batch's ``collate_fn`` call
+(``collate_seeds``), a sample's ``sample_seed_at`` and its ``sample_rng()`` seed
+(``sample_rng_seed``).
 """
 
 from __future__ import annotations

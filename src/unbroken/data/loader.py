@@ -13,8 +13,8 @@ State: ``LoaderState`` (``states``), a few integers plus the source's part (a us
 or the dataset's own state, if it has one).
 Per-batch cost: see benchmarks/RESULTS.md (the batch sampler's generator, the fetch wrapper,
 the cursor), plus the per-batch seeding described in the README's "Randomness" section
-(``global_rngs`` chooses it) and, with ``num_workers=0``, ~2 us to put the training process's
-torch generator back.
+(``global_rngs`` chooses it; as much again before a ``collate_fn`` of the user's, ``rng``) and,
+with ``num_workers=0``, ~2 us to put the training process's torch generator back.
 """
 
 from __future__ import annotations
@@ -71,12 +71,14 @@ class DataLoader(Loader, torch.utils.data.DataLoader[T_co]):
             between get the same seed). On several ranks, rank 0's, broadcast once.
             ``load_state_dict`` then adopts the saved seed, so a restarted run continues the same
             order.
-        global_rngs: Which process-global generators are seeded before each batch: any of
+        global_rngs: Which process-global generators are seeded before each batch, and again
+            before its ``collate_fn`` (unless that is torch's default): any of
             ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves its
-            seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for ``random``;
-            the README's "Randomness" section) but makes draws from it inside ``__getitem__`` depend
-            on the worker, so they no longer repeat after a resume; ``unbroken.sample_rng()`` and
-            ``unbroken.sample_seed()`` stay exact either way.
+            seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for ``random``,
+            twice with a ``collate_fn``; the README's "Randomness" section) but makes draws from
+            it inside ``__getitem__`` or ``collate_fn`` depend on the worker, so they no longer
+            repeat after a resume; ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay
+            exact either way.
         rank: This process's rank, for data parallelism (``unbroken.data.sources.sharding``);
             from the initialized ``torch.distributed`` process group when left out. A map-style
             dataset in unbroken's order gives each rank its share of every global batch; the

@@ -12,6 +12,17 @@ divides the cost by the batch size: it is the seeding calls themselves that cost
 benchmarks/RESULTS.md: torch's CPU generator ~1.2 us, numpy's legacy global ~1.5 us, ``random``
 ~4 us a call on this project's CI machine).
 
+**Global generators, per collate.** ``collate_fn`` runs once per batch, in the worker that
+fetched it or (``num_workers=0``) in the training process. Right before it, ``make_seeder``'s
+function with ``collate_seeds`` seeds the chosen global generators again, from the same key and
+position: a masking or mixing collator (transformers' ``DataCollatorForLanguageModeling``) then
+draws the same numbers for a batch at any worker count and after any resume, and how much the
+batch's samples drew does not move its stream. ``sources.fetch.SeededCollate`` skips that
+seeding for torch's ``default_collate``/``default_convert``, which draw nothing (~8 us a batch
+saved, the three seeding calls). In the training process, torch's generator is put back after
+the collate as it is after the samples (``keep_main_torch_rng``): the collator's draws never
+reach the step's.
+
 **Distinct streams.** torch's CPU generator and numpy's legacy one keep only 32 bits of a seed,
 so seeds drawn at random from a 64-bit hash would repeat by the birthday bound (an epoch of
 1.28M samples seeded per sample had 164 pairs of positions drawing identical numbers). The
@@ -42,8 +53,10 @@ _U32 = (1 << 32) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 # Xor'ed into a batch's seed per generator, so torch, numpy and random never share a stream.
 _NUMPY, _RANDOM, _SAMPLE_RNG = 0x5BD1E995, 0x2545F491, 0x68E31DA4
+_COLLATE = 0x1B873593  # xor'ed into the key of a batch's collate_fn seeds
 
 Seeder = Callable[[int, int], None]
+Seeds = Callable[[int, int], tuple[int, int, int]]
 
 
 class _Current:
@@ -90,23 +103,35 @@ def batch_seeds(key: int, position: int) -> tuple[int, int, int]:
     return seed, seed ^ _NUMPY, seed ^ _RANDOM
 
 
-def make_seeder(global_rngs: tuple[str, ...]) -> Seeder:
-    """Return ``seed(key, position)``: seed the chosen global generators for the batch starting
-    at ``position``, and make that batch the current one for ``sample_seed()``/``sample_rng()``.
+def collate_seeds(key: int, position: int) -> tuple[int, int, int]:
+    """The seeds of torch's, numpy's and ``random``'s global generators for the ``collate_fn``
+    call of the batch whose first sample is at ``position`` of the epoch keyed by ``key``: the
+    documented derivation, a bijection of the position under a key of its own (so distinct per
+    batch, and never tied to the stream of the batch's samples)."""
+    seed = stream32(key ^ _COLLATE, position)
+    return seed, seed ^ _NUMPY, seed ^ _RANDOM
+
+
+def make_seeder(global_rngs: tuple[str, ...], seeds: Seeds = batch_seeds) -> Seeder:
+    """Return ``seed(key, position)``: seed the chosen global generators with ``seeds(key,
+    position)``. With ``batch_seeds`` (the samples' seeder), it also makes the batch starting
+    at ``position`` the current one for ``sample_seed()``/``sample_rng()``; with
+    ``collate_seeds`` (the collate's), it leaves that alone.
 
     Bound methods are looked up once here: the call runs once per batch.
     """
     torch_seed = torch.default_generator.manual_seed if "torch" in global_rngs else None
     numpy_seed = np.random.seed if "numpy" in global_rngs else None
     random_seed = random.seed if "random" in global_rngs else None
-    current = CURRENT
+    current = CURRENT if seeds is batch_seeds else None
 
     def seed(key: int, position: int) -> None:
-        current.key, current.position = key, position
-        current.seeded_for = None  # the same sample fetched again must restart its stream
+        if current is not None:
+            current.key, current.position = key, position
+            current.seeded_for = None  # the same sample fetched again must restart its stream
         if torch_seed is None and numpy_seed is None and random_seed is None:
             return
-        torch_value, numpy_value, random_value = batch_seeds(key, position)
+        torch_value, numpy_value, random_value = seeds(key, position)
         if torch_seed is not None:
             torch_seed(torch_value)
         if numpy_seed is not None:
@@ -131,12 +156,14 @@ def sample_rng_seed(key: int, position: int) -> int:
 
 def keep_main_torch_rng(global_rngs: tuple[str, ...]) -> torch.Tensor | None:
     """In the training process itself (``num_workers=0``), the state of torch's generator to put
-    back once the batch is fetched, so that dropout and the rest of the training step draw the
-    same numbers whatever the loader did and whatever ``num_workers`` is. ~1.3 us a batch.
+    back once the batch is fetched and collated, so that dropout and the rest of the training
+    step draw the same numbers whatever the loader or the collator did and whatever
+    ``num_workers`` is. ~1.3 us a batch.
 
     numpy's and ``random``'s global generators are not put back: saving and restoring them costs
-    ~57 us and ~10 us a batch. With ``num_workers=0`` they are left as the batch's last sample
-    left them (deterministic, so resumes stay exact, but different from ``num_workers > 0``).
+    ~57 us and ~10 us a batch. With ``num_workers=0`` they are left as the batch's collate (or,
+    if it is not seeded, its last sample) left them: deterministic, so resumes stay exact, but
+    different from ``num_workers > 0``.
     """
     if "torch" not in global_rngs or get_worker_info() is not None:
         return None

@@ -19,6 +19,12 @@ puts back the saved random states. Without workers, the loader seeds numpy's and
 generators for each batch it fetches (``global_rngs``), so the uninterrupted run trains that
 window with the states of its last batch: ``skip`` has them recorded as that window is fetched,
 and ``ExactResumeCallback`` puts them back at the step's start (``take_fetch_states``).
+
+A collator that draws (MLM masking) draws from the global generators the loader seeds for each
+batch's collate. One built with a ``seed`` of its own (``DataCollatorForLanguageModeling(seed=
+...)``) keeps a generator per worker across batches instead, so its masks would change with
+``dataloader_num_workers`` and after a resume: ``refuse_seeded_collator`` says so when the
+loader is built.
 """
 
 from __future__ import annotations
@@ -33,10 +39,30 @@ from ..data.loader import DataLoader
 from ..errors import StateMismatch
 
 
+def refuse_seeded_collator(collator: Any) -> None:
+    """Raise if ``collator`` (maybe inside transformers' ``RemoveColumnsCollator``) is one of
+    transformers' collators given a ``seed``: it draws from a generator of its own.
+
+    Raises:
+        ValueError: it has a ``seed`` (the value is named) and makes its own generator.
+    """
+    inner = getattr(collator, "data_collator", collator)  # RemoveColumnsCollator's
+    seed = getattr(inner, "seed", None)
+    if seed is not None and callable(getattr(inner, "get_generator", None)):
+        raise ValueError(
+            f"unbroken.hf.Trainer: the data collator {type(inner).__name__} has seed={seed!r}, "
+            "so it draws from a generator of its own, which each worker copies and a resume "
+            "starts afresh: its masks would differ with dataloader_num_workers and after a "
+            "resume. Build it with seed=None: the loader seeds torch's generator for each "
+            "batch's collate from (seed, epoch, position)"
+        )
+
+
 class TrainLoader:
     """What ``get_train_dataloader`` returns: the ``unbroken.DataLoader`` as ``loader``."""
 
     def __init__(self, loader: DataLoader) -> None:
+        refuse_seeded_collator(loader.collate_fn)
         self.loader = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size

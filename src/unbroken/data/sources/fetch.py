@@ -6,18 +6,24 @@ generators once, from (epoch key, the batch's first position), then call the use
 being fetched, so the batch's random transforms do not depend on which worker runs it. A user
 dataset with its own ``__getitems__`` (batched reads) keeps it: it is called once per batch,
 with ``sample_seed()`` the batch's first position's.
+
+The user's ``collate_fn`` runs there too, through ``SeededCollate``, which seeds the
+generators for it from the same key and position (``rng.collate_seeds``): so its draws (a
+masking collator's) follow the batch, not the process it runs in, and torch's own
+``collate_fn`` only passes the batch on. Iterable datasets' workers call a ``SeededCollate``
+likewise (``streams``).
 """
 
 from __future__ import annotations
 
-import functools
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.utils.data import Dataset, get_worker_info
+import torch
+from torch.utils.data import Dataset, default_collate, default_convert, get_worker_info
 
-from ..rng import CURRENT, clear_sample, keep_main_torch_rng, make_seeder
+from ..rng import CURRENT, clear_sample, collate_seeds, keep_main_torch_rng, make_seeder
 from .standin import StandIn
 
 # A batch as the inner torch loader's batch sampler yields it and a worker receives it: the
@@ -31,39 +37,57 @@ class SeededDataset(StandIn, Dataset):
     (``standin``)."""
 
     _OWN = frozenset(
-        ("_unbroken_dataset", "_unbroken_rngs", "_unbroken_seed", "_unbroken_getitems")
+        (
+            "_unbroken_dataset",
+            "_unbroken_rngs",
+            "_unbroken_seed",
+            "_unbroken_getitems",
+            "_unbroken_collate",
+        )
     )
     _STOOD_FOR = "_unbroken_dataset"
 
-    def __init__(self, dataset: Any, global_rngs: tuple[str, ...]) -> None:
+    def __init__(
+        self, dataset: Any, global_rngs: tuple[str, ...], collate_fn: Callable[[Any], Any]
+    ) -> None:
         self._unbroken_dataset = dataset
         self._unbroken_rngs = global_rngs
         self._unbroken_seed = make_seeder(global_rngs)
         batched = getattr(dataset, "__getitems__", None)
         self._unbroken_getitems = batched if callable(batched) else None
+        self._unbroken_collate = SeededCollate(collate_fn, global_rngs)
 
     def __getstate__(self) -> dict:  # the seeder is a closure: rebuild it in each worker
-        return {"dataset": self._unbroken_dataset, "global_rngs": self._unbroken_rngs}
+        return {
+            "dataset": self._unbroken_dataset,
+            "global_rngs": self._unbroken_rngs,
+            "collate_fn": self._unbroken_collate.collate_fn,
+        }
 
     def __setstate__(self, state: dict) -> None:
-        SeededDataset.__init__(self, state["dataset"], state["global_rngs"])
+        SeededDataset.__init__(self, state["dataset"], state["global_rngs"], state["collate_fn"])
 
     def __len__(self) -> int:
         return len(self._unbroken_dataset)
 
-    def __getitems__(self, keys: Keys) -> list | Failed:
+    def __getitems__(self, keys: Keys) -> Any:
+        """The batch at ``keys``, collated (torch's ``collate_fn`` passes it on), or a
+        ``Failed`` if the user's code raised."""
         indices, key, start = keys
         current = CURRENT
-        saved = keep_main_torch_rng(self._unbroken_rngs)  # put back below, in the main process
+        # Put back below, in the main process, after the collate: it draws from the generators.
+        saved = keep_main_torch_rng(self._unbroken_rngs)
         try:
             self._unbroken_seed(key, start)
             if self._unbroken_getitems is not None:
-                return self._unbroken_getitems(list(indices))
-            dataset, out = self._unbroken_dataset, []
-            for position, index in enumerate(indices, start):
-                current.position = position
-                out.append(dataset[index])
-            return out
+                samples = self._unbroken_getitems(list(indices))
+            else:
+                dataset, samples = self._unbroken_dataset, []
+                for position, index in enumerate(indices, start):
+                    current.position = position
+                    samples.append(dataset[index])
+            current.key = None  # sample_seed() is a sample's: not defined in collate_fn
+            return self._unbroken_collate(samples, key, start)
         except StopIteration:
             raise  # torch ends the iteration on it
         except Exception as error:
@@ -78,7 +102,9 @@ class SeededDataset(StandIn, Dataset):
         saved = keep_main_torch_rng(self._unbroken_rngs)
         try:
             self._unbroken_seed(key, start)
-            return self._unbroken_dataset[index]
+            sample = self._unbroken_dataset[index]
+            CURRENT.key = None
+            return self._unbroken_collate(sample, key, start)
         except StopIteration:
             raise
         except Exception as error:
@@ -131,17 +157,48 @@ def _failed(kind: type, text: str, where: str) -> Failed:
     return failed
 
 
-def collating(collate_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """The user's ``collate_fn``, letting a ``Failed`` batch through and catching its own."""
-    return functools.partial(_collate, collate_fn)  # picklable, for spawned workers
+# torch's own collate functions: they draw nothing, so their batches need no seeding.
+_DRAW_NOTHING = (default_collate, default_convert)
 
 
-def _collate(collate_fn: Callable[[Any], Any], batch: Any) -> Any:
-    if type(batch) is Failed:
-        return batch
-    try:
-        return collate_fn(batch)
-    except StopIteration:
-        raise
-    except Exception as error:
-        return Failed(error)
+class SeededCollate:
+    """The user's ``collate_fn``, called with the chosen global generators seeded for its
+    batch: from the epoch's key and the batch's first position, as its samples, but with
+    ``collate_seeds`` (``rng``). Not seeded for torch's ``default_collate``/``default_convert``
+    (~8 us a batch saved), nor with ``global_rngs=()``."""
+
+    __slots__ = ("collate_fn", "global_rngs", "seeds")
+
+    def __init__(self, collate_fn: Callable[[Any], Any], global_rngs: tuple[str, ...]) -> None:
+        self.collate_fn, self.global_rngs = collate_fn, global_rngs
+        draws_nothing = any(collate_fn is known for known in _DRAW_NOTHING)
+        self.seeds = (
+            make_seeder(global_rngs, collate_seeds) if global_rngs and not draws_nothing else None
+        )
+
+    def __reduce__(self) -> tuple:  # the seeder is a closure: rebuilt in each worker
+        return (SeededCollate, (self.collate_fn, self.global_rngs))
+
+    def __call__(self, batch: Any, key: int, position: int) -> Any:
+        """``collate_fn(batch)`` for the batch starting at ``position`` of the epoch keyed by
+        ``key``. In the training process the caller puts torch's generator back afterwards
+        (``keep_main_torch_rng``); ``keeping`` does it itself."""
+        if self.seeds is not None:
+            self.seeds(key, position)
+        return self.collate_fn(batch)
+
+    def keeping(self, batch: Any, key: int, position: int) -> Any:
+        """Like a call, and in the training process it puts torch's generator back itself."""
+        if self.seeds is None:
+            return self.collate_fn(batch)
+        saved = keep_main_torch_rng(self.global_rngs)
+        try:
+            return self(batch, key, position)
+        finally:
+            if saved is not None:
+                torch.default_generator.set_state(saved)
+
+
+def passed(batch: Any) -> Any:
+    """torch's ``collate_fn`` where ``SeededDataset`` has collated the batch already."""
+    return batch

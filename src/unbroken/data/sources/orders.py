@@ -32,7 +32,7 @@ from ...errors import CorruptState
 from .. import keys
 from ..bijection import IndexShuffle
 from .base import Arguments, BatchSource, Cursor, Receiver
-from .fetch import Keys, SeededDataset, collating
+from .fetch import Keys, SeededDataset, passed
 from .rank_checks import refuse_a_global_cursor
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block
@@ -104,14 +104,14 @@ class IndexSource(BatchSource):
     ) -> tuple[Dataset, dict[str, Any]]:
         plan = _EpochPlan(self)
         auto_batch = batch_size is not None or self.batched_by_user
-        return SeededDataset(dataset, global_rngs), {
+        collate = collate_fn or (default_collate if auto_batch else default_convert)
+        # The fetch collates, seeded for the batch; its errors come back as a Failed batch,
+        # counted when received (iterator).
+        return SeededDataset(dataset, global_rngs, collate), {
             "batch_size": 1 if auto_batch else None,  # torch's default, needed with batch_sampler
             "sampler": None if auto_batch else plan,
             "batch_sampler": plan if auto_batch else None,
-            # Errors in the fetch come back as a Failed batch, counted when received (iterator).
-            "collate_fn": collating(
-                collate_fn or (default_collate if auto_batch else default_convert)
-            ),
+            "collate_fn": passed,
         }
 
     def begin(self, seed: int, epoch: int, cursor: Cursor) -> Receiver:

@@ -224,7 +224,7 @@ class ShardedRangeStream(RangeStream):
                 batch += read_items(
                     read, hi - lo, seed, key, position + len(batch), out._unbroken_rngs
                 )
-            yield Tagged(out._unbroken_collate(batch), worker, first + rest, None)
+            yield Tagged(out._unbroken_collate(batch, key, position), worker, first + rest, None)
             index += workers
 
 

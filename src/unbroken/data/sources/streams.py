@@ -15,7 +15,7 @@ when the batch is *received* (never when it is prefetched). Two kinds of stream:
   travels with its batches, and ``num_workers`` must stay the same on resume.
 
 Randomness: before each batch, the global RNGs are seeded from the stream's key and the batch's
-first position (``rng``).
+first position (``rng``), and again before its ``collate_fn`` (``fetch.SeededCollate``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ...errors import CorruptState
 from .. import keys
 from ..rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
 from .base import SKIP, Arguments, BatchSource, Cursor, Receiver
+from .fetch import SeededCollate
 from .rank_checks import refuse_a_global_cursor
 from .standin import StandIn
 
@@ -138,7 +139,7 @@ class StreamWorker(StandIn, IterableDataset):
             "_unbroken_dataset",
             "_unbroken_batch_size",
             "_unbroken_rngs",
-            "_unbroken_collate_fn",
+            "_unbroken_collator",
             "_unbroken_plan",
         )
     )
@@ -153,14 +154,16 @@ class StreamWorker(StandIn, IterableDataset):
     ) -> None:
         self._unbroken_source, self._unbroken_dataset = source, source.dataset
         self._unbroken_batch_size, self._unbroken_rngs = batch_size, global_rngs
-        self._unbroken_collate_fn = collate_fn or (
-            default_collate if batch_size is not None else default_convert
+        self._unbroken_collator = SeededCollate(
+            collate_fn or (default_collate if batch_size is not None else default_convert),
+            global_rngs,
         )
         self._unbroken_plan: dict = {}  # set by the main process before each iter(): seed, ...
 
-    def _unbroken_collate(self, batch: list) -> Any:
-        return self._unbroken_collate_fn(
-            batch if self._unbroken_batch_size is not None else batch[0]
+    def _unbroken_collate(self, batch: list, key: int, position: int) -> Any:
+        """``batch`` collated, seeded for the batch starting at ``position`` under ``key``."""
+        return self._unbroken_collator.keeping(
+            batch if self._unbroken_batch_size is not None else batch[0], key, position
         )
 
     def __iter__(self) -> Iterator[Tagged]:
@@ -280,7 +283,7 @@ class RangeStream(StreamSource):
             )
             if not batch or (len(batch) < step and self.drop_last):
                 return
-            yield Tagged(out._unbroken_collate(batch), worker, start + len(batch), None)
+            yield Tagged(out._unbroken_collate(batch, key, start), worker, start + len(batch), None)
             if len(batch) < step:
                 return
             batch_index += workers

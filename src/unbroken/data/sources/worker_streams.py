@@ -81,11 +81,12 @@ class PerWorkerStream(StreamSource):
         items, state = self.open(ReplicaStart(plan, saved, worker, seed, key, out._unbroken_rngs))
         count, step = saved["items"], self.batch_size or 1
         while True:
-            batch = read_items(items, step, seed, key, count, out._unbroken_rngs)
+            first = count
+            batch = read_items(items, step, seed, key, first, out._unbroken_rngs)
             count += len(batch)
             if not batch or (len(batch) < step and self.drop_last):
                 return
-            yield Tagged(out._unbroken_collate(batch), worker, count, state())
+            yield Tagged(out._unbroken_collate(batch, key, first), worker, count, state())
 
     def shorter(self, worker: int, count: int, unit: str, found: int) -> StateMismatch:
         return StateMismatch(
