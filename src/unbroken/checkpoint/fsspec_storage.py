@@ -347,9 +347,8 @@ class FsspecStorage(Storage):
         return self.exists(join(path, MANIFEST))
 
     def committed_among(self, paths: list[str]) -> list[str]:
-        """Those of ``paths`` (in one directory) whose manifest is there, from one listing of
-        every object under that directory (1,000 a request), never a request per checkpoint;
-        each manifest's version is kept for ``prune_cache``."""
+        # One listing of every object under the directory (1,000 a request), never a request per
+        # checkpoint; each manifest's version is kept for ``prune_cache``.
         if not paths:
             return []
         root = paths[0].rstrip("/").rpartition("/")[0]
