@@ -136,7 +136,8 @@ def _dotted(package: Path) -> str:
 
 
 UNIT_COSTS = ROOT / "docs" / "benchmarks" / "unit-costs.md"
-ROW = re.compile(r"\brows?\s+``(\w+)``(?:\s+and\s+``(\w+)``)?")
+# "row ``a``", "rows ``a`` and ``b``", "rows ``a``, ``b`` and the per-item ``c``", across lines.
+ROW = re.compile(r"\brows?[\s#]+``\w+``(?:(?:,|\s+and)[\s#]+(?:the [\w-]+\s+)?``\w+``)*")
 
 
 def test_every_cost_row_a_docstring_names_is_measured():
@@ -147,8 +148,7 @@ def test_every_cost_row_a_docstring_names_is_measured():
         (source.relative_to(ROOT).as_posix(), name)
         for source in SOURCES
         for match in ROW.finditer(source.read_text())
-        for name in match.groups()
-        if name
+        for name in re.findall(r"``(\w+)``", match.group(0))
     }
     assert len(named) >= 5
     unknown = sorted((where, name) for where, name in named if name not in rows)

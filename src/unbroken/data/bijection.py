@@ -6,8 +6,9 @@ with cycle walking to stay inside [0, n) (the construction Grain uses). Because 
 is computed on its own, resuming at position k costs the same as resuming at 0, and memory
 does not grow with ``n``: a shuffled epoch over 10**9 samples starts at once.
 
-Cost: about 0.05-0.1 us per index in blocks of a few thousand (numpy, vectorized); the
-domain is at most 4x ``n``, so cycle walking re-encrypts on average fewer than 3 times.
+Cost: a few vectorized numpy operations per block of a few thousand indices (docs/benchmarks/unit-costs.md, rows
+``shuffle_index`` and ``shuffle_index_walk``); the domain is at most 4x ``n``, so cycle walking
+re-encrypts on average fewer than 3 times.
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ B use a window of about 2.5 B. A sliding buffer cannot resume this cheaply: it m
 read arbitrarily long ago, so it must save its items or re-read the stream from the oldest one.
 
 Costs: memory is one window of items (emitted items are released as they go); per window one
-permutation (~20 us + 0.1 us per item) and one upstream ``state_dict()`` (about 0.3-0.5 us per
-item in all for windows of 100-10,000 over ``unbroken.resumable``); a resume costs the
+permutation and one upstream ``state_dict()`` (docs/benchmarks/unit-costs.md, rows
+``window_permutation_100``, ``window_permutation_10000``, ``upstream_state`` and the per-item
+``shuffle_buffer_item_100`` and ``shuffle_buffer_item_10000``); a resume costs the
 upstream's own restore plus re-reading at most ``size - 1`` items.
 
 State: ``{"format", "version", "size", "seed", "epoch", "window", "emitted", "end",

@@ -12,12 +12,14 @@ Two ways to resume inside an epoch, chosen by what ``make_iterable`` returns:
 - **Its own state** (an object with ``state_dict()``/``load_state_dict()``, torch's Stateful
   protocol): its state is taken right after each ``next()``, so it describes what the loop
   received, and is restored through ``load_state_dict`` before iterating. Cost: one
-  ``state_dict()`` and its JSON encoding per item (~2 us for a small state); the resume costs
+  ``state_dict()`` and its JSON encoding per item (row ``resumable_state_item`` of
+  docs/benchmarks/unit-costs.md); the resume costs
   what the object's own restore costs.
 - **Skipping**: otherwise the epoch's iterable is re-made and the k items already received are
-  read again and dropped: O(k) in the iterable's own time per item (plus ~60 ns), with a tqdm
+  read again and dropped: O(k) in the iterable's own time per item (row ``resumable_skip_item``
+  of the unit costs), with a tqdm
   bar on a terminal when k > 1000; exact only if the iterable is deterministic, and a warning
-  says so once. Iterating costs ~0.1 us per item.
+  says so once. Iterating costs a generator step per item (row ``resumable_item``).
 
 Each item is read one step ahead, to know whether it is the epoch's last: a state taken inside
 the loop right after the last item resumes into an empty remainder without re-reading the

@@ -12,9 +12,10 @@ Here: the loader's attributes, its state and the checks of a loaded one.
 State: ``LoaderState`` (``states``), a few integers plus the source's part (a user sampler's
 or the dataset's own state, if it has one).
 Per-batch cost: see benchmarks/RESULTS.md (the batch sampler's generator, the fetch wrapper,
-the cursor), plus the per-batch seeding described in the README's "Randomness" section
-(``global_rngs`` chooses it; as much again before a ``collate_fn`` of the user's, ``rng``) and,
-with ``num_workers=0``, ~2 us to put the training process's torch generator back.
+the cursor), plus the per-batch seeding described in docs/guides/randomness.md (``global_rngs``
+chooses it; as much again before a ``collate_fn`` of the user's, ``rng``) and, with
+``num_workers=0``, putting the training process's torch generator back (docs/benchmarks/unit-costs.md, rows
+``batch_seeding_all`` and ``torch_rng_back``).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class DataLoader(Loader, torch.utils.data.DataLoader[T_co]):
         global_rngs: Which process-global generators are seeded before each batch, and again
             before its ``collate_fn`` (unless that is torch's default): any of
             ``("torch", "numpy", "random")`` (the default, all three). Leaving one out saves its
-            seeding cost (about 1.2 us per batch for torch, 1.5 us for numpy, 4 us for ``random``,
-            twice with a ``collate_fn``; the README's "Randomness" section) but makes draws from
+            seeding call per batch, twice with a ``collate_fn`` (``random``'s costs most: rows
+            ``batch_seeding_torch``, ``batch_seeding_numpy`` and ``batch_seeding_random`` of the
+            unit costs; docs/guides/randomness.md) but makes draws from
             it inside ``__getitem__`` or ``collate_fn`` depend on the worker, so they no longer
             repeat after a resume; ``unbroken.sample_rng()`` and ``unbroken.sample_seed()`` stay
             exact either way.

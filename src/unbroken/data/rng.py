@@ -8,9 +8,8 @@ order, ``batch_size``), so a batch draws the same numbers whichever worker fetch
 workers there are, and after any resume (which always starts at a batch boundary). On several
 ranks, rank r's batches are positions ``[m*B, (m+1)*B)`` of the global order whatever the world
 size, so they draw the same numbers too. Seeding once per batch rather than once per sample
-divides the cost by the batch size: it is the seeding calls themselves that cost (measured in
-benchmarks/RESULTS.md: torch's CPU generator ~1.2 us, numpy's legacy global ~1.5 us, ``random``
-~4 us a call on this project's CI machine).
+divides the cost by the batch size: it is the seeding calls themselves that cost (docs/benchmarks/unit-costs.md,
+rows ``seed_torch``, ``seed_numpy`` and ``seed_random``; ``random``'s is the dearest).
 
 **Global generators, per collate.** ``collate_fn`` runs once per batch, in the worker that
 fetched it or (``num_workers=0``) in the training process. Right before it, ``make_seeder``'s
@@ -18,8 +17,8 @@ function with ``collate_seeds`` seeds the chosen global generators again, from t
 position: a masking or mixing collator (transformers' ``DataCollatorForLanguageModeling``) then
 draws the same numbers for a batch at any worker count and after any resume, and how much the
 batch's samples drew does not move its stream. ``sources.fetch.SeededCollate`` skips that
-seeding for torch's ``default_collate``/``default_convert``, which draw nothing (~8 us a batch
-saved, the three seeding calls). In the training process, torch's generator is put back after
+seeding for torch's ``default_collate``/``default_convert``, which draw nothing (the three
+seeding calls saved). In the training process, torch's generator is put back after
 the collate as it is after the samples (``keep_main_torch_rng``): the collator's draws never
 reach the step's.
 
@@ -158,10 +157,11 @@ def keep_main_torch_rng(global_rngs: tuple[str, ...]) -> torch.Tensor | None:
     """In the training process itself (``num_workers=0``), the state of torch's generator to put
     back once the batch is fetched and collated, so that dropout and the rest of the training
     step draw the same numbers whatever the loader or the collator did and whatever
-    ``num_workers`` is. ~1.3 us a batch.
+    ``num_workers`` is (row ``torch_rng_back`` of docs/benchmarks/unit-costs.md).
 
-    numpy's and ``random``'s global generators are not put back: saving and restoring them costs
-    ~57 us and ~10 us a batch. With ``num_workers=0`` they are left as the batch's collate (or,
+    numpy's and ``random``'s global generators are not put back: saving and restoring their
+    624-word states would cost every batch far more (rows ``numpy_rng_back`` and
+    ``random_rng_back``). With ``num_workers=0`` they are left as the batch's collate (or,
     if it is not seeded, its last sample) left them: deterministic, so resumes stay exact, but
     different from ``num_workers > 0``.
     """

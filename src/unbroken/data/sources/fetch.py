@@ -28,7 +28,8 @@ from .standin import StandIn
 
 # A batch as the inner torch loader's batch sampler yields it and a worker receives it: the
 # dataset indices, the epoch's key and the position of its first sample in the epoch's global
-# order. A plain tuple: one is built per batch, and a class of our own costs ~0.5 us more.
+# order. A plain tuple: one is built per batch, and a class of our own costs more (rows
+# ``batch_keys_tuple`` and ``batch_keys_class`` of docs/benchmarks/unit-costs.md).
 Keys = tuple[Sequence[int], int, int]
 
 
@@ -165,7 +166,7 @@ class SeededCollate:
     """The user's ``collate_fn``, called with the chosen global generators seeded for its
     batch: from the epoch's key and the batch's first position, as its samples, but with
     ``collate_seeds`` (``rng``). Not seeded for torch's ``default_collate``/``default_convert``
-    (~8 us a batch saved), nor with ``global_rngs=()``."""
+    (which draw nothing: three seeding calls a batch saved), nor with ``global_rngs=()``."""
 
     __slots__ = ("collate_fn", "global_rngs", "seeds")
 

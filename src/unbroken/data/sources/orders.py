@@ -36,7 +36,8 @@ from .fetch import Keys, SeededDataset, passed
 from .rank_checks import refuse_a_global_cursor
 
 # Indices are computed in blocks of at least this many positions: one numpy call per block
-# keeps the per-index cost at ~0.1 us without holding more than a block in memory.
+# keeps the per-index cost low (row ``order_index`` of docs/benchmarks/unit-costs.md) without
+# holding more than a block in memory.
 _BLOCK = 4096
 
 
