@@ -90,7 +90,7 @@ demo-hf: $(HF_STAMP)
 # BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
 BENCHMARKS := overhead resume_latency trainer_overhead lightning_resume hf_resume checkpoint_blocking \
 	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput \
-	goodput_ranks unit_costs
+	goodput_ranks unit_costs save_keep
 BENCH_FLAGS ?=
 define run-benchmarks
 @failed=""; for b in $(BENCHMARKS); do \

@@ -249,6 +249,7 @@ def data_rows(quick: bool) -> list[Row]:
     from unbroken.data.iterable import take_state
     from unbroken.data.rng import GLOBAL_RNGS, clear_sample, keep_main_torch_rng, make_seeder
     from unbroken.data.sources.base import Cursor
+    from unbroken.data.sources.fetch import SeededCollate
     from unbroken.data.sources.orders import NativeOrder
 
     value = 0x9E3779B9  # a 32-bit seed, as the loader passes
@@ -272,6 +273,9 @@ def data_rows(quick: bool) -> list[Row]:
 
     def put_random_back() -> None:
         random.setstate(random.getstate())
+
+    seeded_collate = SeededCollate(lambda batch: batch, GLOBAL_RNGS)  # a collate_fn of the user's
+    default_collate = SeededCollate(torch.utils.data.default_convert, GLOBAL_RNGS)  # not seeded
 
     block = 4096
     starts = np.arange(block, dtype=np.int64)
@@ -313,6 +317,11 @@ def data_rows(quick: bool) -> list[Row]:
         Row("torch_rng_back", "torch's generator put back around a batch, `num_workers=0` "
             "(`keep_main_torch_rng` + `clear_sample`)", "unbroken.data.rng",
             "~1.3-2 us", put_torch_back),
+        Row("collate_seeded", "a `collate_fn` of the user's (here the identity) called through "
+            "`SeededCollate`: the three generators seeded for it", "unbroken.data.sources.fetch",
+            "-", lambda: seeded_collate(None, 0x9E3779B97F4A7C15, 12345)),
+        Row("collate_default", "torch's `default_convert` through `SeededCollate`: not seeded",
+            "unbroken.data.sources.fetch", "-", lambda: default_collate(None, 0x9E3779B97F4A7C15, 12345)),
         Row("numpy_rng_back", "numpy's legacy global state read and put back (not done)",
             "numpy", "~57 us", put_numpy_back),
         Row("random_rng_back", "`random`'s state read and put back", "random", "~10 us",
