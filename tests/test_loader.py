@@ -345,7 +345,7 @@ def test_public_docstrings_point_to_public_documentation_not_private_modules():
         for doc in docs:
             private = re.findall(r"unbroken\._\w+|``_[a-z]\w*``", doc)
             assert not private, f"unbroken.{name}'s documentation points to {private}"
-    assert "Randomness" in inspect.getdoc(unbroken.DataLoader)
+    assert "docs/guides/randomness.md" in inspect.getdoc(unbroken.DataLoader)
     assert "unbroken.sample_rng()" in inspect.getdoc(unbroken.DataLoader)
 
 
