@@ -3,7 +3,7 @@ for bit when the script made the group with ``unbroken.distributed.init_process_
 group made by transformers' ``TrainingArguments`` (torch's own call) is refused at construction.
 
 The job is ``tests/hf_restart_job.py``: ``tests/hf_trainer_job.py``'s (96 samples, batch 8 per
-rank: 4 steps an epoch on 3 ranks, 3 epochs, a checkpoint every 4 steps).
+rank: 4 steps an epoch on 3 ranks, 2 epochs, a checkpoint every 4 steps).
 """
 
 from __future__ import annotations
@@ -49,10 +49,14 @@ def test_torchruns_own_restart_resumes_bit_for_bit(tmp_path):
     # Rank 1 alone is SIGKILLed at step 6 of the first attempt, after checkpoint-4; torchrun
     # stops the others and starts all three again against the same store. A group made by
     # TrainingArguments (torch's init_process_group) would read the dead attempt's addresses
-    # ("connectFullMesh failed", or a hang); the job makes it with unbroken's, which they adopt.
-    expected, out = str(tmp_path / "reference"), str(tmp_path / "run")
-    assert torchrun(expected) == 0, read(expected + ".log")[-3000:]
-    cut = ("--kill-at", "6", "--kill-rank", "1")
+    # there ("connectFullMesh failed", or a hang): it is refused before any step, with the fix.
+    # The job makes it with unbroken's, which TrainingArguments adopt.
+    expected, out, theirs = (str(tmp_path / name) for name in ("reference", "run", "theirs"))
+    cut = ("--epochs", "2", "--kill-at", "6", "--kill-rank", "1")
+    assert torchrun(theirs, "--torch-group", *cut, restarts=1) != 0
+    assert "before building the TrainingArguments" in read(theirs + ".log")
+    assert not os.path.exists(os.path.join(theirs, "checkpoint-4"))
+    assert torchrun(expected, "--epochs", "2") == 0, read(expected + ".log")[-3000:]
     assert torchrun(out, *cut, restarts=1) == 0, read(out + ".log")[-3000:]
     said = read(out + ".log")
     assert "(exitcode: -9) local_rank: 1 " in said  # rank 1 alone was killed; the job went on
