@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_trainer_job  # noqa: E402
+import hf_trainer_job
 
 
 def main(argv: list[str] | None = None) -> int:
