@@ -16,7 +16,10 @@ serves) is given to torch behind a ``PrefixStore`` named after the attempt, so e
 reads only its own keys. Outside torchrun it calls torch's unchanged. It creates no
 rendezvous and no collective of its own: torch's store, torch's process group.
 ``scoped_to_attempt()`` says whether it made the default group, for code that finds a group
-someone else started (an ``accelerate.Accelerator`` calls torch's own when none exists).
+someone else started (an ``accelerate.Accelerator``, and transformers' ``TrainingArguments``
+through Accelerate, call torch's own when none exists). ``refuse_unrestartable_group()``, called
+by ``unbroken.Trainer.fit``, ``unbroken.hf.Trainer`` and ``unbroken.hf.accelerate``, refuses such
+a group under ``--max-restarts``, with the fix: no restart is attempted that would fail or hang.
 """
 
 from __future__ import annotations
@@ -78,3 +81,34 @@ def attempt_store(timeout: timedelta) -> Any:
     )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"unbroken/attempt-{attempt}", store)
+
+
+def refuse_unrestartable_group(made_by: str, fix: str) -> None:
+    """Refuse, on every rank alike, a default group that torchrun's restart cannot start again.
+
+    Torch's own ``init_process_group`` reads and writes each rank's address under the same keys
+    of the agent's store in every attempt; a restarted gloo group then connects to the dead
+    attempt's ports. Without restarts (``TORCHELASTIC_MAX_RESTARTS=0``) a relaunch is a new
+    torchrun with a new store, and outside the agent there is no restart: no refusal. Reads
+    only the environment, so every rank decides alike, with no collective.
+
+    Args:
+        made_by: Who made the group with torch's own call, for the message.
+        fix: Where the caller's script calls ``unbroken.distributed.init_process_group``
+            instead, for the message (e.g. ``"before building the Accelerator"``).
+
+    Raises:
+        RuntimeError: under torchrun's agent with ``--max-restarts`` above 0, the default group
+            exists and ``init_process_group`` above did not make it.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if not under_agent() or restarts == 0 or not dist.is_initialized() or scoped_to_attempt():
+        return
+    raise RuntimeError(
+        f"torchrun --max-restarts={restarts} would restart this job with a process group it "
+        f"cannot start again: {made_by} made it with torch.distributed.init_process_group, "
+        "which uses the same keys of torchrun's store in every attempt, so a restarted rank "
+        "connects to the dead attempt's processes and fails with 'connectFullMesh failed' or "
+        'hangs. Call unbroken.distributed.init_process_group(backend) ("gloo" on CPUs, '
+        f'"nccl" on GPUs) {fix}.'
+    )

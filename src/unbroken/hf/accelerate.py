@@ -36,9 +36,7 @@ import os
 import warnings
 from typing import Any
 
-import torch.distributed as dist
-
-from ..distributed.process_group import scoped_to_attempt, under_agent
+from ..distributed.process_group import refuse_unrestartable_group
 from .aside import keep_damaged, put_aside
 from .seal import UnsealedCheckpointWarning, prune, resume_point, seal
 
@@ -129,21 +127,7 @@ def _refuse_automatic_naming(accelerator: Any) -> None:
 
 
 def _refuse_unrestartable_group() -> None:
-    """Refuse, on every rank alike, a process group that torchrun's restart cannot start again.
-
-    Torch's own ``init_process_group`` (which Accelerate calls when no group exists) reads and
-    writes each rank's address under the same keys of the agent's store in every attempt; a
-    restarted gloo group then connects to the dead attempt's ports. Without restarts
-    (``TORCHELASTIC_MAX_RESTARTS=0``) a relaunch is a new torchrun with a new store: no refusal.
-    """
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if not under_agent() or restarts == 0 or not dist.is_initialized() or scoped_to_attempt():
-        return
-    raise RuntimeError(
-        f"torchrun --max-restarts={restarts} would restart this job with a process group it "
-        "cannot start again: Accelerate (or torch.distributed.init_process_group) made it with "
-        "the same keys of torchrun's store in every attempt, so a restarted rank connects to "
-        "the dead attempt's processes and fails with 'connectFullMesh failed' or hangs. Call "
-        'unbroken.distributed.init_process_group(backend) ("gloo" on CPUs, "nccl" on '
-        "GPUs) before building the Accelerator; Accelerate then uses that group."
+    refuse_unrestartable_group(
+        "Accelerate (or your script)",
+        "before building the Accelerator; Accelerate then uses that group",
     )

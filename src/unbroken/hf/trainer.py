@@ -34,6 +34,9 @@ What it changes, all through transformers' public hooks except for what ``intern
   ranks agree (one all-reduce every ``check_every`` steps), the checkpoint is saved and sealed,
   and every process exits with 75. DataLoader workers ignore these signals meanwhile.
 - **DDP on 3 or more ranks**: ``unbroken.distributed.exact_reduce`` on the wrapped model.
+- **torchrun's restarts**: under ``--max-restarts``, a process group that
+  ``unbroken.distributed.init_process_group`` did not make (``TrainingArguments`` make one with
+  torch's own call when none exists) is refused at construction: a restart could not start it.
 
 ``ExactResumeMixin`` does all this for a subclass of ``transformers.Trainer`` of your own
 (``class MyTrainer(ExactResumeMixin, SFTTrainer)``).
@@ -47,6 +50,7 @@ import torch
 import transformers
 
 from ..data.loader import DataLoader
+from ..distributed.process_group import refuse_unrestartable_group
 from ..preemption import DEFAULT_SIGNALS
 from ..train.progress import say
 from . import internals
@@ -67,7 +71,9 @@ class ExactResumeMixin:
     Raises:
         TypeError: the mixin is not before ``transformers.Trainer`` in the bases.
         RuntimeError: the installed transformers is not a tested version (set
-            ``UNBROKEN_HF_UNTESTED=1`` to be warned instead).
+            ``UNBROKEN_HF_UNTESTED=1`` to be warned instead); or, under ``torchrun
+            --max-restarts``, the process group was not made by
+            ``unbroken.distributed.init_process_group``: a restart could not start it again.
     """
 
     def __init__(
@@ -77,7 +83,11 @@ class ExactResumeMixin:
             raise TypeError("ExactResumeMixin goes before transformers.Trainer in the bases")
         internals.check_version()
         internals.install_skip(lambda loader: isinstance(loader, TrainLoader), TrainLoader.skip)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # the TrainingArguments have made the group by now
+        refuse_unrestartable_group(
+            "transformers' TrainingArguments (through Accelerate's PartialState)",
+            "before building the TrainingArguments; they then use that group",
+        )
         self._exact = ExactResumeCallback(self, signals, check_every)
         self.add_callback(self._exact)
 
@@ -166,5 +176,7 @@ class Trainer(ExactResumeMixin, transformers.Trainer):
         TypeError: in a subclass whose bases put ``ExactResumeMixin`` after
             ``transformers.Trainer`` (the shared constructor checks the order).
         RuntimeError: the installed transformers is not a tested version (set
-            ``UNBROKEN_HF_UNTESTED=1`` to be warned instead).
+            ``UNBROKEN_HF_UNTESTED=1`` to be warned instead); or, under ``torchrun
+            --max-restarts``, the process group was not made by
+            ``unbroken.distributed.init_process_group``: a restart could not start it again.
     """

@@ -23,6 +23,7 @@ import torch
 from typing_extensions import Unpack
 
 from ..checkpoint.manager import Checkpointer
+from ..distributed.process_group import refuse_unrestartable_group
 from ..distributed.reduction import ensure_exact
 from ..preemption import Preemption
 from .agreement import Agreement, Boundary, exit_if_preempted
@@ -115,6 +116,11 @@ class Trainer:
 
         Returns:
             The logs: the latest value of each logged name.
+
+        Raises:
+            RuntimeError: under ``torchrun --max-restarts``, the process group was made by
+                torch's own ``init_process_group``, which a restart could not start again;
+                the message names ``unbroken.distributed.init_process_group``, which can.
         """
         self.startup.mark("your code from Trainer() to fit()")
         try:
@@ -127,6 +133,9 @@ class Trainer:
             self.train_metrics = dict(train_metrics or {})
             self.val_metrics = dict(val_metrics or {})
             check_loaders(train_loader, val_loader)
+            refuse_unrestartable_group(
+                "your script", "instead of torch.distributed.init_process_group"
+            )
             self.agreement = Agreement()  # this rank's World, and what the ranks agree on
             self.world = self.agreement.world
             self.show_bar = self.options.progress_bar and self.world.first  # on one rank
