@@ -25,6 +25,7 @@ a group under ``--max-restarts``, with the fix: no restart is attempted that wou
 from __future__ import annotations
 
 import os
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -52,16 +53,19 @@ def init_process_group(
     kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
     store = attempt_store(timeout or timedelta(minutes=30))
     dist.init_process_group(backend, store=store, timeout=timeout, **kwargs)
-    _scoped.append(dist.group.WORLD)
+    # A weak reference: a strong one would keep the group alive past destroy_process_group
+    # until the interpreter's teardown, where freeing gloo's threads aborts the process
+    # ("terminate called without an active exception").
+    _scoped.append(weakref.ref(dist.group.WORLD))
 
 
-_scoped: list[Any] = []  # the default groups made above behind an attempt's store
+_scoped: list[weakref.ref] = []  # the default groups made above behind an attempt's store
 
 
 def scoped_to_attempt() -> bool:
     """Whether the default process group exists and ``init_process_group`` above made it behind
     this attempt's store: a restart of ``torchrun --max-restarts`` can then start it again."""
-    return dist.is_initialized() and any(group is dist.group.WORLD for group in _scoped)
+    return dist.is_initialized() and any(group() is dist.group.WORLD for group in _scoped)
 
 
 def under_agent() -> bool:
