@@ -141,13 +141,20 @@ def test_the_uninterrupted_loop_trains_the_documented_order(reference):
     assert orders[0] != orders[1] != orders[2] != orders[0]
 
 
-def torchrun(ranks: int, out: str, *args: str, restarts: int = 0, timeout: float = 300) -> int:
-    """torchrun's exit status, its output in ``out + ".log"``. Past ``timeout`` seconds the test
-    fails on the hang, after a SIGTERM to torchrun, which stops its ranks (each in a session of
-    its own) as on a failure."""
+def torchrun(
+    ranks: int,
+    out: str,
+    *args: str,
+    restarts: int = 0,
+    timeout: float = 300,
+    job: str = "hf_accelerate_job.py",
+) -> int:
+    """torchrun's exit status running ``tests/<job>``, its output in ``out + ".log"``. Past
+    ``timeout`` seconds the test fails on the hang, after a SIGTERM to torchrun, which stops its
+    ranks (each in a session of its own) as on a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
-    command += [os.path.join(HERE, "hf_accelerate_job.py"), "--out", out, *args]
+    command += [os.path.join(HERE, job), "--out", out, *args]
     with open(out + ".log", "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=log)
         try:

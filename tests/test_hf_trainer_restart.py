@@ -9,7 +9,6 @@ rank: 4 steps an epoch on 3 ranks, 2 epochs, a checkpoint every 4 steps).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ import unbroken.hf
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import hf_trainer_job  # noqa: E402
+from test_hf_accelerate import torchrun as accelerate_torchrun  # noqa: E402
 from test_hf_trainer import assert_same_run  # noqa: E402
 
 
@@ -29,20 +29,11 @@ def read(path: str) -> str:
         return file.read()
 
 
-def torchrun(out: str, *args: str, restarts: int = 0, timeout: float = 180) -> int:
-    """torchrun's exit status on 3 ranks, its output in ``out + ".log"``. Past ``timeout``
-    seconds the test fails on the hang, after a SIGTERM to torchrun, which stops its ranks."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=3", f"--max-restarts={restarts}"]
-    command += [os.path.join(HERE, "hf_restart_job.py"), "--out", out, *args]
-    with open(out + ".log", "ab") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=log)
-        try:
-            return process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            process.wait(60)
-    pytest.fail(f"torchrun hangs after {timeout} s: {read(out + '.log')[-3000:]}")
+def torchrun(out: str, *args: str, restarts: int = 0) -> int:
+    """3 ranks of ``tests/hf_restart_job.py`` (``test_hf_accelerate.torchrun``: a hang fails)."""
+    return accelerate_torchrun(
+        3, out, *args, restarts=restarts, timeout=180, job="hf_restart_job.py"
+    )
 
 
 def test_torchruns_own_restart_resumes_bit_for_bit(tmp_path):
