@@ -8,7 +8,6 @@ log's first bytes (a download of the whole object, in a store)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from ..checkpoint import quarantine
 from ..checkpoint.files import basename, join, parent
 from ..checkpoint.storage import Storage
 from ..checkpoint.stores import is_url, storage_for
+from ..train.csvlog import read_sha256
 from ..train.rundir import CHECKPOINTS, METRICS
 from . import hf
 from .checkpoints import (
@@ -120,12 +120,11 @@ def _log(
 
 def _prefix_sha256(storage: Storage, path: str, size: int) -> str:
     """The sha256 of the first ``size`` bytes of ``path`` (which holds at least that many)."""
-    digest, left = hashlib.sha256(), size
     with storage.open_read(path) as opened:
-        while left and (chunk := opened.read(min(left, 1 << 22))):
-            digest.update(chunk)
-            left -= len(chunk)
-    return digest.hexdigest()
+        try:
+            return read_sha256(opened, size, path).hexdigest()
+        except OSError as error:  # shortened since its size was read: no hash of those bytes
+            return f"not computable ({error})"
 
 
 def _resume(checked: list[CheckpointReport], kind: str, root: str) -> Resume:

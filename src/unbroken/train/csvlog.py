@@ -47,13 +47,23 @@ def prefix_sha256(path: str | os.PathLike, size: int) -> Any:
     Raises:
         OSError: the file cannot be read, or holds fewer than ``size`` bytes.
     """
-    digest, left = hashlib.sha256(), size
     with open(path, "rb") as file:
-        while left and (chunk := file.read(min(left, 1 << 22))):
-            digest.update(chunk)
-            left -= len(chunk)
+        return read_sha256(file, size, str(path))
+
+
+def read_sha256(file: Any, size: int, name: str) -> Any:
+    """The running sha256 of the next ``size`` bytes read from the binary ``file`` (a local
+    file, or a store's object opened for reading), in parts of 4 MiB.
+
+    Raises:
+        OSError: ``file`` (named ``name`` in the message) ends before ``size`` bytes.
+    """
+    digest, left = hashlib.sha256(), size
+    while left and (chunk := file.read(min(left, 1 << 22))):
+        digest.update(chunk)
+        left -= len(chunk)
     if left:
-        raise OSError(f"{path} holds {size - left} bytes, fewer than {size}")
+        raise OSError(f"{name} holds {size - left} bytes, fewer than {size}")
     return digest
 
 
