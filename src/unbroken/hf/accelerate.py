@@ -37,7 +37,7 @@ import warnings
 from typing import Any
 
 from ..distributed.process_group import refuse_unrestartable_group
-from .aside import keep_damaged, put_aside
+from .aside import put_aside
 from .seal import UnsealedCheckpointWarning, prune, resume_point, seal
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,6 @@ def save_state(accelerator: Any, directory: str, step: int, keep: int | None = N
     if _writes(accelerator):
         seal(folder)
         if keep is not None:
-            keep_damaged(directory, step, keep, PREFIX)  # moved aside, never deleted
             for removed in prune(directory, keep, step, PREFIX):
                 log.info("removing %s (keep=%d)", removed, keep)
     accelerator.wait_for_everyone()  # no process goes on (or dies) believing an unsealed save

@@ -8,11 +8,11 @@ expected end of a preemption): nothing in it is evidence, so it is removed. A *s
 whole, newer than a checkpoint the user chose to resume from: the resumed run writes its step
 again, so it is removed too.
 
-Rotation (``seal.prune``, which keeps the newest sealed folders) would delete a folder it
-judges damaged by its sizes; ``keep_damaged`` moves those aside first.
+Rotation (``seal.prune``, which keeps the newest sealed folders) moves a folder it judges
+damaged by its sizes aside in the same way.
 
 Costs: a rename per damaged folder; a seal check by sizes (no file read) of a folder not judged
-yet, and of the newest ``keep`` folders before each rotation.
+yet.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import shutil
 
 from ..checkpoint.local import LocalStorage
 from ..checkpoint.quarantine import move_aside
-from .seal import Verdict, check, checkpoints
+from .seal import Verdict, check
 
 log = logging.getLogger(__name__)
 
@@ -46,33 +46,6 @@ def put_aside(directory: str, folder: str, verdict: Verdict | None = None) -> st
     log.warning("removing %s, newer than the checkpoint resumed (%s)", folder, why)
     shutil.rmtree(folder, ignore_errors=True)
     return None
-
-
-def keep_damaged(
-    directory: str, step: int, keep: int, prefix: str, spare: str | None = None
-) -> None:
-    """Before ``seal.prune(directory, keep, step, prefix)``: move aside each folder that it would
-    judge damaged (by sizes: a file missing or of another size), and so delete.
-
-    Args:
-        directory: The output directory.
-        step: The step just saved; newer folders are not pruned.
-        keep: How many sealed folders ``prune`` keeps.
-        prefix: The folders' names are ``<prefix>-<step>``.
-        spare: A folder ``prune`` never removes (transformers' best checkpoint): left in place.
-    """
-    spared = os.path.realpath(spare) if spare else None
-    kept = 0
-    for saved, folder in checkpoints(directory, prefix):
-        if saved > step:
-            continue
-        if kept >= keep:  # prune removes the rest unjudged: an old save, not evidence
-            return
-        verdict = check(folder, hashes=False)
-        if verdict.sealed:
-            kept += 1
-        elif verdict.status == "damaged" and os.path.realpath(folder) != spared:
-            move_aside(LocalStorage(), directory, folder, verdict.problems)
 
 
 def judged(verdicts: list[Verdict]) -> dict[str, Verdict]:

@@ -28,7 +28,7 @@ from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.progress import say
 from . import internals
-from .aside import judged, keep_damaged, put_aside
+from .aside import judged, put_aside
 from .loader import TrainLoader
 from .seal import Verdict, check, checkpoints, prune, resume_point, seal
 from .state import FORMAT, VERSION, state_file
@@ -212,6 +212,7 @@ class ExactResumeCallback(TrainerCallback):
             return
         step = state.global_step
         spare = state.best_model_checkpoint
-        keep_damaged(os.path.dirname(newest), step, self._keep, _PREFIX, spare)  # not deleted
-        for folder in prune(os.path.dirname(newest), self._keep, step, _PREFIX, spare):
+        for folder in prune(  # a damaged folder is moved aside, never deleted
+            os.path.dirname(newest), self._keep, step, _PREFIX, spare
+        ):
             say(f"removing {folder} (save_total_limit={self._keep})")

@@ -213,16 +213,26 @@ def prune(
 ) -> list[str]:
     """Keep the newest ``keep`` sealed checkpoints up to ``step``: remove the older folders and
     any unsealed one among them (a save that never finished), but never ``spare`` (transformers'
-    best checkpoint). Sealed folders are judged by their sizes: each was hashed when sealed.
+    best checkpoint). Sealed folders are judged by their sizes: each was hashed when sealed. One
+    judged damaged among them (a file missing or of another size) is evidence: it is moved into
+    ``directory/damaged/`` (``unbroken.checkpoint.quarantine``), never deleted.
     Returns the folders removed."""
     spared = os.path.realpath(spare) if spare else None
     kept, removed = 0, []
     for saved, folder in checkpoints(directory, prefix):
         if saved > step:
             continue
-        if kept < keep and check(folder, hashes=False).sealed:
+        verdict = check(folder, hashes=False) if kept < keep else None  # the rest: old saves
+        if verdict is not None and verdict.sealed:
             kept += 1
-        elif os.path.realpath(folder) != spared:
+        elif os.path.realpath(folder) == spared:
+            continue
+        elif verdict is not None and verdict.status == "damaged":
+            from ..checkpoint.local import LocalStorage  # torch's import, only for this
+            from ..checkpoint.quarantine import move_aside
+
+            move_aside(LocalStorage(), directory, folder, verdict.problems)
+        else:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
