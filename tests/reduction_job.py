@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import unbroken
 import unbroken.distributed
 from unbroken.distributed import InexactReduction, exact_reduce
+from unbroken.distributed.reduction import reduction_of
 
 OUT = Path(sys.argv[1])
 torch.set_num_threads(1)
@@ -57,27 +58,36 @@ def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-# 1. One batch's gradients: the same in the first and in the rebuilt layout, whatever the bucket
-# size, with exact_reduce; and what the documented reduction gives, computed here without DDP:
-# the parameters in chunks of module order, each flattened, divided by the world size and
-# all-reduced as one tensor (all the parameters fit one 25 MB chunk).
-exact = {cap: gradients(exact_reduce(DDP(net(), bucket_cap_mb=cap)), 0, 2) for cap in (25, 0.002)}
-runs = [run for cap in exact for run in exact[cap]]
-assert all(same(runs[0], run) for run in runs[1:]), "exact_reduce depends on the layout"
+# 1. One batch's gradients: the same in the first and in the rebuilt layout, with exact_reduce;
+# and what the documented reduction gives, computed here without DDP: the gradients in the
+# order the backward makes them (the Sequential's parameters from its end), cut where DDP cuts
+# its rebuilt buckets, each chunk flattened, divided by the world size and all-reduced. With
+# bucket_cap_mb=25 everything is one chunk; with 0.002 (2,097 bytes a bucket) the last two
+# layers' 10,192 bytes reach the limit: [5, 4, 3, 2] and [1, 0]. From the second backward on,
+# every bucket is a chunk: no copy.
 alone = net()
 torch.manual_seed(7 * 0 + RANK)
 x, y = batch(0)
 torch.nn.functional.cross_entropy(alone(x), y).backward()
 local = [p.grad for p in alone.parameters()]
-flat = torch.cat([g.reshape(-1) for g in local]) / WORLD
-dist.all_reduce(flat)
-reference = list(torch.split(flat, [g.numel() for g in local]))
-assert same(runs[0], [r.view_as(g) for r, g in zip(reference, local)]), "not the chunked sum"
+for cap, chunks in ((25, [[5, 4, 3, 2, 1, 0]]), (0.002, [[5, 4, 3, 2], [1, 0]])):
+    model = exact_reduce(DDP(net(), bucket_cap_mb=cap))
+    first, rebuilt, steady = gradients(model, 0, 3)
+    assert same(first, rebuilt) and same(rebuilt, steady), f"cap {cap}: depends on the layout"
+    assert reduction_of(model).copied == 1, "the rebuilt buckets are not the chunks"
+    reference = [None] * len(local)
+    for chunk in chunks:
+        flat = torch.cat([local[i].reshape(-1) for i in chunk]) / WORLD
+        dist.all_reduce(flat)
+        for i, part in zip(chunk, torch.split(flat, [local[i].numel() for i in chunk])):
+            reference[i] = part.view_as(local[i])
+    assert same(first, reference), f"cap {cap}: not the chunked sum"
 # The mean of the ranks' gradients, gathered and averaged in rank order: close, not equal.
+flat = torch.cat([g.reshape(-1) for g in local])
 gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
-dist.all_gather(gathered, torch.cat([g.reshape(-1) for g in local]))
+dist.all_gather(gathered, flat)
 mean = torch.stack(gathered).sum(0) / WORLD
-assert torch.allclose(torch.cat([g.reshape(-1) for g in runs[0]]), mean, atol=1e-6)
+assert torch.allclose(torch.cat([g.reshape(-1) for g in first]), mean, atol=1e-6)
 # Without it, DDP's own layouts give other sums: the hazard the hook removes.
 stock = gradients(DDP(net(), bucket_cap_mb=0.002), 0, 2)
 seen["stock layouts differ"] = not same(stock[0], stock[1])

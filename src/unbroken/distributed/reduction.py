@@ -1,27 +1,43 @@
 """``exact_reduce``: DDP gradients whose sum does not depend on DDP's bucket layout.
 
 **Why.** ``DistributedDataParallel`` all-reduces gradients in buckets. A process's first
-iteration uses buckets in parameter order; after it, DDP rebuilds them in the order the
-gradients became ready. On 3 or more ranks a ring all-reduce sums an element in an order that
-depends on its offset in the bucket (on 2, each element is one addition, ``a + b == b + a``).
-A resumed process runs its first step in the first layout where the uninterrupted run used the
-rebuilt one, so its weights drift by about 1e-8: no error, other numbers.
+iteration uses one layout (all the parameters in one bucket, by default); after it, DDP
+rebuilds the buckets in the order the gradients became ready. On 3 or more ranks a ring
+all-reduce sums an element in an order that depends on its offset in the bucket (on 2, each
+element is one addition, ``a + b == b + a``). A resumed process runs its first step in the
+first layout where the uninterrupted run used the rebuilt one, so its weights drift by about
+1e-8: no error, other numbers.
 
-**How.** A communication hook (``ExactReduction``) that never reduces DDP's buckets as they
-are. The parameters are split once into fixed *chunks*: consecutive parameters in the
-module's order, of one dtype and device, up to ``chunk_mb``. When every gradient of a chunk is
-in its bucket, the chunk is copied into one flat tensor in that fixed order, divided by the
-world size, all-reduced, and copied back. Each element is then summed in the same order at
-every step of every process, whatever the buckets hold. Every rank reaches the chunks in the
-same order, since DDP gives every rank the same buckets.
+**How.** A communication hook (``ExactReduction``) that sums every step of every process in
+one layout, the rebuilt one, whatever DDP's buckets hold at that step. In a process's first
+backward it notes the order the gradients become ready (``register_post_accumulate_grad_hook``)
+and cuts that order into *chunks* exactly as DDP cuts its rebuilt buckets (``rebuilt_layout``:
+the same size limits, the same rule). From then on:
 
-**Cost.** One extra copy of the gradients each way, and the chunks' all-reduces. Those are as
-many bytes as DDP's own, in about as many collectives. Each all-reduce blocks the backward on a
-CPU (gloo); on a GPU, NCCL orders it on the stream and the host goes on.
+- a bucket that holds one chunk, in its order (every bucket once DDP has rebuilt them), is
+  divided by the world size and all-reduced in place: DDP's own reduction, no copy;
+- any other bucket (the first step of every process) is copied into its chunks, each divided
+  and all-reduced as one flat tensor, and copied back.
 
-**Scope.** Dense gradients of one DDP model; sparse gradients are refused. ``Trainer``
-registers it on a DDP model of 3 or more ranks; ``lightning.ExactResume`` does the same for
-Lightning's DDP. In your own loop, call ``exact_reduce(model)`` once, after wrapping the model.
+Both ways sum each element at the same offset of a tensor of the same length: the same bits.
+
+**What it relies on in torch.** (1) The backward reaches the parameters in the same order in
+every process of a run (DDP's rebuild relies on it too): a static graph. (2) A bucket's buffer
+is its gradients, flat, in ``bucket.parameters()`` order, and an all-reduce's result depends
+only on its input and length. (3) DDP divides by the world size before it sums (its default
+hook does). Should DDP's rebuilt buckets not match the chunks (another torch's rule, several
+dtypes), every step takes the copying way: exact still, slower, and said once in the log.
+
+**The agreement's numbers.** ``carry(values)`` hands a small float64 tensor to the next
+backward: it is summed over the ranks by an all-reduce issued with the first bucket's, which
+DDP waits for with its own (``carried()`` after the backward). The Trainer's ranks agree on
+preemption, saves and losses that way, with no collective of their own per step.
+
+**Cost.** In steady state, DDP's own all-reduces plus one call of a Python hook a bucket
+(``benchmarks/ddp_reduction.py``); one copy of the gradients each way in a process's first
+step. **Scope.** Dense gradients of one DDP model. ``Trainer`` registers it on a DDP model of 2
+or more ranks; ``lightning.ExactResume`` on Lightning's DDP of 3 or more. In your own loop,
+call ``exact_reduce(model)`` once, after wrapping the model, before its first backward.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations with the real
@@ -31,6 +47,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,121 +56,256 @@ from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 
-_EXACT: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models exact_reduce set up
+_STATES: "weakref.WeakKeyDictionary[torch.nn.Module, ExactReduction]" = (
+    weakref.WeakKeyDictionary()
+)  # the models exact_reduce set up, and their hooks' states
 _WARNED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()  # models warned about
+_FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's first bucket when bucket_cap_mb is left at its default
 
 
 class InexactReduction(UserWarning):
     """A DDP model on 3 or more ranks whose resumed steps may differ in the last bits."""
 
 
+def rebuilt_layout(sizes: Sequence[tuple[int, Any]], limits: Sequence[int]) -> list[list[int]]:
+    """DDP's rebuilt buckets: the parameters in the order their gradients became ready, cut
+    where a bucket's bytes reach its limit (``limits[0]`` for the first bucket of a dtype and
+    device, the next for the next, the last for the rest); then the bucket left open for each
+    (dtype, device), the one first seen last first.
+
+    Args:
+        sizes: For each parameter in ready order, its gradient's bytes and its (dtype, device).
+        limits: The bucket size limits in bytes, as DDP's reducer holds them.
+
+    Returns:
+        The buckets, as indices into ``sizes``.
+    """
+    done: list[list[int]] = []
+    open_: dict[Any, tuple[list[int], int, int]] = {}  # key: (indices, bytes, limit's index)
+    for index, (nbytes, key) in enumerate(sizes):
+        indices, size, which = open_.get(key, ([], 0, 0))
+        indices.append(index)
+        size += nbytes
+        if size >= limits[which]:
+            done.append(indices)
+            open_[key] = ([], 0, min(which + 1, len(limits) - 1))
+        else:
+            open_[key] = (indices, size, which)
+    # The open buckets last, the most recently opened key first: the order torch's reducer
+    # walks its hash map in (libstdc++); another order would only cost a copy each step.
+    done.extend(indices for indices, _, _ in reversed(open_.values()) if indices)
+    return done
+
+
+def bucket_limits(model: DistributedDataParallel) -> list[int]:
+    """The size limits DDP's reducer cuts its rebuilt buckets by. DDP keeps them in attributes
+    that changed across torch versions; a wrong guess costs speed only (see the module)."""
+    config = getattr(model, "_bucket_config", None)
+    if config is not None:  # torch 2.12 and later
+        if config.per_bucket_bytes_caps:
+            return list(config.per_bucket_bytes_caps)
+        return [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
+    cap = int(model.bucket_bytes_cap)
+    default = getattr(model, "bucket_bytes_cap_default", True)
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", _FIRST_BUCKET_BYTES)
+    return [first if default else cap, cap]
+
+
 class ExactReduction:
-    """The state of the hook: the fixed chunks of one DDP model's parameters (see the module).
+    """The state of the hook (see the module): one DDP model's chunks, learnt in its first
+    backward, and the numbers to carry with the next one.
 
     Args:
         parameters: The parameters DDP reduces, in the module's order.
+        limits: DDP's bucket size limits in bytes (``bucket_limits``).
         group: The process group DDP reduces over (None: the default group).
-        chunk_mb: The most megabytes of gradients in one all-reduce.
+        rebuilds: Whether DDP rebuilds its buckets after the first backward; if not, the
+            first backward's buckets are the layout of every step, and each is reduced as is.
     """
 
     def __init__(
-        self, parameters: Sequence[torch.Tensor], group: Any = None, chunk_mb: float = 25.0
+        self,
+        parameters: Sequence[torch.Tensor],
+        limits: Sequence[int],
+        group: Any = None,
+        rebuilds: bool = True,
     ) -> None:
-        if chunk_mb <= 0:
-            raise ValueError(f"chunk_mb must be > 0, got {chunk_mb!r}")
-        self.group = group
-        self.chunks: list[list[torch.Tensor]] = []
-        # Chunks are filled from the module's end: gradients become ready roughly from the
-        # last layer to the first, so the chunk completed last (the first layers') is the
-        # remainder, the smallest, and the least all-reduce waits after the backward.
-        cap, size, key = chunk_mb * 2**20, 0.0, None
-        for parameter in reversed(parameters):
+        for parameter in parameters:
             if parameter.layout != torch.strided:
                 raise ValueError("exact_reduce takes dense parameters only")
-            nbytes = parameter.numel() * parameter.element_size()
-            this = (parameter.dtype, parameter.device)
-            if not self.chunks or this != key or size + nbytes > cap and size > 0:
-                self.chunks.append([])
-                key, size = this, 0.0
-            self.chunks[-1].append(parameter)
-            size += nbytes
-        self.chunks = [chunk[::-1] for chunk in reversed(self.chunks)]  # the module's order
-        self.where: dict[int, int] = {
-            id(p): index for index, chunk in enumerate(self.chunks) for p in chunk
-        }
-        # Per iteration: each chunk's gradients seen so far (None once it is sent), and a
-        # future set once it is reduced and copied back into its buckets.
-        self._views: list[dict[int, torch.Tensor] | None] = [{} for _ in self.chunks]
-        self._done: list[torch.futures.Future[None]] = []
+        self.parameters = list(parameters)
+        self.limits, self.group, self.rebuilds = list(limits), group, rebuilds
+        self.size = dist.get_world_size(group)
+        # The chunks, once learnt: DDP's first buckets if it never rebuilds them (learnt
+        # as they come), else cut from the first backward's ready order.
+        self.chunks: list[list[torch.Tensor]] | None = None if rebuilds else []
+        self._learning = not rebuilds
+        self.where: dict[int, int] = {}  # id(parameter) -> its chunk
+        self.copied = 0  # backwards that took the copying way (tests, benchmarks)
+        self._known: dict[tuple[int, ...], bool] = {}  # a bucket's key -> whether it is a chunk
+        self._ready: list[int] = []  # the first backward's ready order, as module indices
+        self._hooks: list[Any] = []
+        if rebuilds:
+            for i, parameter in enumerate(self.parameters):
+                self._hooks.append(parameter.register_post_accumulate_grad_hook(self._noter(i)))
+        # Per backward: the gradients of the chunks not reduced as a bucket, and a future per
+        # bucket; the carried numbers (out: to send with the next backward; in: its result).
+        self._views: dict[int, torch.Tensor] = {}
+        self._pending: list[torch.futures.Future[None]] = []
+        self._out: torch.Tensor | None = None
+        self._in: torch.Tensor | None = None
+
+    def _noter(self, index: int) -> Any:
+        return lambda _parameter: self._ready.append(index)
+
+    def close(self) -> None:
+        """Remove the ready-order hooks (a model the hook could not be registered on)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def carry(self, values: torch.Tensor) -> None:
+        """Sum ``values`` over the ranks with the next backward's reduction (see the module);
+        ``carried()`` returns the sum once that backward has returned."""
+        self._out, self._in = values, None
+
+    def carried(self) -> torch.Tensor | None:
+        """The sum of what ``carry`` was given, if the last backward reduced it; else None (no
+        backward reduced gradients since)."""
+        carried, self._in = self._in, None
+        return carried
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Take this bucket's gradients and all-reduce each chunk they complete; the future
-        is the bucket's buffer once every chunk with a gradient in it is reduced."""
-        if bucket.index() == 0:  # a new iteration: DDP hands the buckets over in order
-            self._views = [{} for _ in self.chunks]
-            self._done = [torch.futures.Future() for _ in self.chunks]
-        touched: list[int] = []
-        for parameter, gradient in zip(bucket.parameters(), bucket.gradients()):
-            chunk = self.where.get(id(parameter))
-            if chunk is None:
-                raise RuntimeError(
-                    f"exact_reduce: DDP reduces a parameter of shape {tuple(parameter.shape)} "
-                    "that its model's named_parameters() did not list; register the hook with "
-                    "exact_reduce(model) on the DistributedDataParallel model itself"
-                )
-            views = self._views[chunk]
-            if views is None:
-                raise RuntimeError(
-                    "exact_reduce: a parameter's gradient came twice in one iteration"
-                )
-            views[id(parameter)] = gradient
-            if chunk not in touched:
-                touched.append(chunk)
-            if len(views) == len(self.chunks[chunk]):
-                self._all_reduce(chunk)
+        """Reduce one bucket: as one all-reduce if it is a chunk, else through its chunks."""
+        futures: list[torch.futures.Future[Any]] = []
+        if bucket.index() == 0:
+            self._views, self._pending = {}, []
+            if self._out is not None:  # the numbers ride with the first bucket
+                values, self._out = self._out, None
+                futures.append(self._all_reduce(values).then(partial(self._got, values=values)))
+        buffer = bucket.buffer()
+        parameters = bucket.parameters()
+        if self._is_chunk(bucket.index(), parameters, buffer):
+            buffer.div_(self.size)
+            futures.append(self._all_reduce(buffer))
+        else:
+            for parameter, gradient in zip(parameters, bucket.gradients()):
+                self._views[id(parameter)] = gradient
+            done: torch.futures.Future[None] = torch.futures.Future()
+            self._pending.append(done)
+            futures.append(done)
         if bucket.is_last():
-            missing = [i for i, views in enumerate(self._views) if views is not None]
+            self._learning = False
+            if self._pending:
+                self._reduce_by_chunks()
+        return torch.futures.collect_all(futures).then(lambda all_: _first_error(all_, buffer))
+
+    def _got(self, reduced: torch.futures.Future[Any], values: torch.Tensor) -> None:
+        reduced.wait()  # raises what the all-reduce raised: no numbers from a failed one
+        self._in = values
+
+    def _is_chunk(self, index: int, parameters: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+        """Whether this bucket is one chunk, its parameters in the chunk's order, its buffer
+        nothing but their gradients. Checked once per layout of a bucket (its key), since
+        DDP changes a bucket only when it rebuilds them all."""
+        if self._learning:  # DDP's buckets never change: the first backward's are the chunks
+            self._learn([list(parameters)])
+            return True
+        key = (index, len(parameters), buffer.numel(), id(parameters[0]), id(parameters[-1]))
+        known = self._known.get(key)
+        if known is None:
+            chunk = self.where.get(id(parameters[0]))
+            members = self.chunks[chunk] if self.chunks is not None and chunk is not None else []
+            known = (
+                len(members) == len(parameters)
+                and all(a is b for a, b in zip(members, parameters))
+                and buffer.numel() == sum(p.numel() for p in members)
+            )
+            self._known[key] = known
+        return known
+
+    def _learn(self, buckets: list[list[torch.Tensor]]) -> None:
+        chunks = self.chunks if self.chunks is not None else []
+        for members in buckets:
+            for parameter in members:
+                self.where[id(parameter)] = len(chunks)
+            chunks.append(members)
+        self.chunks = chunks
+
+    def _reduce_by_chunks(self) -> None:
+        """The copying way, at the backward's last bucket: every chunk with a gradient copied
+        here, flattened in its order, divided, all-reduced, and copied back."""
+        self.copied += 1
+        if self.chunks is None:
+            self._learn_ready_order()
+        assert self.chunks is not None
+        works: list[torch.futures.Future[Any]] = []
+        for members in self.chunks:
+            views = [self._views.get(id(p)) for p in members]
+            if all(view is None for view in views):
+                continue  # reduced as a bucket
+            missing = [tuple(p.shape) for p, v in zip(members, views) if v is None]
             if missing:
                 raise RuntimeError(
-                    f"exact_reduce: chunks {missing} never had all their gradients: DDP does not "
-                    "reduce every parameter exact_reduce expected (parameters_to_ignore changed "
-                    "after the model was wrapped?)"
+                    f"exact_reduce: parameters of shapes {missing} share a chunk with "
+                    "gradients DDP reduced in another way; DDP's buckets changed after "
+                    "exact_reduce learnt them (parameters_to_ignore changed?)"
                 )
-        buffer = bucket.buffer()
+            present = [view for view in views if view is not None]
+            flat = torch.cat([view.reshape(-1) for view in present])
+            flat.div_(self.size)
+            works.append(self._all_reduce(flat).then(partial(_unflatten, flat=flat, views=present)))
 
-        def reduced(chunks: torch.futures.Future[list[torch.futures.Future[None]]]) -> torch.Tensor:
-            for done in chunks.value():
-                done.wait()  # raises what the chunk's all-reduce raised
-            return buffer
+        pending = self._pending
 
-        return torch.futures.collect_all([self._done[c] for c in touched]).then(reduced)
+        def finish(all_: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
+            error = next((f for f in all_.value() if _failed(f)), None)
+            for done in pending:
+                if error is None:
+                    done.set_result(None)
+                else:
+                    try:
+                        error.wait()
+                    except Exception as raised:
+                        done.set_exception(raised)  # type: ignore[arg-type]  # stub: T
 
-    def _all_reduce(self, chunk: int) -> None:
-        views, done = self._views[chunk], self._done[chunk]
-        assert views is not None
-        self._views[chunk] = None
-        ordered = [views[id(p)] for p in self.chunks[chunk]]
-        flat = torch.cat([view.reshape(-1) for view in ordered])
-        flat.div_(dist.get_world_size(self.group))
-        if flat.is_cuda:  # NCCL orders it on the stream, the copies after it: the host goes on
-            dist.all_reduce(flat, group=self.group)
-            _unflatten(flat, ordered)
-            done.set_result(None)
-            return
+        torch.futures.collect_all(works).then(finish)
 
-        # gloo: in the background, the copies back as it completes; the backward goes on.
-        def finish(work: torch.futures.Future[Any]) -> None:
-            try:
-                work.wait()
-                _unflatten(flat, ordered)
-                done.set_result(None)
-            except Exception as error:
-                done.set_exception(error)  # type: ignore[arg-type]  # torch's stub: T, not an error
+    def _learn_ready_order(self) -> None:
+        for handle in self._hooks:
+            handle.remove()  # once: the order of later backwards is DDP's rebuilt one
+        self._hooks = []
+        seen = set(self._ready)
+        order = self._ready + [i for i in reversed(range(len(self.parameters))) if i not in seen]
+        ordered = [self.parameters[i] for i in order]
+        sizes = [(p.numel() * p.element_size(), (p.dtype, p.device)) for p in ordered]
+        self._learn([[ordered[i] for i in b] for b in rebuilt_layout(sizes, self.limits)])
+        log.debug("exact_reduce: %d chunks in the gradients' ready order", len(self.chunks or []))
 
-        dist.all_reduce(flat, group=self.group, async_op=True).get_future().then(finish)
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
+        return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
 
 
-def _unflatten(flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+def _failed(future: torch.futures.Future[Any]) -> bool:
+    try:
+        future.wait()
+    except Exception:
+        return True
+    return False
+
+
+def _first_error(
+    all_: torch.futures.Future[list[torch.futures.Future[Any]]], buffer: torch.Tensor
+) -> torch.Tensor:
+    for future in all_.value():
+        future.wait()  # raises what the all-reduce raised
+    return buffer
+
+
+def _unflatten(
+    reduced: torch.futures.Future[Any], flat: torch.Tensor, views: list[torch.Tensor]
+) -> None:
+    reduced.wait()  # raises what the all-reduce raised: nothing copied back from a failed one
     offset = 0
     for view in views:
         view.copy_(flat[offset : offset + view.numel()].view_as(view))
@@ -167,15 +319,15 @@ def exact_allreduce_hook(
     return state.reduce(bucket)
 
 
-def exact_reduce(model: DistributedDataParallel, chunk_mb: float = 25.0) -> DistributedDataParallel:
+def exact_reduce(model: DistributedDataParallel) -> DistributedDataParallel:
     """Make a DDP model's gradient reduction exact across resumes, on any number of ranks.
 
     Call it once, right after wrapping the model and before the first backward. It registers
-    a communication hook (see the module), so DDP accepts no other hook on this model.
+    a communication hook (see the module), so DDP accepts no other hook on this model. The
+    reduction keeps DDP's buckets (``bucket_cap_mb``) and its speed once they are rebuilt.
 
     Args:
         model: The ``DistributedDataParallel`` model.
-        chunk_mb: The most megabytes of gradients in one all-reduce.
 
     Returns:
         ``model``, for ``model = exact_reduce(DDP(net))``.
@@ -193,47 +345,58 @@ def exact_reduce(model: DistributedDataParallel, chunk_mb: float = 25.0) -> Dist
             f"exact_reduce takes a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(model).__name__}: wrap the model in DDP first"
         )
-    if model in _EXACT:
+    if model in _STATES:
         return model
     ignored: set[str] = getattr(model, "parameters_to_ignore", set())
     parameters = [
         p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored
     ]
-    state = ExactReduction(parameters, group=model.process_group, chunk_mb=chunk_mb)
+    rebuilds = bool(model.static_graph or not model.find_unused_parameters)
+    state = ExactReduction(parameters, bucket_limits(model), model.process_group, rebuilds)
     try:
         model.register_comm_hook(state, exact_allreduce_hook)
     except RuntimeError as error:
+        state.close()
         raise RuntimeError(
             "exact_reduce: this DDP model already has a communication hook, and DDP takes one. "
             "Remove yours, or make sure it sums each element in an order that does not depend "
             f"on DDP's buckets ({error})"
         ) from error
-    _EXACT.add(model)
+    _STATES[model] = state
     return model
+
+
+def reduction_of(model: Any) -> "ExactReduction | None":
+    """The hook's state of a model ``exact_reduce`` set up, or None."""
+    return _STATES.get(model) if isinstance(model, DistributedDataParallel) else None
 
 
 def is_exact(model: Any) -> bool:
     """Whether a resumed step of ``model`` sums its gradients as the uninterrupted run did:
     anything but DDP, DDP on 1 or 2 ranks, DDP with ``exact_reduce``, or DDP that never
     rebuilds its buckets (``find_unused_parameters=True`` without ``static_graph``)."""
-    if not isinstance(model, DistributedDataParallel) or model in _EXACT:
+    if not isinstance(model, DistributedDataParallel) or model in _STATES:
         return True
     if dist.get_world_size(model.process_group) <= 2:
         return True
     return bool(model.find_unused_parameters and not model.static_graph)
 
 
-def ensure_exact(model: Any, who: str) -> None:
+def ensure_exact(model: Any, who: str, carrying: bool = False) -> None:
     """For a loop that owns the model's steps (``Trainer``, ``ExactResume``): register
-    ``exact_reduce`` on a DDP model that needs it, or warn (``InexactReduction``) that its
+    ``exact_reduce`` on a DDP model that needs it (or, with ``carrying``, on any DDP model of 2
+    or more ranks, to carry the loop's agreement), or warn (``InexactReduction``) that its
     resumed steps may differ in the last bits when it cannot (another hook is registered)."""
-    if is_exact(model):
+    if not isinstance(model, DistributedDataParallel) or model in _STATES:
+        return
+    if is_exact(model) and not (carrying and dist.get_world_size(model.process_group) > 1):
         return
     try:
         exact_reduce(model)
-        log.info("%s: DDP gradients are reduced in fixed chunks (exact_reduce)", who)
+        log.info("%s: DDP gradients are reduced in one layout at every step (exact_reduce)", who)
     except RuntimeError as error:
-        warn_inexact(who, model, why=str(error))
+        if not is_exact(model):
+            warn_inexact(who, model, why=str(error))
 
 
 def warn_inexact(who: str, model: Any, why: str = "") -> None:
