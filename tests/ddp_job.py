@@ -20,6 +20,11 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   ``jit``: the Trainer's ``just_in_time``; ``log_every``: the Trainer's (default 1).
 - ``plain``: the model unwrapped (one process continuing a job of several).
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
+- ``count``: count, per training tick, the host reads of tensor values made by the library
+  (``item``, ``tolist``, ``bool``, ``float``, ``int`` called from ``unbroken/``, outside the
+  loader, whose index tensors live on the host in any run) and the collectives it issues,
+  blocking or not, outside the gradient reduction's hook; written to ``counts.rank<r>.json``.
+  The running loss takes its device way (``LossSum.on_device``), as on an accelerator.
 
 Every rank appends the sample ids it trained on to ``RUN_DIR/seen.rank<r>.jsonl`` (one line per
 batch: epoch, tick, ids, loss) and each epoch's logged mean loss to ``epochs.rank<r>.jsonl``;
@@ -88,6 +93,55 @@ def kill_in_step(phase):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Counted:
+    """The ``count`` option: wraps torch's host reads and collectives with counters."""
+
+    READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+    COLLECTIVES = (
+        "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "barrier",
+        "reduce_scatter_tensor", "gather", "scatter", "all_gather_object",
+        "broadcast_object_list", "all_to_all", "reduce",
+    )  # fmt: skip
+
+    def __init__(self):
+        self.now = {"reads": 0, "blocking": 0, "collectives": 0}
+        self.ticks = {}
+        for name in self.READS:
+            setattr(torch.Tensor, name, self._read(getattr(torch.Tensor, name)))
+        for name in self.COLLECTIVES:
+            setattr(dist, name, self._collective(getattr(dist, name)))
+
+    @staticmethod
+    def _caller():
+        frame = sys._getframe(2)
+        while frame is not None and "/torch/" in frame.f_code.co_filename:
+            frame = frame.f_back
+        return frame.f_code.co_filename if frame is not None else ""
+
+    def _read(self, method):
+        def counted(tensor, *args, **kwargs):
+            where = self._caller()
+            if "/unbroken/" in where and "/unbroken/data/" not in where:
+                self.now["reads"] += 1
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+    def _collective(self, function):
+        def counted(*args, **kwargs):
+            where = self._caller()
+            if "/unbroken/" in where and not where.endswith("reduction.py"):
+                self.now["collectives"] += 1
+                self.now["blocking"] += not kwargs.get("async_op", False)
+            return function(*args, **kwargs)
+
+        return counted
+
+    def tick(self, tick):
+        self.ticks[tick] = dict(self.now)
+        self.now = dict.fromkeys(self.now, 0)
+
+
 def once(name):
     """True the first time over all restarts of the job."""
     marker = RUN / f".done-{name}"
@@ -103,6 +157,9 @@ class Chaos:
 
     def on_fit_start(self, trainer):  # the process RNG's seed once the run is restored
         (RUN / f"fit.rank{RANK}.json").write_text(json.dumps(torch.initial_seed()))
+        if COUNTED is not None:
+            trainer.progress.loss.on_device = True  # as on an accelerator: no read a batch
+            COUNTED.tick(0)  # from here on: what the loop itself does
 
     def on_epoch_end(self, trainer, logs):
         with open(RUN / f"epochs.rank{RANK}.jsonl", "a") as out:
@@ -113,6 +170,8 @@ class Chaos:
 
     def on_train_batch_end(self, trainer, logs):
         tick = trainer.progress.ticks
+        if COUNTED is not None:
+            COUNTED.tick(tick)
         line = [trainer.progress.epoch, tick, trainer.last_ids, logs.get("train/loss")]
         self.seen.write(json.dumps(line) + "\n")
         self.seen.flush()
@@ -153,6 +212,8 @@ if OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
 
     Writer.write = dying_write
 
+
+COUNTED = Counted() if OPTIONS.get("count") else None
 
 torch.manual_seed(0)  # the same initial weights on every rank
 net = torch.nn.Sequential(
@@ -196,7 +257,7 @@ metrics = {"acc": accuracy} if OPTIONS.get("metrics", True) else None
 def training_step(model, batch):
     kill_in_step("train")
     x, y, ids = batch
-    trainer.last_ids = ids.tolist()
+    trainer.last_ids = ids.tolist() if COUNTED is None else None  # the user's read: not ours
     logits = model(x)
     if metrics:
         accuracy.update(logits.detach(), y)
@@ -228,6 +289,8 @@ if OPTIONS.get("fsdp"):
     weights = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
 else:
     weights = net.state_dict()
+if COUNTED is not None:
+    (RUN / f"counts.rank{RANK}.json").write_text(json.dumps(COUNTED.ticks))
 if RANK == 0:
     torch.save(weights, RUN / "final.pt")
     (RUN / "logs.json").write_text(json.dumps(logs))

@@ -102,6 +102,29 @@ def test_ranks_killed_anywhere_cost_at_most_the_step_in_flight(reference, tmp_pa
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_step_that_does_not_log_reads_nothing_on_the_host_and_runs_no_collective(
+    reference, tmp_path
+):
+    # The ranks' agreement (flags, log size, each rank's loss) rides on DDP's gradient
+    # reduction; the running loss stays on the device (its device way, as on an accelerator).
+    # Counted per training tick on each rank: the library's host reads of tensor values and its
+    # collectives outside the reduction's hook. Only batches that log (every 5th of an epoch:
+    # ticks 5-20 and 29-44), the first of epoch 1 (tick 25, after epoch 0's end and its
+    # validation) and the start may have any.
+    run = tmp_path / "counted"
+    torchrun(run, {"count": True, "every_steps": 1000})
+    assert_same_run(run, reference)  # the device way and no periodic save: the same run
+    for rank in range(3):
+        ticks = json.loads((run / f"counts.rank{rank}.json").read_text())
+        batch = {int(t): int(t) - (24 if int(t) > 24 else 0) for t in ticks}
+        quiet = {t: ticks[str(t)] for t, b in batch.items() if b % 5 and t not in (0, 25)}
+        assert len(quiet) == 31  # 16 batches of each epoch, less tick 25
+        assert all(n == {"reads": 0, "blocking": 0, "collectives": 0} for n in quiet.values()), {
+            t: n for t, n in quiet.items() if any(n.values())
+        }
+        assert ticks["5"]["reads"] >= 1  # the counting sees the log row's read of the loss
+
+
 def test_a_hung_rank_becomes_a_save_after_the_process_groups_timeout(reference, tmp_path):
     # Rank 1 SIGSTOPs itself after tick 9; the others' next collective times out after 10 s (a
     # margin for a loaded machine), one of them saves tick 9, and torchrun kills the stopped

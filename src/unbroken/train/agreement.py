@@ -19,6 +19,7 @@ NCCL). Cost: one all-reduce of two ints per agreement (docs/benchmarks/unit-cost
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,13 +72,87 @@ def exit_if_preempted(agreement: Agreement, preemption: Preemption) -> None:
         exit_to_be_requeued()
 
 
+@dataclass
+class Received:
+    """What the ranks agreed on with a batch's backward, as the host reads it."""
+
+    preempted: bool  # some rank had a preemption signal
+    time_due: bool  # some rank's clock says a wall-clock save is due
+    log_bytes: int  # rank 0's CSV log size when the batch was sent ...
+    rows: int  # ... the rows logged by then (every rank counts them) ...
+    ticks: int  # ... and the loop's ticks then
+
+
+class Carrier:
+    """The per-batch agreement riding on the gradient reduction (``ExactReduction.carry``).
+
+    ``send``, before a backward: a float64 row of the preemption flag, the wall-clock flag,
+    rank 0's log size and one slot a rank for its loss, summed over the ranks by an all-reduce
+    DDP waits for with its own. ``receive``, after it: each rank's loss as a tensor on the
+    device (never read here), and the flags as the host reads them. On the CPU they are read
+    at once; on an accelerator a batch later, from a copy that travelled while the next batch
+    ran, so the host never waits for the device (a preemption is then acted on a batch later).
+    """
+
+    def __init__(self, reduction: Any, world: World, device: torch.device) -> None:
+        self.reduction, self.world, self.device = reduction, world, device
+        self._tags: tuple[int, int] = (0, 0)
+        self._travelling: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
+
+    def send(
+        self,
+        preempted: bool,
+        time_due: bool,
+        log_bytes: int,
+        rows: int,
+        ticks: int,
+        loss: torch.Tensor,
+    ) -> None:
+        if self.device.type == "cpu":
+            values = torch.zeros(3 + self.world.size, dtype=torch.float64)
+            head = values.numpy()  # host memory: written without a tensor op each
+            head[0], head[1], head[2] = preempted, time_due, log_bytes
+        else:  # filled on the device: no copy from pageable host memory, which would sync
+            values = torch.zeros(3 + self.world.size, dtype=torch.float64, device=self.device)
+            values[0], values[1], values[2] = float(preempted), float(time_due), float(log_bytes)
+        values[3 + self.world.rank] = loss.detach().reshape(())
+        self._tags = (rows, ticks)
+        self.reduction.carry(values)
+
+    def receive(self) -> tuple[torch.Tensor, Received | None] | None:
+        """After the backward: each rank's loss (on the device) and the agreed flags (None on
+        an accelerator's first batch); None if no backward reduced the row (fall back)."""
+        values = self.reduction.carried()
+        if values is None:
+            return None
+        if values.device.type == "cpu":
+            return values[3:], self._read(values.numpy(), self._tags)
+        ready, self._travelling = self._travelling, None
+        host = values.to("cpu", non_blocking=True)
+        event = torch.cuda.Event() if values.is_cuda else None
+        if event is not None:
+            event.record()
+        self._travelling = (host, event, self._tags)
+        if ready is None:
+            return values[3:], None
+        previous, done, tags = ready
+        if done is not None:
+            done.synchronize()  # recorded a batch ago: long done, no wait in practice
+        return values[3:], self._read(previous.numpy(), tags)
+
+    @staticmethod
+    def _read(head: Any, tags: tuple[int, int]) -> Received:
+        return Received(bool(head[0] > 0), bool(head[1] > 0), int(head[2]), *tags)
+
+
 class Boundary:
     """What the loop acts on after a batch (``decide``): whether a preemption signal came, and
     whether a wall-clock save is due (``schedule``). Under torch.distributed, what any rank
-    knows, agreed every ``check_every`` batches; with just-in-time saves (``jit``), agreed
-    right after every backward instead (``agree``), before the optimizer step, whose changes to
-    the model then run no collective that could fail, in a gather that carries each rank's
-    loss."""
+    knows must be agreed. With a DDP model (``carrier``) it rides on every backward's
+    gradient reduction: no collective of its own, no host read of a device value. Otherwise,
+    with just-in-time saves (``jit``), a gather right after every batch, before the optimizer
+    step, whose changes to the model then run no collective that could fail; without them, an
+    all-reduce every ``check_every`` batches."""
 
     def __init__(
         self,
@@ -86,18 +161,40 @@ class Boundary:
         schedule: Any,
         jit: Any,
         check_every: int,
+        carrier: Carrier | None = None,
     ) -> None:
         self.agreement, self.preemption, self.schedule = agreement, preemption, schedule
-        self.jit, self.check_every = jit, check_every
-        self.agreed = (False, False)
+        self.jit, self.check_every, self.carrier = jit, check_every, carrier
+        self.agreed: tuple[bool, bool] | None = None
+
+    def send(self, loss: torch.Tensor, ticks: int) -> None:
+        """Before a training batch's backward: hand what this rank knows to the reduction."""
+        if self.carrier is not None:
+            jit = self.jit
+            self.carrier.send(
+                self.preemption.received is not None,
+                self.schedule.by_time(),
+                jit.log_bytes(),
+                jit.run_log.rows,
+                ticks,
+                loss,
+            )
 
     def agree(self, loss: torch.Tensor) -> None:
-        if self.jit.enabled:
+        """After a batch's backward (or a validation batch): what the ranks agreed on."""
+        received = self.carrier.receive() if self.carrier is not None else None
+        if received is not None:
+            losses, flags = received
+            self.jit.agreed_on(losses, flags)
+            self.agreed = (flags.preempted, flags.time_due) if flags is not None else (False, False)
+        elif self.jit.enabled:
             preempted = self.preemption.received is not None
             self.agreed = self.jit.agree(preempted, self.schedule.by_time(), loss)
+        else:
+            self.agreed = None
 
     def decide(self, ticks: int) -> tuple[bool, bool]:
-        if self.jit.enabled:
+        if self.agreed is not None:
             return self.agreed
         preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
         if self.agreement.world.distributed:  # act only on what every rank knows, at one batch

@@ -54,7 +54,7 @@ from ..checkpoint.manager import Checkpointer
 from ..checkpoint.per_rank import PerRank, unwrap
 from ..data.loader import DataLoader
 from ..distributed.process_group import attempt_store, under_agent
-from .agreement import Agreement
+from .agreement import Agreement, Received
 from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, PROGRESS, RNG, is_sharded
 from .csvlog import CSVLog, RunLog, log_state
 from .globalrng import GlobalRNG
@@ -70,7 +70,7 @@ class Record:
 
     ticks: int
     progress: ProgressState  # its loss_sum is a placeholder: each rank's is in ``sums``
-    sums: list[float]  # each rank's running loss of the phase
+    sums: torch.Tensor  # each rank's running loss of the phase (float64, on the device)
     states: dict[str, Any]  # the loaders' and stateful callbacks' states, by entry name
     log_bytes: int | None  # rank 0's CSV log size; None until an agreement brings it
     base_bytes: int | None  # rank 0's log size at the last agreement before the record ...
@@ -101,7 +101,7 @@ class JustInTime:
         self.acted = False  # a failure came and this rank saved, waited or declined
         self.record: Record | None = None
         self.consistent = False  # the live objects are as the record says
-        self.sums: list[float] = []
+        self.sums = torch.zeros(0, dtype=torch.float64)
         if not agreement.world.distributed or wanted is False:
             return
         reason = off_because(entries, check_every)
@@ -118,11 +118,28 @@ class JustInTime:
         mine = torch.tensor([progress.loss.value()], dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(agreement.world.size)]
         dist.all_gather(gathered, mine)
-        self.sums = [float(t.item()) for t in gathered]
+        self.sums = torch.cat(gathered)
 
     def phase_started(self) -> None:
         """A phase's running losses start from zero, as ``Progress.start_phase`` does."""
-        self.sums = [0.0] * len(self.sums)
+        self.sums.zero_()
+
+    def log_bytes(self) -> int:
+        """Rank 0's CSV log size now (0 on the other ranks), for the next agreement."""
+        return self.log.size if self.log is not None else 0
+
+    def agreed_on(self, losses: torch.Tensor, received: Received | None) -> None:
+        """What a batch's reduction carried (``agreement.Carrier``): each rank's loss, added to
+        its sum on the device; and, once the host has it, rank 0's log size as it was sent."""
+        if not self.enabled:
+            return
+        self.sums += losses
+        if received is None:
+            return
+        self.agreed = (received.log_bytes, received.rows)
+        record = self.record
+        if record is not None and record.log_bytes is None and record.ticks == received.ticks:
+            record.log_bytes = received.log_bytes  # rank 0 logs nothing between the two
 
     def agree(self, preempted: bool, time_due: bool, loss: torch.Tensor) -> tuple[bool, bool]:
         """Every rank's flags, loss and (rank 0's) log size, gathered: whether any rank was
@@ -132,9 +149,9 @@ class JustInTime:
         mine = torch.cat([head, loss.detach().reshape(1).to(self.device, torch.float64)])
         gathered = [torch.empty_like(mine) for _ in range(self.agreement.world.size)]
         dist.all_gather(gathered, mine)
-        rows = torch.stack(gathered).tolist()
-        for rank, row in enumerate(rows):
-            self.sums[rank] += row[3]
+        stacked = torch.stack(gathered)
+        self.sums += stacked[:, 3]
+        rows = stacked.tolist()
         self.agreed = (int(rows[0][2]), self.run_log.rows)
         record = self.record
         if record is not None and record.log_bytes is None:
@@ -160,7 +177,7 @@ class JustInTime:
         self.record = Record(
             self.progress.ticks,
             self.progress.state_with(0.0),
-            list(self.sums),
+            self.sums.clone(),
             states,
             log_bytes,
             base,
@@ -240,7 +257,8 @@ class JustInTime:
         replicated: dict[str, Any] = {}
         parts: dict[str, list[Any]] = {}
         world = self.agreement.world.size
-        progress = [{**record.progress, "loss_sum": record.sums[rank]} for rank in range(world)]
+        sums = record.sums.tolist()
+        progress = [{**record.progress, "loss_sum": sums[rank]} for rank in range(world)]
         for name, entry in self.entries.items():
             if name == LOG:
                 continue  # below: the record's size, whichever rank saves

@@ -24,9 +24,9 @@ from typing_extensions import Unpack
 
 from ..checkpoint.manager import Checkpointer
 from ..distributed.process_group import refuse_unrestartable_group
-from ..distributed.reduction import ensure_exact
+from ..distributed.reduction import ensure_exact, reduction_of
 from ..preemption import Preemption
-from .agreement import Agreement, Boundary, exit_if_preempted
+from .agreement import Agreement, Boundary, Carrier, exit_if_preempted
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
 from .csvlog import RunLog
 from .determinism import determinism
@@ -139,8 +139,9 @@ class Trainer:
             self.agreement = Agreement()  # this rank's World, and what the ranks agree on
             self.world = self.agreement.world
             self.show_bar = self.options.progress_bar and self.world.first  # on one rank
-            # DDP on 3+ ranks: gradients summed in an order its bucket rebuild cannot change.
-            ensure_exact(model, "unbroken.Trainer")
+            # DDP: gradients summed in an order its bucket rebuild cannot change (3+ ranks),
+            # and a reduction the ranks' per-batch agreement rides on (2+ ranks).
+            ensure_exact(model, "unbroken.Trainer", carrying=True)
             with self.preemption, determinism(self.options.deterministic, model):
                 exit_if_preempted(self.agreement, self.preemption)
                 self.run.open(self.options.remote_timeout)
@@ -207,7 +208,13 @@ class Trainer:
             self.jit = JustInTime(
                 wanted, agreement, progress, self.entries, checkpointer, run, self.run_log, every
             )
-            self.boundary = Boundary(agreement, self.preemption, self.schedule, self.jit, every)
+            reduction = reduction_of(self.model)
+            carrier = (
+                None if reduction is None else Carrier(reduction, self.world, agreement.device)
+            )
+            self.boundary = Boundary(
+                agreement, self.preemption, self.schedule, self.jit, every, carrier
+            )
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             try:
@@ -259,9 +266,10 @@ class Trainer:
                 loss = step_loss(output)
                 # Dividing by 1 would add a no-op node to the graph: skip it.
                 scaled = loss / self.options.accumulate if self.options.accumulate > 1 else loss
+                self.boundary.send(loss, progress.ticks)  # rides on the backward's reduction
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 progress.batch_done(loss)  # adds the loss to the epoch's sum, without a sync
-                self.boundary.agree(loss)  # with just-in-time saves: before the step
+                self.boundary.agree(loss)  # what the ranks know, agreed before the step
                 if progress.micro == self.options.accumulate:
                     self._optimizer_step()
                 # The one place a batch's values reach the host (a GPU sync): logged ones only.
