@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from unbroken.distributed import exact_reduce
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from unbroken.distributed import exact_reduce
 from unbroken.distributed.reduction import is_exact, rebuilt_layout
 
 HERE = Path(__file__).parent
