@@ -192,7 +192,8 @@ def test_an_fsdp2_job_goes_on_in_one_process_with_the_model_unsharded(tmp_path):
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     """A 3-rank job that got SIGTERM on rank 1 only, after global batch 18 of epoch 0; rank 0
-    takes 3 s more to exit after the checkpoint."""
+    takes 3 s more to exit after the checkpoint. The flag rides on the next batch's gradient
+    all-reduce: the ranks agree, and save, after batch 19."""
     run = tmp_path_factory.mktemp("ddp") / "preempted"
     options = {"signal": {"rank": 1, "at": 18}, "slow_exit": {"rank": 0, "seconds": 3}}
     output = torchrun(run, options, expect=1)
@@ -207,19 +208,19 @@ def test_a_signal_on_one_rank_saves_the_same_step_on_every_rank_and_exits_75(pre
     assert len(re.findall(r"exitcode\s*: 75 ", output)) == 3, output[-3000:]
     assert not re.search(r"exitcode\s*: -15", output), output[-3000:]
     assert (
-        "a preemption signal reached another rank; checkpoint at epoch 0, train batch 18, "
-        "optimizer step 18 committed; exiting with 75" in output
+        "a preemption signal reached another rank; checkpoint at epoch 0, train batch 19, "
+        "optimizer step 19 committed; exiting with 75" in output
     )
     newest = max((run / "checkpoints").glob("step-*"))
-    assert newest.name == "step-000000018"
+    assert newest.name == "step-000000019"
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["world_size"] == 3
     assert len(manifest["entries"]["rng"]["ranks"]) == 3
 
 
 def test_signals_reaching_the_ranks_at_different_moments_are_agreed_on_at_a_check(tmp_path):
-    # Rank 1 is signalled after batch 17, rank 0 after 19; the ranks compare notes every 5
-    # batches, so both save batch 20 (not 17 or 19) and exit 75.
+    # Rank 1 is signalled after batch 17, rank 0 after 19; the ranks act every 5 batches on
+    # what the backwards carried, so both save batch 20 (not 18 or 19) and exit 75.
     run = tmp_path / "signals"
     signals = [{"rank": 1, "at": 17}, {"rank": 0, "at": 19}]
     output = torchrun(run, {"signal": signals, "check_every": 5}, ranks=2, expect=1)
@@ -270,7 +271,7 @@ def _continue(preempted, tmp_path, name, ranks):
 
 def test_the_preempted_job_resumed_on_as_many_ranks_ends_bit_exact(preempted, reference, tmp_path):
     run, output = _continue(preempted, tmp_path, "resumed", RANKS)
-    assert "epoch 0, train batch 18, optimizer step 18) on 3 ranks" in output
+    assert "epoch 0, train batch 19, optimizer step 19) on 3 ranks" in output
     assert_same_run(run, reference)
 
 
@@ -285,9 +286,9 @@ def test_a_job_continued_on_another_number_of_ranks_sees_each_sample_once(
         assert counts[epoch] == collections.Counter(range(N)), epoch
     logs = json.loads((run / "logs.json").read_text())
     assert 0.0 <= logs["train/acc"] <= 1.0  # the metric's states were merged, not refused
-    # No rank has an RNG state saved for it: each is seeded from (seed 0, tick 18, its rank).
+    # No rank has an RNG state saved for it: each is seeded from (seed 0, tick 19, its rank).
     seeds = [json.loads((run / f"fit.rank{r}.json").read_text()) for r in range(ranks)]
-    assert seeds == [derive_key(0, 18, r) % 2**63 for r in range(ranks)]
+    assert seeds == [derive_key(0, 19, r) % 2**63 for r in range(ranks)]
 
 
 def _free_port():

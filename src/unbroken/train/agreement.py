@@ -7,13 +7,16 @@ the ranks would save different steps, or one would exit while the others wait fo
 next gradient all-reduce:
 
 - a preemption signal, which schedulers deliver to ranks at different moments, and a
-  wall-clock checkpoint, due by each rank's own clock: ``any_of`` all-reduces both flags (MAX)
-  in one call, every ``preemption_check_every`` batches;
+  wall-clock checkpoint, due by each rank's own clock. With a DDP model both ride, with each
+  rank's loss and rank 0's log size, on every backward's gradient reduction (``Carrier``): no
+  collective of the loop's own and no host read of a device value per step. Without one,
+  ``any_of`` all-reduces both flags (MAX) every ``preemption_check_every`` batches (or, with
+  just-in-time saves, ``jit.JustInTime.agree`` gathers them every batch);
 - the epoch's mean loss, each rank's over its own batches: ``mean`` averages it.
 
 In a world of one rank both return what they are given, with no collective and no change to
 the bits. Collectives run on the default group, on the device its backend needs (CUDA for
-NCCL). Cost: one all-reduce of two ints per agreement (docs/benchmarks/unit-costs.md, row
+NCCL). Cost of ``any_of``: one all-reduce of two ints (docs/benchmarks/unit-costs.md, row
 ``agreement_any_of``).
 """
 
@@ -194,11 +197,13 @@ class Boundary:
             self.agreed = None
 
     def decide(self, ticks: int) -> tuple[bool, bool]:
-        if self.agreed is not None:
+        if self.jit.enabled and self.agreed is not None:
+            return self.agreed
+        if not self.agreement.world.distributed:
+            return self.preemption.received is not None, self.schedule.by_time()
+        if ticks % self.check_every:  # act only on what every rank knows, at one batch
+            return False, False
+        if self.agreed is not None:  # what the backward's reduction carried
             return self.agreed
         preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
-        if self.agreement.world.distributed:  # act only on what every rank knows, at one batch
-            if ticks % self.check_every:
-                return False, False
-            preempted, time_due = self.agreement.any_of(preempted, time_due)
-        return preempted, time_due
+        return self.agreement.any_of(preempted, time_due)

@@ -6,9 +6,11 @@ derived or agreed on, so a survivor can write the checkpoint of a rank that died
 
 - the process RNGs are seeded before each optimizer step's first batch (and each validation
   batch) from the seed, the phase, the epoch, the step and the rank (``globalrng.seed_step``);
-- each rank's running loss reaches every rank in the per-batch agreement (``agree``: one
-  ``all_gather`` of four numbers a rank: the preemption flag, the wall-clock flag, the batch's
-  loss and the CSV log's size on rank 0), which replaces the all-reduce of two flags;
+- each rank's running loss reaches every rank in the per-batch agreement: the preemption
+  flag, the wall-clock flag, the batch's loss and the CSV log's size on rank 0 ride on the
+  backward's gradient reduction (``agreement.Carrier``, ``agreed_on``), and every rank adds
+  each rank's loss to its sum on the device; without a DDP model to ride on, one
+  ``all_gather`` of the same four numbers a rank after each batch (``agree``);
 - the loader's state is the same on every rank (``unbroken.DataLoader`` over a map-style
   dataset: a global position).
 
@@ -32,8 +34,8 @@ sharded by FSDP2, torchmetrics states (each rank's own updates), a loader whose 
 rank, agreements less often than every batch, no torchrun agent. A run directory in object
 storage is saved for only by rank 0 (the others cannot upload its log). Costs: one record per
 optimizer step (the loader's state and the counters, copied as plain values: docs/benchmarks/unit-costs.md,
-row ``jit_record``), the agreement's gather instead of an all-reduce of two ints (measured by
-``benchmarks/agreement.py``), one ``TCPStore`` connection per rank.
+row ``jit_record``), a few tensor ops a batch for the row the reduction carries (no collective,
+no host read: ``benchmarks/trainer_ddp.py``), one ``TCPStore`` connection per rank.
 """
 
 from __future__ import annotations

@@ -154,9 +154,10 @@ class TrainerOptions:
     CUDA). ``None`` changes nothing and says so once if the model is on CUDA; ``False``
     changes nothing."""
     preemption_check_every: int = _option(1, positive)
-    """Under ``torch.distributed``, the ranks agree every this many batches whether any rank
-    got a preemption signal or is due a wall-clock checkpoint (one all-reduce of two ints). A
-    signal waits for the next agreement."""
+    """Under ``torch.distributed``, the ranks act every this many batches on whether any rank
+    got a preemption signal or is due a wall-clock checkpoint. With a DDP model the flags ride
+    on every backward's gradient all-reduce; otherwise each check is one all-reduce of two
+    ints. A signal waits for the next check (with DDP, also for the next backward)."""
     checkpoint_timeout: float = _option(600.0, _seconds)
     """Seconds a rank waits for the others in a checkpoint save or load."""
     lease_seconds: float = _option(30.0, _seconds)
