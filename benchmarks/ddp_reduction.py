@@ -1,15 +1,17 @@
-"""What ``exact_reduce`` costs a DDP step on 3 ranks (torchrun, gloo, CPU), against DDP's own
-bucketed all-reduce of the same model in the same processes.
+"""What ``exact_reduce`` costs a DDP step on 3, 4 and 5 ranks (torchrun, gloo, CPU), against
+DDP's own bucketed all-reduce of the same model in the same processes.
 
 How it measures, and what the numbers mean: ``docs/benchmarks/ddp-reduction.md``.
 
-    .venv/bin/python benchmarks/ddp_reduction.py            # ~1 minute on 2 cores
-    .venv/bin/python benchmarks/ddp_reduction.py --quick    # smoke run: few steps (noise)
+    .venv/bin/python benchmarks/ddp_reduction.py              # ~5 minutes on 2 cores
+    .venv/bin/python benchmarks/ddp_reduction.py --ranks 3    # one world size, ~1 minute
+    .venv/bin/python benchmarks/ddp_reduction.py --quick      # smoke run: few steps (noise)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -26,7 +28,7 @@ from harness.jobs import parse_or_work, send_back, torchrun_worker
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
 
-RANKS = 3
+RANKS = (3, 4, 5)  # exact_reduce matters from 3 ranks on (the docs say why)
 VARIANTS = ("DDP (stock)", "DDP + exact_reduce")
 
 
@@ -85,41 +87,49 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
+    parser.add_argument(
+        "--ranks", type=int, nargs="+", default=list(RANKS), help="world sizes, one job each"
+    )
     args = parse_or_work(parser, worker)
     if args is None:
         return
     if args.quick:
         args.steps, args.rounds = 3, 2
     results = Results("ddp_reduction", args.json, args)
-    measured = torchrun_worker(
-        __file__, RANKS, args, "layers", "width", "batch", "steps", "rounds", "chunk_mb"
-    )
+    flags = ("layers", "width", "batch", "steps", "rounds", "chunk_mb")
+    measured = {ranks: torchrun_worker(__file__, ranks, args, *flags) for ranks in args.ranks}
     print("\n".join(environment()))
     print(load_line())
-    rows, medians = [], {}
-    for size, layers in (("small", 2), ("large", args.layers)):
-        parameters = layers * (args.width * args.width + args.width)
-        step = {name: statistics.median(measured[f"{size}|{name}"]) * 1e3 for name in VARIANTS}
-        medians[size] = step
-        rows.append(
-            [
-                f"{layers} x Linear({args.width}, {args.width}) ({parameters * 4 / 1e6:.0f} MB)",
-                f"{step[VARIANTS[0]]:.1f}",
-                f"{step[VARIANTS[1]]:.1f}",
-                f"{step[VARIANTS[1]] / step[VARIANTS[0]]:.2f}x",
-            ]
-        )
+    rows = []
+    medians: dict[int, dict[str, dict[str, float]]] = {}
+    for ranks, times in measured.items():
+        for size, layers in (("small", 2), ("large", args.layers)):
+            parameters = layers * (args.width * args.width + args.width)
+            step = {name: statistics.median(times[f"{size}|{name}"]) * 1e3 for name in VARIANTS}
+            medians.setdefault(ranks, {})[size] = step
+            rows.append(
+                [
+                    str(ranks),
+                    f"{layers} x Linear({args.width}, {args.width}) ({parameters * 4 / 1e6:.0f} MB)",
+                    f"{step[VARIANTS[0]]:.1f}",
+                    f"{step[VARIANTS[1]]:.1f}",
+                    f"{step[VARIANTS[1]] / step[VARIANTS[0]]:.2f}x",
+                ]
+            )
     print()
-    results.show(f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)", [
-        "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
-    ], rows)  # fmt: skip
+    worlds = ", ".join(map(str, args.ranks))
+    results.show(f"A DDP training step on {worlds} ranks (gloo, CPU), ms (medians)", [
+        "ranks", "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
+    ], rows, left=2)  # fmt: skip
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     note = (
         f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
-        f"per rank, 1 thread per rank; command: .venv/bin/python benchmarks/ddp_reduction.py"
+        f"per rank, 1 thread per rank on {cores} cores; command: .venv/bin/python "
+        f"benchmarks/ddp_reduction.py --ranks {' '.join(map(str, args.ranks))}"
     )
     print(f"\n{note}")
     results.notes.append(note)
-    results.data = {"median_ms": medians, "times_s": measured, "ranks": RANKS}
+    results.data = {"median_ms": medians, "times_s": measured, "ranks": args.ranks}
     results.write()
 
 
