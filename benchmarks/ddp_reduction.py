@@ -33,13 +33,16 @@ VARIANTS = ("DDP (stock)", "DDP + exact_reduce")
 
 
 def build(
-    layers: int, width: int, exact: bool, chunk_mb: float
+    layers: int, width: int, exact: bool, chunk_mb: float, device: torch.device
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     blocks: list[torch.nn.Module] = []
     for _ in range(layers):
         blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*blocks))
+    ids = [device.index] if device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*blocks).to(device), device_ids=ids
+    )
     if exact:
         exact_reduce(model, chunk_mb=chunk_mb)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -47,14 +50,21 @@ def build(
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    unbroken.distributed.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    # A step's time is the device's: wait for its kernels (a no-op on CPU).
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    unbroken.distributed.init_process_group(args.backend)
     rank = dist.get_rank()
     sizes = {"small": 2, "large": args.layers}
     times: dict[str, list[float]] = {}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    x = x.to(device)
     for size, layers in sizes.items():
         built = {
-            name: build(layers, args.width, exact, args.chunk_mb)
+            name: build(layers, args.width, exact, args.chunk_mb, device)
             for name, exact in zip(VARIANTS, (False, True))
         }
         for model, optimizer in built.values():  # warm-up: DDP rebuilds its buckets here
@@ -66,11 +76,13 @@ def worker(args: argparse.Namespace) -> None:
             for name in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
                 model, optimizer = built[name]
                 dist.barrier()
+                sync()
                 for _ in range(args.steps):
                     start = time.perf_counter()
                     model(x).square().mean().backward()
                     optimizer.step()
                     optimizer.zero_grad()
+                    sync()
                     times.setdefault(f"{size}|{name}", []).append(time.perf_counter() - start)
         built.clear()
     send_back(args, times)
@@ -90,13 +102,16 @@ def main() -> None:
     parser.add_argument(
         "--ranks", type=int, nargs="+", default=list(RANKS), help="world sizes, one job each"
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", default="", help="default: gloo on cpu, nccl on cuda")
     args = parse_or_work(parser, worker)
     if args is None:
         return
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.quick:
         args.steps, args.rounds = 3, 2
     results = Results("ddp_reduction", args.json, args)
-    flags = ("layers", "width", "batch", "steps", "rounds", "chunk_mb")
+    flags = ("layers", "width", "batch", "steps", "rounds", "chunk_mb", "device", "backend")
     measured = {ranks: torchrun_worker(__file__, ranks, args, *flags) for ranks in args.ranks}
     print("\n".join(environment()))
     print(load_line())
@@ -118,7 +133,8 @@ def main() -> None:
             )
     print()
     worlds = ", ".join(map(str, args.ranks))
-    results.show(f"A DDP training step on {worlds} ranks (gloo, CPU), ms (medians)", [
+    title = f"A DDP training step on {worlds} ranks ({args.backend}, {args.device}), ms (medians)"
+    results.show(title, [
         "ranks", "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
     ], rows, left=2)  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -126,6 +142,7 @@ def main() -> None:
         f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
         f"per rank, 1 thread per rank on {cores} cores; command: .venv/bin/python "
         f"benchmarks/ddp_reduction.py --ranks {' '.join(map(str, args.ranks))}"
+        + (f" --device {args.device}" if args.device != "cpu" else "")
     )
     print(f"\n{note}")
     results.notes.append(note)
