@@ -2,7 +2,7 @@
 
 How it measures, and what the numbers mean: ``docs/benchmarks/trainer-ddp.md``.
 
-    .venv/bin/python benchmarks/trainer_ddp.py              # ~4 minutes on 2 cores
+    .venv/bin/python benchmarks/trainer_ddp.py              # ~4 minutes on 2 busy cores
     .venv/bin/python benchmarks/trainer_ddp.py --quick      # smoke run: seconds of noise
     .venv/bin/python benchmarks/trainer_ddp.py --ranks 1 --single --device cuda  # one GPU
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REPO, ForeignLoad, Results, environment, load_line, quartiles, rotated
+from harness import REPO, ForeignLoad, Results, environment, quartiles, rotated
 from harness import parser as harness_parser
 from harness.jobs import parse_or_work, send_back, torchrun_worker
 
@@ -265,7 +265,7 @@ def main() -> None:
         help="timed steps per variant and round (a multiple of the Trainer's log_every, 50, "
         "keeps its logging at its steady-state share)",
     )
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per world size")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per world size")
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parse_or_work(parser, worker)
     if args is None:
@@ -274,6 +274,7 @@ def main() -> None:
     if args.quick:
         args.warmup, args.steps, args.rounds = 2, 5, 2
     results = Results("trainer_ddp", args.json, args)
+    print("\n".join(environment()), flush=True)
     flags = ("device", "backend", "batch", "warmup", "steps", "rounds", "lr")
     runs: list[tuple[str, dict[str, Any]]] = []
     if args.single:
@@ -287,8 +288,6 @@ def main() -> None:
     for ranks in args.ranks:
         runs.append((str(ranks), torchrun_worker(__file__, ranks, args, *flags)))
 
-    print("\n".join(environment()))
-    print(load_line())
     rows, entries = [], []
     for label, measured in runs:
         world_rows, entry = summarize(label, measured)
