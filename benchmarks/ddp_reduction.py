@@ -111,9 +111,9 @@ def main() -> None:
     if args.quick:
         args.steps, args.rounds = 3, 2
     results = Results("ddp_reduction", args.json, args)
+    print("\n".join(environment()), flush=True)
     flags = ("layers", "width", "batch", "steps", "rounds", "chunk_mb", "device", "backend")
     measured = {ranks: torchrun_worker(__file__, ranks, args, *flags) for ranks in args.ranks}
-    print("\n".join(environment()))
     print(load_line())
     rows = []
     medians: dict[int, dict[str, dict[str, float]]] = {}

@@ -159,7 +159,7 @@ def main() -> None:
         flags = [*device, "--ranks", *map(str, worlds), *quick, *small]
         reduction = benchmark("ddp_reduction.py", flags, out, budget.left(150))
     else:
-        why = f"{gpus} GPU(s): exact_reduce acts from 3 ranks on, one a GPU"
+        why = f"{gpus} GPU(s): it needs 3 ranks of a GPU each (exact_reduce acts from 3 on)"
         print(f"=== ddp_reduction.py skipped: {why}", flush=True)
         reduction = {"skipped": why}
     # 3. SIGKILLed and resumed, bit for bit.
@@ -176,7 +176,7 @@ def main() -> None:
         [
             [
                 r["precision"],
-                ", ".join(f"{run['run']}: {run['exit']}" for run in r["runs"]),
+                ", ".join(f"{one['run']}: {one['exit']}" for one in r["runs"]),
                 r.get("failed") or ("torch.equal" if r["equal"] else f"DIFFER: {r['differ']}"),
                 f"{r['seconds']:.0f}",
             ]
@@ -189,7 +189,8 @@ def main() -> None:
         if "failed" in data
     ] + [f"resume {r['precision']}" for r in resume if not r["equal"]]
     results.finish(
-        [f"device: {name}, {gpus} GPU(s)"] + ([f"FAILED: {', '.join(failed)}"] if failed else []),
+        [*results.notes, f"device: {name}, {gpus} GPU(s)"]
+        + ([f"FAILED: {', '.join(failed)}"] if failed else []),
         {
             "device": name,
             "gpus": gpus,
