@@ -182,6 +182,7 @@ def main() -> None:
             ]
             for r in resume
         ],
+        left=3,
     )
     failed = [
         part
@@ -189,7 +190,7 @@ def main() -> None:
         if "failed" in data
     ] + [f"resume {r['precision']}" for r in resume if not r["equal"]]
     results.finish(
-        [*results.notes, f"device: {name}, {gpus} GPU(s)"]
+        [*results.notes, f"device: {name}, {gpus} GPU(s)" if cuda else f"{name}: {gpus} ranks"]
         + ([f"FAILED: {', '.join(failed)}"] if failed else []),
         {
             "device": name,
