@@ -11,6 +11,7 @@ How it measures, and what the numbers mean: ``docs/benchmarks/ddp-reduction.md``
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import statistics
 import sys
@@ -30,6 +31,9 @@ from unbroken.distributed import exact_reduce
 
 RANKS = (3, 4, 5)  # exact_reduce matters from 3 ranks on (the docs say why)
 VARIANTS = ("DDP (stock)", "DDP + exact_reduce")
+# An exact_reduce with chunk_mb cuts its own chunks; one without keeps DDP's buckets. The
+# script measures either.
+HAS_CHUNK_MB = "chunk_mb" in inspect.signature(exact_reduce).parameters
 
 
 def build(
@@ -44,7 +48,7 @@ def build(
         torch.nn.Sequential(*blocks).to(device), device_ids=ids
     )
     if exact:
-        exact_reduce(model, chunk_mb=chunk_mb)
+        exact_reduce(model, **({"chunk_mb": chunk_mb} if HAS_CHUNK_MB else {}))
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
@@ -98,7 +102,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
+    parser.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=25.0,
+        help="exact_reduce's chunk_mb, where it has one (else DDP's buckets are its chunks)",
+    )
     parser.add_argument(
         "--ranks", type=int, nargs="+", default=list(RANKS), help="world sizes, one job each"
     )
@@ -140,7 +149,9 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     note = (
         f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
-        f"per rank, 1 thread per rank on {cores} cores; command: .venv/bin/python "
+        f"per rank, 1 thread per rank on {cores} cores; "
+        + (f"exact_reduce chunk_mb={args.chunk_mb}; " if HAS_CHUNK_MB else "")
+        + "command: .venv/bin/python "
         f"benchmarks/ddp_reduction.py --ranks {' '.join(map(str, args.ranks))}"
         + (f" --device {args.device}" if args.device != "cpu" else "")
     )

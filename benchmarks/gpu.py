@@ -155,7 +155,7 @@ def main() -> None:
     # 2. exact_reduce against DDP's own all-reduce: from 3 ranks on, where it does anything.
     if gpus >= 3:
         worlds = sorted({3, min(gpus, 8)})
-        small = [] if cuda else ["--layers", "2", "--width", "256"]
+        small = [] if cuda else ["--layers", "3", "--width", "256"]
         flags = [*device, "--ranks", *map(str, worlds), *quick, *small]
         reduction = benchmark("ddp_reduction.py", flags, out, budget.left(150))
     else:
