@@ -117,6 +117,8 @@ def resume_check(precision: str, device: str, out: Path, budget: Budget) -> dict
 
 
 QUICK = "fewer rounds and steps in parts 1 and 2"
+PARTS = ("trainer_ddp", "ddp_reduction", "resume")
+NOT_RUN = {"skipped": "not in --parts"}
 
 
 def main() -> None:
@@ -131,6 +133,13 @@ def main() -> None:
         "--dry-ranks", type=int, default=3, help="--device cpu: the ranks standing for GPUs"
     )
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for all parts")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=PARTS,
+        default=list(PARTS),
+        help="which parts to run (default: all three)",
+    )
     args = parser.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -146,14 +155,14 @@ def main() -> None:
 
     # 1. The Trainer's step against a hand loop: every GPU in one job, and one process.
     sizes = [] if not cuda else ["--steps", "200", "--rounds", "7"]
-    trainer = benchmark(
-        "trainer_ddp.py",
-        [*device, "--ranks", str(max(1, gpus)), "--single", *quick, *sizes],
-        out,
-        budget.left(240),
-    )
+    trainer = NOT_RUN
+    if "trainer_ddp" in args.parts:
+        flags = [*device, "--ranks", str(max(1, gpus)), "--single", *quick, *sizes]
+        trainer = benchmark("trainer_ddp.py", flags, out, budget.left(240))
     # 2. exact_reduce against DDP's own all-reduce: from 3 ranks on, where it does anything.
-    if gpus >= 3:
+    if "ddp_reduction" not in args.parts:
+        reduction = NOT_RUN
+    elif gpus >= 3:
         worlds = sorted({3, min(gpus, 8)})
         small = [] if cuda else ["--layers", "3", "--width", "256"]
         flags = [*device, "--ranks", *map(str, worlds), *quick, *small]
@@ -164,7 +173,9 @@ def main() -> None:
         reduction = {"skipped": why}
     # 3. SIGKILLed and resumed, bit for bit.
     precisions = ("bf16", "fp16") if cuda else ("bf16",)
-    resume = [resume_check(p, args.device, out, budget) for p in precisions]
+    resume = []
+    if "resume" in args.parts:
+        resume = [resume_check(p, args.device, out, budget) for p in precisions]
 
     name = torch.cuda.get_device_name(0) if cuda else "CPU (dry run)"
     for part in (trainer, reduction):
