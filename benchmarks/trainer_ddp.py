@@ -70,6 +70,7 @@ class Clock:
         self.first, self.last, self.sync = first, last, sync
         self.steps, self.saves = 0, 0
         self.start = self.end = float("nan")
+        self.jit: bool | None = None  # whether the Trainer's just-in-time saves were on
 
     def stepped(self) -> None:
         self.steps += 1
@@ -87,6 +88,10 @@ class Clock:
     # As a Trainer callback: the same moment as the hand loop's, right after the step.
     def on_optimizer_step(self, trainer: Any) -> None:
         self.stepped()
+
+    def on_fit_start(self, trainer: Any) -> None:
+        # Not a public attribute: read where it is, None where a version keeps it elsewhere.
+        self.jit = getattr(getattr(trainer, "jit", None), "enabled", None)
 
     def on_save_start(self, trainer: Any) -> None:
         if self.first <= self.steps < self.last:  # the end-of-fit save comes after the window
@@ -184,6 +189,7 @@ def measure(args: argparse.Namespace, distributed: bool, out: Path) -> dict[str,
     monitor.available &= bench.rank == 0
     ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
     saves: dict[str, list[int]] = {v: [] for v in VARIANTS}
+    jit: dict[str, list[bool | None]] = {v: [] for v in VARIANTS}
     foreign: list[float] = []
     for index in range(-1, args.rounds):  # round -1: a warm-up, untimed
         before = monitor.snapshot()
@@ -193,12 +199,13 @@ def measure(args: argparse.Namespace, distributed: bool, out: Path) -> dict[str,
             if index >= 0:
                 ms[variant].append(clock.ms_per_step())
                 saves[variant].append(clock.saves)
+                jit[variant].append(clock.jit)
             gc.collect()  # the DDP models of this variant go now, not inside a later window
             if bench.rank == 0:
                 shutil.rmtree(directory, ignore_errors=True)
         if index >= 0:
             foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
-    return {"world": bench.world, "ms": ms, "saves": saves, "foreign": foreign}
+    return {"world": bench.world, "ms": ms, "saves": saves, "jit": jit, "foreign": foreign}
 
 
 def quiet() -> None:
@@ -230,6 +237,7 @@ def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], di
             "ratio": statistics.median(ratio),
             "ratio_min_max": [min(ratio), max(ratio)],
             "saves_in_window": sum(measured["saves"][variant]),
+            "just_in_time": sorted({str(on) for on in measured["jit"][variant]}),
         }
         rows.append(
             [
@@ -311,6 +319,12 @@ def main() -> None:
         "the timed windows: "
         + ", ".join(
             f"{e['label']}: {sum(v['saves_in_window'] for v in e['variants'].values())}"
+            for e in entries
+        ),
+        "just-in-time saves on in Trainer() / Trainer(just_in_time=False): "
+        + ", ".join(
+            f"{e['label']}: {'/'.join(e['variants'][TRAINER]['just_in_time'])} / "
+            f"{'/'.join(e['variants'][NO_JIT]['just_in_time'])}"
             for e in entries
         ),
         "other processes' load during a round (cores, median/max): "
