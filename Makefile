@@ -109,7 +109,7 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(call run-benchmarks,--quick $(BENCH_FLAGS))
 
-# On a CUDA machine (~5 min on one H200): the Trainer vs a hand DDP loop with NCCL on every GPU and
+# On a CUDA machine (450 s at most): the Trainer vs a hand DDP loop with NCCL on every GPU and
 # in one process, exact_reduce vs DDP's all-reduce with 3+ GPUs, and a SIGKILLed CUDA job resumed
 # bit for bit; all in bench_output/gpu.json. Offline: no install, this checkout's src/ first on
 # the path, with .venv's python if there is one, else GPU_PY (a python whose torch has CUDA).

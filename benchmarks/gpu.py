@@ -1,5 +1,5 @@
 """The GPU figures (``make bench-gpu``): the Trainer's step against a hand loop, exact_reduce's
-cost, and a bit-exact resume after SIGKILLs, on CUDA. About 5 minutes on one H200.
+cost, and a bit-exact resume after SIGKILLs, on CUDA, in 450 seconds at most (``--budget``).
 
 1. ``trainer_ddp.py`` on CUDA with NCCL: one torchrun job on as many ranks as GPUs, and the same
    comparison in one process without DDP.

@@ -2,7 +2,7 @@
 
 How it measures, and what the numbers mean: ``docs/benchmarks/trainer-ddp.md``.
 
-    .venv/bin/python benchmarks/trainer_ddp.py              # ~4 minutes on 2 busy cores
+    .venv/bin/python benchmarks/trainer_ddp.py              # ~5 minutes on 2 busy cores
     .venv/bin/python benchmarks/trainer_ddp.py --quick      # smoke run: seconds of noise
     .venv/bin/python benchmarks/trainer_ddp.py --ranks 1 --single --device cuda  # one GPU
 
