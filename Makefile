@@ -109,6 +109,17 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(call run-benchmarks,--quick $(BENCH_FLAGS))
 
+# On a CUDA machine (450 s at most): the Trainer vs a hand DDP loop with NCCL on every GPU and
+# in one process, exact_reduce vs DDP's all-reduce with 3+ GPUs, and a SIGKILLed CUDA job resumed
+# bit for bit; all in bench_output/gpu.json. Offline: no install, this checkout's src/ first on
+# the path, with .venv's python if there is one, else GPU_PY (a python whose torch has CUDA).
+# Without a GPU it says so and exits 0; BENCH_FLAGS=--device=cpu runs a dry run on CPU.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+.PHONY: bench-gpu
+bench-gpu:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) benchmarks/gpu.py \
+		--json bench_output/gpu.json $(BENCH_FLAGS)
+
 # unbroken vs MosaicML Streaming and LitData from a local S3 server (creates .venv-peers/ once).
 bench-stream: $(STAMP)
 	$(PY) benchmarks/stream_peers.py

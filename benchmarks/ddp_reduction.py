@@ -1,15 +1,18 @@
-"""What ``exact_reduce`` costs a DDP step on 3 ranks (torchrun, gloo, CPU), against DDP's own
-bucketed all-reduce of the same model in the same processes.
+"""What ``exact_reduce`` costs a DDP step on 3, 4 and 5 ranks (torchrun, gloo, CPU), against
+DDP's own bucketed all-reduce of the same model in the same processes.
 
 How it measures, and what the numbers mean: ``docs/benchmarks/ddp-reduction.md``.
 
-    .venv/bin/python benchmarks/ddp_reduction.py            # ~1 minute on 2 cores
-    .venv/bin/python benchmarks/ddp_reduction.py --quick    # smoke run: few steps (noise)
+    .venv/bin/python benchmarks/ddp_reduction.py              # ~5 minutes on 2 cores
+    .venv/bin/python benchmarks/ddp_reduction.py --ranks 3    # one world size, ~1 minute
+    .venv/bin/python benchmarks/ddp_reduction.py --quick      # smoke run: few steps (noise)
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import os
 import statistics
 import sys
 import time
@@ -26,33 +29,46 @@ from harness.jobs import parse_or_work, send_back, torchrun_worker
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
 
-RANKS = 3
+RANKS = (3, 4, 5)  # exact_reduce matters from 3 ranks on (the docs say why)
 VARIANTS = ("DDP (stock)", "DDP + exact_reduce")
+# An exact_reduce with chunk_mb cuts its own chunks; one without keeps DDP's buckets. The
+# script measures either.
+HAS_CHUNK_MB = "chunk_mb" in inspect.signature(exact_reduce).parameters
 
 
 def build(
-    layers: int, width: int, exact: bool, chunk_mb: float
+    layers: int, width: int, exact: bool, chunk_mb: float, device: torch.device
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     blocks: list[torch.nn.Module] = []
     for _ in range(layers):
         blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*blocks))
+    ids = [device.index] if device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(*blocks).to(device), device_ids=ids
+    )
     if exact:
-        exact_reduce(model, chunk_mb=chunk_mb)
+        exact_reduce(model, **({"chunk_mb": chunk_mb} if HAS_CHUNK_MB else {}))
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    unbroken.distributed.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    # A step's time is the device's: wait for its kernels (a no-op on CPU).
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    unbroken.distributed.init_process_group(args.backend)
     rank = dist.get_rank()
     sizes = {"small": 2, "large": args.layers}
     times: dict[str, list[float]] = {}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    x = x.to(device)
     for size, layers in sizes.items():
         built = {
-            name: build(layers, args.width, exact, args.chunk_mb)
+            name: build(layers, args.width, exact, args.chunk_mb, device)
             for name, exact in zip(VARIANTS, (False, True))
         }
         for model, optimizer in built.values():  # warm-up: DDP rebuilds its buckets here
@@ -64,11 +80,13 @@ def worker(args: argparse.Namespace) -> None:
             for name in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
                 model, optimizer = built[name]
                 dist.barrier()
+                sync()
                 for _ in range(args.steps):
                     start = time.perf_counter()
                     model(x).square().mean().backward()
                     optimizer.step()
                     optimizer.zero_grad()
+                    sync()
                     times.setdefault(f"{size}|{name}", []).append(time.perf_counter() - start)
         built.clear()
     send_back(args, times)
@@ -84,42 +102,62 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--chunk-mb", type=float, default=25.0, help="exact_reduce's chunk_mb")
+    parser.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=25.0,
+        help="exact_reduce's chunk_mb, where it has one (else DDP's buckets are its chunks)",
+    )
+    parser.add_argument(
+        "--ranks", type=int, nargs="+", default=list(RANKS), help="world sizes, one job each"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", default="", help="default: gloo on cpu, nccl on cuda")
     args = parse_or_work(parser, worker)
     if args is None:
         return
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.quick:
         args.steps, args.rounds = 3, 2
     results = Results("ddp_reduction", args.json, args)
-    measured = torchrun_worker(
-        __file__, RANKS, args, "layers", "width", "batch", "steps", "rounds", "chunk_mb"
-    )
-    print("\n".join(environment()))
+    print("\n".join(environment()), flush=True)
+    flags = ("layers", "width", "batch", "steps", "rounds", "chunk_mb", "device", "backend")
+    measured = {ranks: torchrun_worker(__file__, ranks, args, *flags) for ranks in args.ranks}
     print(load_line())
-    rows, medians = [], {}
-    for size, layers in (("small", 2), ("large", args.layers)):
-        parameters = layers * (args.width * args.width + args.width)
-        step = {name: statistics.median(measured[f"{size}|{name}"]) * 1e3 for name in VARIANTS}
-        medians[size] = step
-        rows.append(
-            [
-                f"{layers} x Linear({args.width}, {args.width}) ({parameters * 4 / 1e6:.0f} MB)",
-                f"{step[VARIANTS[0]]:.1f}",
-                f"{step[VARIANTS[1]]:.1f}",
-                f"{step[VARIANTS[1]] / step[VARIANTS[0]]:.2f}x",
-            ]
-        )
+    rows = []
+    medians: dict[int, dict[str, dict[str, float]]] = {}
+    for ranks, times in measured.items():
+        for size, layers in (("small", 2), ("large", args.layers)):
+            parameters = layers * (args.width * args.width + args.width)
+            step = {name: statistics.median(times[f"{size}|{name}"]) * 1e3 for name in VARIANTS}
+            medians.setdefault(ranks, {})[size] = step
+            rows.append(
+                [
+                    str(ranks),
+                    f"{layers} x Linear({args.width}, {args.width}) ({parameters * 4 / 1e6:.0f} MB)",
+                    f"{step[VARIANTS[0]]:.1f}",
+                    f"{step[VARIANTS[1]]:.1f}",
+                    f"{step[VARIANTS[1]] / step[VARIANTS[0]]:.2f}x",
+                ]
+            )
     print()
-    results.show(f"A DDP training step on {RANKS} ranks (gloo, CPU), ms (medians)", [
-        "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
-    ], rows)  # fmt: skip
+    worlds = ", ".join(map(str, args.ranks))
+    title = f"A DDP training step on {worlds} ranks ({args.backend}, {args.device}), ms (medians)"
+    results.show(title, [
+        "ranks", "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
+    ], rows, left=2)  # fmt: skip
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     note = (
         f"medians of {args.rounds} rounds x {args.steps} steps per variant, batch {args.batch} "
-        f"per rank, 1 thread per rank; command: .venv/bin/python benchmarks/ddp_reduction.py"
+        f"per rank, 1 thread per rank on {cores} cores; "
+        + (f"exact_reduce chunk_mb={args.chunk_mb}; " if HAS_CHUNK_MB else "")
+        + "command: .venv/bin/python "
+        f"benchmarks/ddp_reduction.py --ranks {' '.join(map(str, args.ranks))}"
+        + (f" --device {args.device}" if args.device != "cpu" else "")
     )
     print(f"\n{note}")
     results.notes.append(note)
-    results.data = {"median_ms": medians, "times_s": measured, "ranks": RANKS}
+    results.data = {"median_ms": medians, "times_s": measured, "ranks": args.ranks}
     results.write()
 
 

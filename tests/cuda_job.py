@@ -1,6 +1,8 @@
-"""A small CUDA training job for tests/test_cuda.py: a CNN on augmented images, a pinned
-multi-worker loader, mixed precision, deterministic kernels; optionally SIGKILLs itself after
-a given number of optimizer steps (as a crash would), leaving whatever checkpoints it wrote.
+"""A small CUDA training job for tests/test_cuda.py and benchmarks/gpu.py: a CNN on augmented
+images, a pinned multi-worker loader, mixed precision, deterministic kernels; optionally SIGKILLs
+itself (as a crash would) after a given number of optimizer steps (``kill_after``) or inside a
+step, after its forward (``kill_in_step``), leaving whatever checkpoints it wrote. ``device``:
+"cpu" runs the same job without a GPU (no pinned memory), for a dry run.
 
     python tests/cuda_job.py DIR '{"precision": "bf16", "kill_after": 7}'
 """
@@ -49,7 +51,13 @@ class KillAfter:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run(directory: Path, precision: str = "bf16", kill_after: int | None = None) -> nn.Module:
+def run(
+    directory: Path,
+    precision: str = "bf16",
+    kill_after: int | None = None,
+    kill_in_step: int | None = None,
+    device: str = "cuda",
+) -> nn.Module:
     torch.manual_seed(1)
     model = nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1),
@@ -60,25 +68,31 @@ def run(directory: Path, precision: str = "bf16", kill_after: int | None = None)
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(16, 4),
-    ).cuda()
+    ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = unbroken.DataLoader(
         Images(),
         batch_size=8,
         shuffle=True,
         num_workers=2,
-        pin_memory=True,
+        pin_memory=device == "cuda",
         seed=5,
         persistent_workers=True,
     )
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device) if precision == "fp16" else None
+    steps = 0
 
     def step(model, batch):
-        x, y = (t.cuda(non_blocking=True) for t in batch)
-        assert batch[0].is_pinned(), "pin_memory=True must give pinned batches"
-        with torch.autocast("cuda", dtype=dtype):
-            return nn.functional.cross_entropy(model(x), y)
+        nonlocal steps
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+        assert device != "cuda" or batch[0].is_pinned(), "pin_memory=True must give pinned batches"
+        with torch.autocast(device, dtype=dtype):
+            output = model(x)
+            steps += 1
+            if steps == kill_in_step:  # mid-step: the batch drawn, its forward run, no backward
+                os.kill(os.getpid(), signal.SIGKILL)
+            return nn.functional.cross_entropy(output, y)
 
     trainer = unbroken.Trainer(
         directory,
