@@ -4,15 +4,16 @@ The regression check for the loader's per-batch path at num_workers=0: the step 
 (``Linear(32, 2)``, batch 2) that every microsecond the loader adds per batch shows. Each round
 runs, for every loader in turn (order rotated each round), the same timed work from the same
 moment: ``iter(loader)``, one epoch, a forward/backward/SGD step per batch. Each loader's time
-is divided by torch's in the same round; the median of those ratios is the result. Costs ~1 s
-a round at the defaults. How to read it: ``docs/benchmarks/overhead.md``.
+is divided by torch's in the same round; the median of those ratios is the result. Costs 1-2 s
+a round at the defaults on 2 shared cores. How to read it: ``docs/benchmarks/overhead.md``.
 
-    .venv/bin/python benchmarks/loader_tiny.py            # 60 rounds, ~1 minute
+    .venv/bin/python benchmarks/loader_tiny.py            # 60 rounds, 1-2 minutes
     .venv/bin/python benchmarks/loader_tiny.py --quick    # smoke run, a few seconds
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import importlib
 import shutil
@@ -28,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, add_options, environment, interleaved, parser
 from harness.stats import median_ci, quartiles
 from harness.workloads import RowDataset, tiny_model, train_step
-
 from overhead import SeedingControl
 
 import unbroken
@@ -49,9 +49,12 @@ def import_baseline(src: str) -> None:
     current one. Works because unbroken's modules import each other relatively."""
     global BASELINE
     tree = Path(tempfile.mkdtemp(prefix="loader_tiny_"))
+    atexit.register(shutil.rmtree, tree, ignore_errors=True)
     shutil.copytree(Path(src) / "unbroken", tree / "unbroken_baseline")
     sys.path.insert(0, str(tree))
     BASELINE = importlib.import_module("unbroken_baseline")
+
+
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 QUICK = "a few rounds over a small dataset (numbers are noise)"
 
