@@ -31,12 +31,13 @@ def own_calls(loader) -> Counter:
         if event == "call" and code.co_filename.startswith(PACKAGE):
             calls[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
 
+    previous = sys.getprofile()  # a profiler the run is under gets its hook back
     sys.setprofile(profile)
     try:
         for _ in range(BATCHES):
             next(iterator)
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     return calls
 
 
