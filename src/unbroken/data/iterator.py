@@ -55,6 +55,7 @@ class LoaderIterator:
     def __init__(self, loader: Loader, inner: InnerLoader) -> None:
         self._loader, self._inner = loader, inner
         self._iteration: Iteration[Cursor] | None = None
+        self._cursor: Cursor | None = None  # the iteration's position, read once per batch
         self._started: Started | None = None
         self._reported: int | None = None  # len(dataset) of a stream, as torch: if asked before
         self._over = False
@@ -77,9 +78,8 @@ class LoaderIterator:
             if self._over:
                 raise StopIteration
             started = self._begin()
-        iteration = self._iteration
-        assert iteration is not None
-        cursor = iteration.position
+        iteration, cursor = self._iteration, self._cursor
+        assert iteration is not None and cursor is not None
         while True:
             try:
                 batch = next(started.batches)
@@ -112,6 +112,7 @@ class LoaderIterator:
         iteration = self._iteration = Iteration(loader)
         primed, self._primed = self._primed, None
         seed, epoch, cursor = loader.seed, iteration.epoch, iteration.position
+        self._cursor = cursor  # an iteration's position object is its own to the end
         started = inner.start(seed, epoch, cursor, primed)
         self._started, self._reported = started, inner.reported_length
         inner.plan_reads(started, seed, epoch, cursor)

@@ -88,7 +88,10 @@ class SeededDataset(StandIn, Dataset):
                     current.position = position
                     samples.append(dataset[index])
             current.key = None  # sample_seed() is a sample's: not defined in collate_fn
-            return self._unbroken_collate(samples, key, start)
+            collate = self._unbroken_collate
+            if collate.seeds is None:  # torch's collate: called directly, no frame between
+                return collate.collate_fn(samples)
+            return collate(samples, key, start)
         except StopIteration:
             raise  # torch ends the iteration on it
         except Exception as error:
