@@ -153,7 +153,7 @@ class ExactReduction:
         self._views: dict[int, torch.Tensor] = {}
         self._pending: list[torch.futures.Future[None]] = []
         self._out: torch.Tensor | None = None
-        self._in: torch.Tensor | None = None
+        self._sent: tuple[torch.futures.Future[Any], torch.Tensor] | None = None
 
     def _noter(self, index: int) -> Any:
         return lambda _parameter: self._ready.append(index)
@@ -167,13 +167,21 @@ class ExactReduction:
     def carry(self, values: torch.Tensor) -> None:
         """Sum ``values`` over the ranks with the next backward's reduction (see the module);
         ``carried()`` returns the sum once that backward has returned."""
-        self._out, self._in = values, None
+        self._out, self._sent = values, None
 
     def carried(self) -> torch.Tensor | None:
         """The sum of what ``carry`` was given, if the last backward reduced it; else None (no
-        backward reduced gradients since)."""
-        carried, self._in = self._in, None
-        return carried
+        backward reduced gradients since).
+
+        Raises:
+            RuntimeError: the all-reduce that carried it failed.
+        """
+        sent, self._sent, self._out = self._sent, None, None
+        if sent is None:
+            return None
+        reduced, values = sent
+        reduced.wait()  # done: DDP waited for it (with NCCL: ordered on the stream)
+        return values
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Reduce one bucket: as one all-reduce if it is a chunk, else through its chunks."""
@@ -182,7 +190,9 @@ class ExactReduction:
             self._views, self._pending = {}, []
             if self._out is not None:  # the numbers ride with the first bucket
                 values, self._out = self._out, None
-                futures.append(self._all_reduce(values).then(partial(self._got, values=values)))
+                carried = self._all_reduce(values)  # DDP waits for it with the bucket
+                self._sent = (carried, values)
+                futures.append(carried)
         buffer = bucket.buffer()
         parameters = bucket.parameters()
         if self._is_chunk(bucket.index(), parameters, buffer):
@@ -199,10 +209,6 @@ class ExactReduction:
             if self._pending:
                 self._reduce_by_chunks()
         return torch.futures.collect_all(futures).then(lambda all_: _first_error(all_, buffer))
-
-    def _got(self, reduced: torch.futures.Future[Any], values: torch.Tensor) -> None:
-        reduced.wait()  # raises what the all-reduce raised: no numbers from a failed one
-        self._in = values
 
     def _is_chunk(self, index: int, parameters: list[torch.Tensor], buffer: torch.Tensor) -> bool:
         """Whether this bucket is one chunk, its parameters in the chunk's order, its buffer
