@@ -101,6 +101,11 @@ class Carrier:
         self.reduction, self.world, self.device = reduction, world, device
         self._tags: tuple[int, int] = (0, 0)
         self._travelling: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
+        # On the CPU one row serves every batch: a batch's row is reduced within its
+        # backward and read right after it, before the next batch writes it again.
+        self._row = torch.zeros(3 + world.size, dtype=torch.float64)
+        self._head = self._row.numpy()  # the same memory, written without a tensor op each
+        self._slot, self._losses = self._row[3 + world.rank], self._row[3:]
 
     def send(
         self,
@@ -112,12 +117,17 @@ class Carrier:
         loss: torch.Tensor,
     ) -> None:
         if self.device.type == "cpu":
-            values = torch.zeros(3 + self.world.size, dtype=torch.float64)
-            head = values.numpy()  # host memory: written without a tensor op each
+            head = self._head
+            head.fill(0.0)
             head[0], head[1], head[2] = preempted, time_due, log_bytes
-        else:  # filled on the device: no copy from pageable host memory, which would sync
-            values = torch.zeros(3 + self.world.size, dtype=torch.float64, device=self.device)
-            values[0], values[1], values[2] = float(preempted), float(time_due), float(log_bytes)
+            self._slot.copy_(loss.detach().reshape(()))
+            self._tags = (rows, ticks)
+            self.reduction.carry(self._row)
+            return
+        # On a device, a row of its own (the last one may still travel to the host), filled
+        # there: no copy from pageable host memory, which would sync.
+        values = torch.zeros(3 + self.world.size, dtype=torch.float64, device=self.device)
+        values[0], values[1], values[2] = float(preempted), float(time_due), float(log_bytes)
         values[3 + self.world.rank] = loss.detach().reshape(())
         self._tags = (rows, ticks)
         self.reduction.carry(values)
@@ -128,8 +138,8 @@ class Carrier:
         values = self.reduction.carried()
         if values is None:
             return None
-        if values.device.type == "cpu":
-            return values[3:], self._read(values.numpy(), self._tags)
+        if values is self._row:
+            return self._losses, self._read(self._head, self._tags)
         ready, self._travelling = self._travelling, None
         host = values.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if values.is_cuda else None
@@ -206,4 +216,5 @@ class Boundary:
         if self.agreed is not None:  # what the backward's reduction carried
             return self.agreed
         preempted, time_due = self.preemption.received is not None, self.schedule.by_time()
-        return self.agreement.any_of(preempted, time_due)
+        preempted, time_due = self.agreement.any_of(preempted, time_due)
+        return preempted, time_due
