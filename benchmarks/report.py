@@ -38,6 +38,8 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("overhead", "Training-loop overhead of the DataLoader"),
     ("resume_latency", "Resume latency: load_state_dict to the first batch"),
     ("trainer_overhead", "Trainer overhead vs a plain PyTorch loop"),
+    ("trainer_ddp", "The Trainer against a hand-written DDP loop at 2, 3 and 4 ranks"),
+    ("loader_tiny", "unbroken.DataLoader against torch's on the tiny loop"),
     (
         "lightning_resume",
         "Lightning 2.6 resumed mid-epoch and at epoch boundaries: plain (torch's DataLoader) vs "
@@ -48,7 +50,7 @@ BENCHMARKS: list[tuple[str, str]] = [
     ("stream_overhead", "Iterable dataset: state shipping overhead"),
     ("ddp_loader", "Data-parallel training: loaders, preemption agreement, resume"),
     ("ddp_checkpoint", "Checkpoints of a 2-rank job: DDP vs FSDP2 through DCP"),
-    ("ddp_reduction", "What exact_reduce costs a DDP step on 3 ranks"),
+    ("ddp_reduction", "What exact_reduce costs a DDP step on 3 to 5 ranks"),
     ("stream_peers", "Streaming from object storage: unbroken vs MosaicML Streaming and LitData"),
     (
         "remote_checkpoint",
