@@ -27,15 +27,18 @@ outlives the attempt: a compare-and-set on a key of this attempt) and that one w
 checkpoint of the whole job from its own memory (``Checkpointer.save_alone``: no collective,
 sealed and committed as every checkpoint). The others wait for its commit (at most
 ``WAIT_SECONDS``), and every survivor raises the error that stopped it, so torchrun restarts the
-group, which resumes from the new checkpoint: the work lost is the step in flight.
+group, which resumes from the new checkpoint: the work lost is the step in flight. A step
+counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
+(``async_save``) that a rank's death left unfinished is dropped, and its step saved this way.
 
 Off (``off_because``) where a survivor cannot know the state of a rank that died: a model
-sharded by FSDP2, torchmetrics states (each rank's own updates), a loader whose state is per
-rank, agreements less often than every batch, no torchrun agent. A run directory in object
-storage is saved for only by rank 0 (the others cannot upload its log). Costs: one record per
-optimizer step (the loader's state and the counters, copied as plain values: docs/benchmarks/unit-costs.md,
-row ``jit_record``), a few tensor ops a batch for the row the reduction carries (no collective,
-no host read: ``benchmarks/trainer_ddp.py``), one ``TCPStore`` connection per rank.
+sharded by FSDP2 or saved through DCP, torchmetrics states (each rank's own updates), a loader
+whose state is per rank, agreements less often than every batch, no torchrun agent. A run
+directory in object storage is saved for only by rank 0 (the others cannot upload its log).
+Costs: one record per optimizer step (the loader's state and the counters, copied as plain
+values: docs/benchmarks/unit-costs.md, row ``jit_record``), a few tensor ops a batch for the row
+the reduction carries (no collective, no host read: ``benchmarks/trainer_ddp.py``), one
+``TCPStore`` connection per rank.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
 from ..checkpoint.per_rank import PerRank, unwrap
 from ..checkpoint.sharded import Sharded
@@ -239,8 +243,8 @@ class JustInTime:
         if lost is not None:
             step, why = lost
             say(
-                f"the background save of step {step} was lost ({why}); the just-in-time save "
-                f"of step {record.ticks} covers it",
+                f"the background save of {final_name(step)} was lost ({why}); the just-in-time "
+                f"save of {final_name(record.ticks)} covers it",
                 every_rank=True,
             )
 
