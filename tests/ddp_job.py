@@ -266,8 +266,8 @@ def hold_for_background_save():
 
 
 def training_step(model, batch):
-    kill_in_step("train")
     hold_for_background_save()
+    kill_in_step("train")
     x, y, ids = batch
     trainer.last_ids = ids.tolist() if COUNTED is None else None  # the user's read: not ours
     logits = model(x)

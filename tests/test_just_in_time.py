@@ -108,15 +108,24 @@ def test_ranks_killed_anywhere_cost_at_most_the_step_in_flight(reference, tmp_pa
 
 
 def test_a_rank_killed_in_a_background_save_leaves_its_step_to_a_survivor(reference, tmp_path):
-    # async_save: the periodic checkpoint of tick 10 is written in the background while tick 11
-    # trains. Rank 1 dies in its first file write of it (its 5th: 4 files a checkpoint), before
-    # tick 11's all-reduce: the checkpoint is never committed, so a survivor saves tick 10; its
-    # partial files are removed, never resumed from.
+    """async_save: the periodic checkpoints are written in the background while training goes on.
+
+    - rank 1 dies in its first file write of tick 10's (its 5th: 4 files a checkpoint), before
+      tick 11's all-reduce: that checkpoint is never committed, so a survivor saves tick 10 and
+      says so; the partial files are removed, never resumed from;
+    - rank 1 dies in tick 16, once its background save of tick 15 is committed: nothing is
+      saved again.
+    """
     run = tmp_path / "run"
-    output = torchrun(run, {"async_save": True, "kill_in_save": {"rank": 1, "write": 5}}, 1)
-    assert output.count("exitcode: -9") == 1, output[-3000:]
+    options = {
+        "async_save": True,
+        "kill_in_save": {"rank": 1, "write": 5},
+        "kill_in_step": [{"rank": 1, "phase": "train", "at": 16}],
+    }
+    output = torchrun(run, options, restarts=2)
+    assert output.count("exitcode: -9") == 2, output[-3000:]
     assert saved_just_in_time(output) == [10], output[-3000:]
-    assert resumed_ticks(output) == [10], output[-3000:]
+    assert resumed_ticks(output) == [10, 15], output[-3000:]
     lost = re.findall(
         r"background save of step-(\d+) was lost .* save of step-(\d+) covers", output
     )
