@@ -8,6 +8,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   ticks, each once over all restarts (a marker file per kill), as a crashed node would.
 - ``kill_in_save``: {"rank": r, "write": n}: that rank SIGKILLs itself in its n-th file write
   of a checkpoint (counted over all restarts), so other ranks may have written theirs.
+- ``async_save``: the Trainer's; with ``kill_in_save``, that rank's next step waits for its
+  background save, so it dies in the save before the step's collectives, not a step later.
 - ``signal``: {"rank": r, "at": tick}, or a list of them: that rank sends itself SIGTERM after
   that tick, once. ``check_every``: the Trainer's ``preemption_check_every``.
 - ``slow_exit``: {"rank": r, "seconds": s}: after a preemption checkpoint, that rank takes
@@ -250,11 +252,21 @@ trainer = unbroken.Trainer(
     callbacks=[Chaos()],
     preemption_check_every=OPTIONS.get("check_every", 1),
     just_in_time=OPTIONS.get("jit"),
+    async_save=OPTIONS.get("async_save", False),
 )
 metrics = {"acc": accuracy} if OPTIONS.get("metrics", True) else None
 
 
+def hold_for_background_save():
+    """``async_save`` with ``kill_in_save``: the dying rank's step waits for its background save
+    to end (its death, in the write that kills it), before the step's first collective."""
+    if OPTIONS.get("async_save") and OPTIONS.get("kill_in_save", {}).get("rank") == RANK:
+        while trainer.checkpointer.in_flight:
+            time.sleep(0.01)
+
+
 def training_step(model, batch):
+    hold_for_background_save()
     kill_in_step("train")
     x, y, ids = batch
     trainer.last_ids = ids.tolist() if COUNTED is None else None  # the user's read: not ours

@@ -169,6 +169,9 @@ def test_an_fsdp2_job_killed_and_restarted_ends_bit_exact(tmp_path):
     chaos = {"kill": {"rank": 1, "at": [13, 37]}, "kill_in_save": {"rank": 1, "write": 10}}
     output = torchrun(run, {"fsdp": True, **chaos}, restarts=3)
     assert output.count("exitcode: -9") == 3, output[-3000:]
+    # A survivor cannot save a rank's shards: said once an attempt, never tried at a failure.
+    assert output.count("just-in-time saves are off: the model is sharded (FSDP2)") == 4
+    assert "just-in-time save failed" not in output
     assert_same_run(run, reference)
     assert (max((run / "checkpoints").glob("step-*")) / "001-model.dcp" / ".metadata").exists()
 

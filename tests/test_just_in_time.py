@@ -13,12 +13,14 @@ files, the log size read after rank 0 died, and when just-in-time saves are off.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,8 +28,11 @@ import torch
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, PerRank, Sharded
+from unbroken.distributed.world import World
 from unbroken.train import jit
+from unbroken.train.checkpointing import checkpoint_entries
 from unbroken.train.globalrng import TRAIN, VAL, seed_step
+from unbroken.train.progress import Progress, TrainerConfig
 
 HERE = Path(__file__).parent
 JOB = HERE / "ddp_job.py"
@@ -98,6 +103,34 @@ def test_ranks_killed_anywhere_cost_at_most_the_step_in_flight(reference, tmp_pa
     assert output.count("exitcode: -9") == 4, output[-3000:]
     assert resumed_ticks(output) == [5, 22, 29, 38], output[-3000:]
     assert saved_just_in_time(output) == [22, 38], output[-3000:]
+    assert_same_run(run, reference)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_rank_killed_in_a_background_save_leaves_its_step_to_a_survivor(reference, tmp_path):
+    """async_save: the periodic checkpoints are written in the background while training goes on.
+
+    - rank 1 dies in its first file write of tick 10's (its 5th: 4 files a checkpoint), before
+      tick 11's all-reduce: that checkpoint is never committed, so a survivor saves tick 10 and
+      says so; the partial files are removed, never resumed from;
+    - rank 1 dies in tick 16, once its background save of tick 15 is committed: nothing is
+      saved again.
+    """
+    run = tmp_path / "run"
+    options = {
+        "async_save": True,
+        "kill_in_save": {"rank": 1, "write": 5},
+        "kill_in_step": [{"rank": 1, "phase": "train", "at": 16}],
+    }
+    output = torchrun(run, options, restarts=2)
+    assert output.count("exitcode: -9") == 2, output[-3000:]
+    assert saved_just_in_time(output) == [10], output[-3000:]
+    assert resumed_ticks(output) == [10, 15], output[-3000:]
+    lost = re.findall(
+        r"background save of step-(\d+) was lost .* save of step-(\d+) covers", output
+    )
+    assert lost == [("000000010", "000000010")], output[-3000:]
+    assert "FAILED" not in output  # dropped, not reported again at exit as never waited for
     assert_same_run(run, reference)
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
@@ -234,3 +267,54 @@ def test_just_in_time_saves_are_off_where_a_survivor_cannot_know_a_rank(monkeypa
     assert "torchmetrics" in jit.off_because({**entries, "metric.train.acc": object()}, 1)
     per_rank = PerRank([1, 2], resize="rank0")  # not an unbroken.DataLoader
     assert "train_loader" in jit.off_because({**entries, "train_loader": per_rank}, 1)
+    # A model sharded by FSDP2, in the entries as the Trainer builds them: one Sharded entry.
+    sharded = fsdp2_entries(loader)
+    assert isinstance(sharded["model"], Sharded)
+    assert "sharded (FSDP2)" in jit.off_because(sharded, 1)
+    # An unsharded model resuming a sharded run's checkpoint is saved through DCP too.
+    through_dcp = {**entries, "model": Sharded(torch.nn.Linear(1, 1))}
+    assert "through DCP" in jit.off_because(through_dcp, 1)
+
+
+def fsdp2_entries(loader):
+    """The Trainer's entries for a ``fully_shard``-ed model (on a 1-rank gloo group, then gone)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1,)))
+        return checkpoint_entries(
+            progress=Progress(
+                TrainerConfig(seed=0, accumulate=1, clip_grad_norm=None, scheduler_interval="step")
+            ),
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            train_loader=loader,
+            val_loader=None,
+            scheduler=None,
+            scaler=None,
+            log=None,
+            metrics={},
+            callbacks=[],
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_turns_just_in_time_saves_off_or_refuses_them(monkeypatch, caplog):
+    # Under torchrun, on 3 ranks (JustInTime decides before any collective or store).
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    loader = unbroken.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4)), batch_size=2)
+    entries, ranks = fsdp2_entries(loader), SimpleNamespace(world=World(0, 3))
+    log = SimpleNamespace(csv=None)
+
+    def just_in_time(wanted):
+        return jit.JustInTime(wanted, ranks, None, entries, None, None, log, 1)
+
+    with caplog.at_level(logging.INFO, logger="unbroken"):
+        assert not just_in_time(None).enabled
+    assert "just-in-time saves are off: the model is sharded (FSDP2)" in caplog.text
+    with pytest.raises(ValueError, match=r"just_in_time=True\) .*sharded \(FSDP2\)"):
+        just_in_time(True)

@@ -3,7 +3,7 @@
 A ``save(blocking=False)`` that fails is raised by the Checkpointer's next ``save``, ``wait``,
 ``load_latest`` or ``close``. A script that calls none of these before it ends would lose the
 failure silently, so every background save stays in a registry until its outcome was handed
-over, and an ``atexit`` hook (registered by the first background save, not at import) prints
+over (or it was forgotten: a rank it needs died, ``Checkpointer.forget_background``), and an ``atexit`` hook (registered by the first background save, not at import) prints
 each failure nobody saw to stderr: the checkpoint, the error with its traceback, and how to have
 it raised instead. Python joins the writer threads (they are not daemons) before it runs atexit
 hooks, so a pending save is finished by then, never cut off.
@@ -65,6 +65,12 @@ class BackgroundSave:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def forget(self) -> None:
+        """No one will wait for it (``Checkpointer.forget_background``): its failure, expected,
+        is not reported at exit."""
+        with _lock:
+            _unseen.discard(self)
 
     def result(self) -> None:
         self._thread.join()

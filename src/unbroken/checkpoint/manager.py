@@ -114,6 +114,7 @@ class Checkpointer:
         self._storage: Storage = storage
         self._root = self.directory
         self._pending: BackgroundSave | None = None
+        self._pending_step = 0  # the background save's step, while ``_pending`` is set
         self._group = CheckpointGroup(float(timeout))
         self._group.settle(attempt(self._check_directory), "checking the directory")
         self._group.check_shared(self._storage, self._root)
@@ -181,6 +182,7 @@ class Checkpointer:
             self._pending = BackgroundSave(
                 final, lambda: self._writing.write(step, final, mine, shapes, order)
             )
+            self._pending_step = step
         return final
 
     def save_alone(self, step: int, state: dict[str, Any], parts: dict[str, list[Any]]) -> str:
@@ -226,6 +228,12 @@ class Checkpointer:
         """Whether a background save is being written now."""
         return self._pending is not None and not self._pending.done()
 
+    @property
+    def background_step(self) -> int | None:
+        """The step of the background save not yet waited for, if any: committed only once
+        ``wait`` returns (every rank then knows it is)."""
+        return self._pending_step if self._pending is not None else None
+
     def wait(self) -> None:
         """Block until the background save, if any, is written; re-raise what it raised."""
         pending, self._pending = self._pending, None
@@ -233,8 +241,11 @@ class Checkpointer:
             pending.result()
 
     def forget_background(self) -> None:
-        """Drop the background save in flight: a rank it needs died (``close`` then returns)."""
-        self._pending = None
+        """Drop the background save in flight: a rank it needs died (``close`` then returns,
+        and its failure is not reported at exit)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.forget()
 
     def close(self) -> None:
         """Wait for the background save, if any; re-raise what it raised."""

@@ -27,15 +27,18 @@ outlives the attempt: a compare-and-set on a key of this attempt) and that one w
 checkpoint of the whole job from its own memory (``Checkpointer.save_alone``: no collective,
 sealed and committed as every checkpoint). The others wait for its commit (at most
 ``WAIT_SECONDS``), and every survivor raises the error that stopped it, so torchrun restarts the
-group, which resumes from the new checkpoint: the work lost is the step in flight.
+group, which resumes from the new checkpoint: the work lost is the step in flight. A step
+counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
+(``async_save``) that a rank's death left unfinished is dropped, and its step saved this way.
 
 Off (``off_because``) where a survivor cannot know the state of a rank that died: a model
-sharded by FSDP2, torchmetrics states (each rank's own updates), a loader whose state is per
-rank, agreements less often than every batch, no torchrun agent. A run directory in object
-storage is saved for only by rank 0 (the others cannot upload its log). Costs: one record per
-optimizer step (the loader's state and the counters, copied as plain values: docs/benchmarks/unit-costs.md,
-row ``jit_record``), a few tensor ops a batch for the row the reduction carries (no collective,
-no host read: ``benchmarks/trainer_ddp.py``), one ``TCPStore`` connection per rank.
+sharded by FSDP2 or saved through DCP, torchmetrics states (each rank's own updates), a loader
+whose state is per rank, agreements less often than every batch, no torchrun agent. A run
+directory in object storage is saved for only by rank 0 (the others cannot upload its log).
+Costs: one record per optimizer step (the loader's state and the counters, copied as plain
+values: docs/benchmarks/unit-costs.md, row ``jit_record``), a few tensor ops a batch for the row
+the reduction carries (no collective, no host read: ``benchmarks/trainer_ddp.py``), one
+``TCPStore`` connection per rank.
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
 from ..checkpoint.per_rank import PerRank, unwrap
+from ..checkpoint.sharded import Sharded
 from ..data.loader import DataLoader
 from ..distributed.process_group import attempt_store, under_agent
 from .agreement import Agreement, Received
-from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, PROGRESS, RNG, is_sharded
+from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, MODEL, PROGRESS, RNG, is_sharded
 from .csvlog import CSVLog, RunLog, log_state
 from .globalrng import GlobalRNG
 from .progress import Progress, ProgressState, say
@@ -204,13 +209,13 @@ class JustInTime:
                 every_rank=True,
             )
             return
+        lost = self._background()
         if record.ticks in (0, self.progress.saved_at):
-            return  # nothing trained since the last checkpoint
+            return  # nothing trained since the last committed checkpoint
         rank = self.agreement.world.rank
         self.acted = True
         if self.run.remote and rank != 0:
             return  # only rank 0 can upload the run's log; the periodic checkpoint stays
-        self.checkpointer.forget_background()  # it waits on the rank that died
         try:
             writer = int(self.store.compare_set("writer", "", str(rank)))
             if writer != rank:
@@ -235,6 +240,30 @@ class JustInTime:
             f"{str(error)[:200]}",
             every_rank=True,
         )
+        if lost is not None:
+            step, why = lost
+            say(
+                f"the background save of {final_name(step)} was lost ({why}); the just-in-time "
+                f"save of {final_name(record.ticks)} covers it",
+                every_rank=True,
+            )
+
+    def _background(self) -> tuple[int, str] | None:
+        """The background save, if any, settled without waiting: committed (``saved_at``), or
+        lost, with why. One still in flight waits on the rank that died: dropped, and lost
+        (any files it left are never committed; the next save removes them)."""
+        checkpointer, step = self.checkpointer, self.checkpointer.background_step
+        if step is None:
+            return None
+        if checkpointer.in_flight:
+            checkpointer.forget_background()
+            return step, "still in flight"
+        try:
+            checkpointer.wait()  # it has ended: this returns at once
+        except Exception as failure:
+            return step, f"{type(failure).__name__}: {str(failure)[:200]}"
+        self.progress.saved_at = step
+        return None
 
     def obey(self, received: signal.Signals | None) -> None:
         """After ``fit``'s handlers are gone: die of the signal that came while this survivor
@@ -328,8 +357,12 @@ def off_because(entries: dict[str, Any], check_every: int) -> str | None:
     """Why a survivor cannot save for a rank that died, or None if it can."""
     if not under_agent():
         return "the job was not started by torchrun, whose agent's store elects the saver"
-    model = entries.get("model")
-    if isinstance(model, torch.nn.Module) and is_sharded(model) or "model" not in entries:
+    model = entries.get(MODEL)
+    if isinstance(model, Sharded):  # how the Trainer holds a sharded model (``through_dcp``)
+        if is_sharded(model.model):
+            return "the model is sharded (FSDP2): a rank's shards die with it"
+        return "the model is saved through DCP (the run was saved by a sharded model)"
+    if isinstance(model, torch.nn.Module) and is_sharded(model) or MODEL not in entries:
         return "the model is sharded (FSDP2): a rank's shards die with it"
     if any(name.startswith(f"{METRIC}.") for name in entries):
         return "torchmetrics states are per rank (each rank's own updates)"

@@ -1,8 +1,10 @@
 """The Trainer's saves: a checkpoint of the loop's entries, and the exit after a preemption.
 
 ``save`` is every checkpoint the loop takes (periodic, at a preemption, at the end): it waits
-for the background save before it, skips a place already saved, times what it holds training
-for (``schedule``) and tolerates an unreachable store for a periodic save of one process.
+for the background save before it, skips a place already saved (``progress.saved_at``: a
+committed checkpoint's; a background save counts once that wait returned), times what it holds
+training for (``schedule``) and tolerates an unreachable store for a periodic save of one
+process.
 ``exit_preempted`` ends the process after the preemption checkpoint: it says when the
 signal came, ignores the signals from then on and exits with ``EXIT_CODE``.
 """
@@ -47,23 +49,29 @@ def save(trainer: Trainer, blocking: bool = True, periodic: bool = False) -> Non
     # ranks raise together (the job restarts).
     tolerate = periodic and not trainer.world.distributed
     started = time.perf_counter()  # what the save holds training for: the wait included
+    checkpointer, progress = trainer.checkpointer, trainer.progress
+    background = checkpointer.background_step
     try:
-        trainer.checkpointer.wait()  # the background save before it: it may have failed
+        checkpointer.wait()  # the background save before it: it may have failed
     except RemoteUnavailable as error:
         if trainer.world.distributed:
             raise
         say(f"the background checkpoint failed ({error}); training goes on")
-    if trainer.progress.ticks == trainer.progress.saved_at:
-        return  # nothing happened since the last checkpoint
+    else:
+        if background is not None:
+            progress.saved_at = background  # committed: every rank knows it now
+    if progress.ticks == progress.saved_at:
+        return  # nothing happened since the last committed checkpoint
     trainer.schedule.saved()
     call_hooks(trainer.options.callbacks, "on_save_start", trainer)
     try:
         trainer.run_log.flush_board()
-        trainer.checkpointer.save(trainer.progress.ticks, trainer.entries, blocking=blocking)
+        checkpointer.save(progress.ticks, trainer.entries, blocking=blocking)
     except RemoteUnavailable as error:
         if not tolerate:
             raise
-        say(f"checkpoint at {trainer.progress.where()} failed ({error}); training goes on")
+        say(f"checkpoint at {progress.where()} failed ({error}); training goes on")
         return
-    trainer.progress.saved_at = trainer.progress.ticks
+    if blocking:  # a background save counts once committed: at the next wait (above)
+        progress.saved_at = progress.ticks
     trainer.schedule.measured(time.perf_counter() - started)
