@@ -258,13 +258,13 @@ def test_a_row_that_never_reached_the_file_is_written_only_if_it_is_the_known_la
     base = len(b"header\n")
     for left in (b"header\nrow 1\n", b"header\nrow 1\nro"):  # rank 0 died before or in it
         log.write_bytes(left)
-        with pytest.raises(jit.LogUnknown, match="1 of its log's 2 row"):
+        with pytest.raises(jit.LogUnknown, match="1 of rank 0's 2 log row"):
             jit.logged_through(log, base, 2)  # only rank 0 knew it
         assert log.read_bytes() == left
         assert jit.logged_through(log, base, 2, b"row 2\n") == len(b"header\nrow 1\nrow 2\n")
         assert log.read_bytes() == b"header\nrow 1\nrow 2\n"  # in the place of the part
     log.write_bytes(b"header\n")
-    with pytest.raises(jit.LogUnknown, match="2 of its log's 2 row"):
+    with pytest.raises(jit.LogUnknown, match="2 of rank 0's 2 log row"):
         jit.logged_through(log, base, 2, b"row 2\n")  # the first was not the known one
     assert log.read_bytes() == b"header\n"
 

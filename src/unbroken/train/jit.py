@@ -27,7 +27,11 @@ outlives the attempt: a compare-and-set on a key of this attempt) and that one w
 checkpoint of the whole job from its own memory (``Checkpointer.save_alone``: no collective,
 sealed and committed as every checkpoint). The others wait for its commit (at most
 ``WAIT_SECONDS``), and every survivor raises the error that stopped it, so torchrun restarts the
-group, which resumes from the new checkpoint: the work lost is the step in flight.
+group, which resumes from the new checkpoint: the work lost is the step in flight. Rank 0's
+log is saved as of the record too: its rows reach the file as rank 0 logs them
+(``RunLog.log``), and a survivor saving for a dead rank 0 keeps the record's rows found there,
+or writes the last one when rank 0 died before it and it is the batch's loss, which the
+agreement carried (``logged_through``).
 
 Off (``off_because``) where a survivor cannot know the state of a rank that died: a model
 sharded by FSDP2, torchmetrics states (each rank's own updates), a loader whose state is per
@@ -346,13 +350,10 @@ def logged_through(path: Any, base: int, rows: int, last: bytes | None = None) -
     with open(path, "rb") as file:
         file.seek(base)
         after = file.read()
-    end = 0  # after the whole rows found, up to ``rows``
-    for found in range(rows):
-        cut = after.find(b"\n", end) + 1
-        if not cut:
-            break
-        end = cut
-    else:
+    found, end = 0, 0  # the whole rows found, up to ``rows``, and where they end
+    while found < rows and (cut := after.find(b"\n", end) + 1):
+        found, end = found + 1, cut
+    if found == rows:
         return base + end
     if found == rows - 1 and last is not None:
         with open(path, "r+b") as file:
@@ -361,9 +362,8 @@ def logged_through(path: Any, base: int, rows: int, last: bytes | None = None) -
             file.write(last)
         return base + end + len(last)
     raise LogUnknown(
-        f"rank 0 died before {rows - found} of its log's {rows} row(s) of the last step reached "
-        f"the file ({found} whole row(s) found), and only rank 0 knew them: the step's log "
-        "cannot be saved"
+        f"{rows - found} of rank 0's {rows} log row(s) of the last step never reached the file "
+        f"({found} whole row(s) found), and only rank 0 knew them: the step's log cannot be saved"
     )
 
 
