@@ -6,6 +6,9 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
 - ``epochs``, ``every_steps``: Trainer settings.
 - ``kill``: {"rank": r, "at": [tick, ...]}: that rank SIGKILLs itself after those training
   ticks, each once over all restarts (a marker file per kill), as a crashed node would.
+- ``kill_in_hook``: [{"rank": r, "hook": name, "at": tick, "ms": m}, ...]: that rank spends
+  ``m`` ms in callback hook ``name`` (``on_train_batch_end`` or ``on_optimizer_step``) at that
+  training tick, then SIGKILLs itself there, once (a slow callback that dies).
 - ``kill_in_save``: {"rank": r, "write": n}: that rank SIGKILLs itself in its n-th file write
   of a checkpoint (counted over all restarts), so other ranks may have written theirs.
 - ``async_save``: the Trainer's; with ``kill_in_save``, that rank's next step waits for its
@@ -95,6 +98,17 @@ def kill_in_step(phase):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_in_hook(hook):
+    """``kill_in_hook``: this rank, in callback ``hook`` at a tick the option names, waits
+    its ``ms`` then SIGKILLs itself."""
+    tick = trainer.progress.ticks
+    for kill in OPTIONS.get("kill_in_hook", []):
+        if kill["hook"] == hook and kill["rank"] == RANK and kill["at"] == tick:
+            if once(f"kill-in-{hook}-{tick}"):
+                time.sleep(kill.get("ms", 0) / 1000)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Counted:
     """The ``count`` option: wraps torch's host reads and collectives with counters."""
 
@@ -177,6 +191,7 @@ class Chaos:
         line = [trainer.progress.epoch, tick, trainer.last_ids, logs.get("train/loss")]
         self.seen.write(json.dumps(line) + "\n")
         self.seen.flush()
+        kill_in_hook("on_train_batch_end")
         kill = OPTIONS.get("kill")
         if kill and RANK in _ranks(kill) and tick in kill["at"] and once(f"kill-{RANK}-{tick}"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -187,6 +202,9 @@ class Chaos:
         for sig in signals if isinstance(signals, list) else [signals]:
             if sig["rank"] == RANK and tick == sig["at"] and once(f"signal-{RANK}"):
                 os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_optimizer_step(self, trainer):
+        kill_in_hook("on_optimizer_step")
 
     def on_preempted(self, trainer, seconds):
         # The preemption checkpoint is committed; this rank is slow to exit (the script's own

@@ -31,8 +31,10 @@ from unbroken.checkpoint import Checkpointer, PerRank, Sharded
 from unbroken.distributed.world import World
 from unbroken.train import jit
 from unbroken.train.checkpointing import checkpoint_entries
+from unbroken.train.csvlog import LossRow, RunLog
 from unbroken.train.globalrng import TRAIN, VAL, seed_step
 from unbroken.train.progress import Progress, TrainerConfig
+from unbroken.train.rundir import RunDirectory
 
 HERE = Path(__file__).parent
 JOB = HERE / "ddp_job.py"
@@ -133,6 +135,33 @@ def test_a_rank_killed_in_a_background_save_leaves_its_step_to_a_survivor(refere
     assert "FAILED" not in output  # dropped, not reported again at exit as never waited for
     assert_same_run(run, reference)
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_rank_0_killed_anywhere_costs_at_most_the_step_in_flight(reference, tmp_path):
+    """Rank 0 writes the log, so a survivor saving for it needs rank 0's rows of the last step.
+    Three failures, each saved just in time at the last completed step:
+
+    - rank 0 killed inside a 30 ms ``on_train_batch_end`` callback at tick 15, a log row: the
+      row reached the file when it was logged, before the callbacks;
+    - rank 0 killed in ``on_optimizer_step`` at tick 34, a log row: the others completed the
+      step, but rank 0 never wrote its row; the saver writes it, rank 0's loss as the step's
+      all-reduce carried it;
+    - rank 0 killed inside validation batch 46: saved at tick 45.
+    """
+    run = tmp_path / "run"
+    options = {
+        "kill_in_hook": [
+            {"rank": 0, "hook": "on_train_batch_end", "at": 15, "ms": 30},
+            {"rank": 0, "hook": "on_optimizer_step", "at": 34},
+        ],
+        "kill_in_step": [{"rank": 0, "phase": "val", "at": 46}],
+    }
+    output = torchrun(run, options, restarts=3)
+    assert "no just-in-time save" not in output, output[-3000:]
+    assert output.count("exitcode: -9") == 3, output[-3000:]
+    assert saved_just_in_time(output) == [15, 34, 45], output[-3000:]
+    assert resumed_ticks(output) == [15, 34, 45], output[-3000:]
+    assert_same_run(run, reference)
 
 
 def test_a_step_that_does_not_log_reads_nothing_on_the_host_and_runs_no_collective(
@@ -243,17 +272,51 @@ def test_save_alone_refuses_shards_and_ragged_parts(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_the_log_size_of_a_dead_rank_0_is_read_only_when_its_rows_are_whole(tmp_path):
+def test_the_log_size_of_a_dead_rank_0_is_that_of_the_records_rows_found_in_the_file(tmp_path):
     log = tmp_path / "metrics.csv"
     log.write_bytes(b"header\nrow 1\nrow 2\n")
     base = len(b"header\n")
     assert jit.logged_through(log, base, 2) == log.stat().st_size
-    with pytest.raises(jit.LogUnknown, match="2 row"):
-        jit.logged_through(log, base + len(b"row 1\n"), 2)  # one row never reached the file
-    log.write_bytes(b"header\nrow 1\nro")
-    with pytest.raises(jit.LogUnknown):
-        jit.logged_through(log, base, 1)  # a row cut short
-    assert jit.logged_through(log, base + len(b"row 1\nro"), 0) == log.stat().st_size
+    assert jit.logged_through(log, base, 0) == base
+    # More rows than the record's (rank 0 logged the next step's, or a part of a row, before
+    # it died): the record's are the first ones.
+    assert jit.logged_through(log, base, 1) == base + len(b"row 1\n")
+    log.write_bytes(b"header\nrow 1\nrow 2\nro")
+    assert jit.logged_through(log, base, 2) == base + len(b"row 1\nrow 2\n")
+    assert log.read_bytes() == b"header\nrow 1\nrow 2\nro"  # read only
+
+
+def test_a_row_that_never_reached_the_file_is_written_only_if_it_is_the_known_last_one(tmp_path):
+    log = tmp_path / "metrics.csv"
+    base = len(b"header\n")
+    for left in (b"header\nrow 1\n", b"header\nrow 1\nro"):  # rank 0 died before or in it
+        log.write_bytes(left)
+        with pytest.raises(jit.LogUnknown, match="1 of rank 0's 2 log row"):
+            jit.logged_through(log, base, 2)  # only rank 0 knew it
+        assert log.read_bytes() == left
+        assert jit.logged_through(log, base, 2, b"row 2\n") == len(b"header\nrow 1\nrow 2\n")
+        assert log.read_bytes() == b"header\nrow 1\nrow 2\n"  # in the place of the part
+    log.write_bytes(b"header\n")
+    with pytest.raises(jit.LogUnknown, match="2 of rank 0's 2 log row"):
+        jit.logged_through(log, base, 2, b"row 2\n")  # the first was not the known one
+    assert log.read_bytes() == b"header\n"
+
+
+def test_rank_0_hands_each_logged_batchs_rows_to_the_file_and_notes_the_carried_loss(tmp_path):
+    """Before the callbacks run: a rank 0 killed in one leaves them in the file. The loop's
+    own loss row is noted on every rank (a survivor may write rank 0's from the agreement)."""
+    run = RunDirectory(tmp_path)
+    run_log = RunLog(run, False, {})
+    run_log.log({"loss": torch.tensor(0.5), "acc": 1.0}, "train", 3, 0, 7, carried=True)
+    run_log.log({"lr": 0.1}, "train", 3, 0, 7)
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[1:] == [
+        "3,0,train,loss,0.5",
+        "3,0,train,acc,1.0",
+        "3,0,train,lr,0.1",
+    ]
+    assert run_log.rows == 3
+    assert run_log.loss_row == LossRow(index=0, tick=7, step=3, epoch=0, phase="train")
+    run_log.close()
 
 
 def test_just_in_time_saves_are_off_where_a_survivor_cannot_know_a_rank(monkeypatch):

@@ -11,9 +11,10 @@ recorded one) loads with a warning: its rows are checked by size only.
 Values are written with ``repr`` (shortest round-trip form), so equal floats give equal text.
 
 Rows are long-format ``step,epoch,phase,name,value``: new names never change the header.
-Cost: one ``write`` per value; one ``flush`` and one sha256 update per checkpoint (a running
-hash over the rows logged since the last one, kept in memory until then: a checkpoint never
-rereads the log); one read of the log's kept part at a resume.
+Cost: one ``write`` per value, handed to the OS (one ``write`` call, no fsync) once per
+``RunLog.log``: on logged batches only; one ``fsync`` and one sha256 update per checkpoint (a
+running hash over the rows logged since the last one, kept in memory until then: a checkpoint
+never rereads the log); one read of the log's kept part at a resume.
 
 ``open_tensorboard`` does the same for TensorBoard when it is installed: events are stepped by
 the loop's tick count, and a resumed writer purges the events its killed predecessor wrote
@@ -30,6 +31,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,11 @@ def read_sha256(file: Any, size: int, name: str) -> Any:
     if left:
         raise OSError(f"{name} holds {size - left} bytes, fewer than {size}")
     return digest
+
+
+def line(step: int, epoch: int, phase: str, name: str, value: float) -> str:
+    """A row of the log, as ``CSVLog.log`` writes it."""
+    return f"{step},{epoch},{phase},{name},{float(value)!r}\n"
 
 
 def log_state(path: str | os.PathLike, size: int) -> dict[str, Any]:
@@ -108,9 +115,9 @@ class CSVLog:
         self.size = self.path.stat().st_size
 
     def log(self, step: int, epoch: int, phase: str, name: str, value: float) -> None:
-        line = f"{step},{epoch},{phase},{name},{float(value)!r}\n"
-        self._file.write(line)
-        data = line.encode()
+        row = line(step, epoch, phase, name, value)
+        self._file.write(row)
+        data = row.encode()
         self.size += len(data)
         if self._sha256 is not None:
             self._unhashed.append(data)  # hashed at the next state_dict, in one update
@@ -248,6 +255,18 @@ def open_tensorboard(wanted: bool | None, directory: Path, purge_from: int) -> A
     return SummaryWriter(str(directory), purge_step=purge_from)
 
 
+@dataclass(frozen=True)
+class LossRow:
+    """Where the loop logged a batch's loss, the number the ranks' agreement carries for each
+    rank: a survivor can write rank 0's row of it (``train.jit``)."""
+
+    index: int  # the row's place among the rows logged (``RunLog.rows``)
+    tick: int  # the loop's tick it was logged at
+    step: int
+    epoch: int
+    phase: str
+
+
 class RunLog:
     """The Trainer's values: each to the CSV log, TensorBoard (if any; its writer computes a
     pure-Python CRC per value without TensorFlow: row ``tensorboard_value`` of the unit costs)
@@ -272,6 +291,7 @@ class RunLog:
         self.board: Any = None
         self.latest = latest
         self.rows = 0  # values logged, on every rank (rank 0 writes them): ``train.jit`` counts
+        self.loss_row: LossRow | None = None  # the last batch loss the loop logged
 
     def open_board(self, purge_from: int) -> None:
         if self.write:
@@ -284,17 +304,32 @@ class RunLog:
         if self.csv is not None:
             self.csv.restart()
 
-    def log(self, values: Mapping[str, Any], phase: str, step: int, epoch: int, tick: int) -> None:
+    def log(
+        self,
+        values: Mapping[str, Any],
+        phase: str,
+        step: int,
+        epoch: int,
+        tick: int,
+        carried: bool = False,
+    ) -> None:
         """Write ``values`` (floats, or one-element tensors: read here) at ``step`` of ``phase``;
-        TensorBoard steps them by ``tick``, the loop's count of all batches."""
+        TensorBoard steps them by ``tick``, the loop's count of all batches. ``carried``: the
+        loop's own values of a batch, whose ``"loss"`` the ranks' agreement carried."""
         for name, value in values.items():
             number = float(value)  # the one host read of a logged tensor
             if self.csv is not None:
                 self.csv.log(step, epoch, phase, name, number)
+            if carried and name == "loss":
+                self.loss_row = LossRow(self.rows, tick, step, epoch, phase)
             self.latest[f"{phase}/{name}"] = number
             self.rows += 1
             if self.board is not None:
                 self.board.add_scalar(f"{phase}/{name}", number, global_step=tick)
+        if self.csv is not None:
+            # In the file as soon as logged, before the callbacks run: should rank 0 die in
+            # one, a survivor saving for it finds the rows there (``train.jit``).
+            self.csv.flush_buffer()
 
     def flush_board(self) -> None:
         if self.board is not None:

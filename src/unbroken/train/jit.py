@@ -30,6 +30,10 @@ sealed and committed as every checkpoint). The others wait for its commit (at mo
 group, which resumes from the new checkpoint: the work lost is the step in flight. A step
 counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
 (``async_save``) that a rank's death left unfinished is dropped, and its step saved this way.
+Rank 0's log is saved as of the record too: its rows reach the file as rank 0 logs them
+(``RunLog.log``), and a survivor saving for a dead rank 0 keeps the record's rows found there,
+or writes the last one when rank 0 died before it and it is the batch's loss, which the
+agreement carried (``logged_through``).
 
 Off (``off_because``) where a survivor cannot know the state of a rank that died: a model
 sharded by FSDP2 or saved through DCP, torchmetrics states (each rank's own updates), a loader
@@ -63,7 +67,7 @@ from ..data.loader import DataLoader
 from ..distributed.process_group import attempt_store, under_agent
 from .agreement import Agreement, Received
 from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, MODEL, PROGRESS, RNG, is_sharded
-from .csvlog import CSVLog, RunLog, log_state
+from .csvlog import CSVLog, RunLog, line, log_state
 from .globalrng import GlobalRNG
 from .progress import Progress, ProgressState, say
 from .rundir import METRICS, RunDirectory
@@ -81,7 +85,9 @@ class Record:
     states: dict[str, Any]  # the loaders' and stateful callbacks' states, by entry name
     log_bytes: int | None  # rank 0's CSV log size; None until an agreement brings it
     base_bytes: int | None  # rank 0's log size at the last agreement before the record ...
-    rows: int  # ... and the rows logged since then (the same on every rank)
+    rows: int  # ... and the rows logged since then (the same on every rank) ...
+    logged: int  # ... of all those logged by the record
+    losses: tuple[int, torch.Tensor] | None  # the last agreement's tick and each rank's loss
 
 
 class JustInTime:
@@ -109,6 +115,9 @@ class JustInTime:
         self.record: Record | None = None
         self.consistent = False  # the live objects are as the record says
         self.sums = torch.zeros(0, dtype=torch.float64)
+        # The last agreement's tick and each rank's loss then (on the device, never read in a
+        # step): rank 0's row of it, should rank 0 die before writing it (``_last_row``).
+        self.losses: tuple[int, torch.Tensor] | None = None
         if not agreement.world.distributed or wanted is False:
             return
         reason = off_because(entries, check_every)
@@ -141,6 +150,7 @@ class JustInTime:
         if not self.enabled:
             return
         self.sums += losses
+        self.losses = (self.progress.ticks, losses)
         if received is None:
             return
         self.agreed = (received.log_bytes, received.rows)
@@ -158,6 +168,7 @@ class JustInTime:
         dist.all_gather(gathered, mine)
         stacked = torch.stack(gathered)
         self.sums += stacked[:, 3]
+        self.losses = (self.progress.ticks, stacked[:, 3])
         rows = stacked.tolist()
         self.agreed = (int(rows[0][2]), self.run_log.rows)
         record = self.record
@@ -176,10 +187,8 @@ class JustInTime:
                 states[name] = obj.state_dict()
             elif name.startswith(f"{CALLBACK}."):
                 states[name] = copy.deepcopy(obj.state_dict())
-        log_bytes = None
-        if self.log is not None:
-            self.log.flush_buffer()  # the file holds what the record says, should rank 0 die
-            log_bytes = self.log.size
+        # Rank 0's rows are in the file already: ``RunLog.log`` hands them over as it logs.
+        log_bytes = self.log.size if self.log is not None else None
         base, rows = self.agreed if self.agreed is not None else (None, 0)
         self.record = Record(
             self.progress.ticks,
@@ -189,6 +198,8 @@ class JustInTime:
             log_bytes,
             base,
             self.run_log.rows - rows,
+            self.run_log.rows,
+            self.losses,
         )
         self.consistent = True
 
@@ -323,7 +334,23 @@ class JustInTime:
             return record.log_bytes
         if record.base_bytes is None:
             raise LogUnknown("no agreement since the run started brought rank 0's log size")
-        return logged_through(self.run.local / METRICS, record.base_bytes, record.rows)
+        path = self.run.local / METRICS
+        return logged_through(path, record.base_bytes, record.rows, self._last_row(record))
+
+    def _last_row(self, record: Record) -> bytes | None:
+        """Rank 0's last row of the record as a survivor knows it, or None: only the loss of
+        the record's own batch, which the agreement carried (exact: a float64 holds any
+        float32 or lower), and never a zero, whose sign the agreement's sum may have lost."""
+        row = self.run_log.loss_row
+        if row is None or record.losses is None or row.index != record.logged - 1:
+            return None
+        tick, losses = record.losses
+        if not row.tick == tick == record.ticks:
+            return None
+        value = float(losses[0])  # a failure's cost, never a step's
+        if value == 0.0:
+            return None
+        return line(row.step, row.epoch, row.phase, "loss", value).encode()
 
     def progress_text(self, record: Record) -> str:
         saved = Progress(config=self.progress.config)
@@ -335,22 +362,38 @@ class LogUnknown(RuntimeError):
     """What rank 0 logged up to the record cannot be told: no just-in-time save."""
 
 
-def logged_through(path: Any, base: int, rows: int) -> int:
+def logged_through(path: Any, base: int, rows: int, last: bytes | None = None) -> int:
     """The size of rank 0's log at a record, read from the file after rank 0 died: ``base``
     bytes at the last agreement, then ``rows`` more rows logged before the record (every rank
-    counts them). Rank 0 flushes its log at each record and logs nothing between a record and
-    the next agreement: so the file holds exactly ``rows`` whole rows after ``base`` if rank 0
-    reached the record, and fewer if it died before (its rows were in its buffer: lost)."""
+    counts them). Rank 0 hands each row to the file as it logs it, so the file holds:
+
+    - ``rows`` whole rows or more (rank 0 died after the record, having logged the next
+      step's rows, or a part of one): the record's are the first ``rows``;
+    - one fewer (rank 0 died between its step's agreement and its row), where ``last`` is
+      that row as the survivors know it (``JustInTime._last_row``): it is written in the
+      place of what rank 0 left of it.
+
+    Raises:
+        LogUnknown: fewer rows, and only rank 0 knew them.
+    """
     with open(path, "rb") as file:
         file.seek(base)
         after = file.read()
-    found = after.count(b"\n")
-    if found != rows or (after and not after.endswith(b"\n")):
-        raise LogUnknown(
-            f"rank 0 died before its log's {rows} row(s) of the last step reached the file "
-            f"({found} whole row(s) found): the step's log cannot be saved"
-        )
-    return base + len(after)
+    found, end = 0, 0  # the whole rows found, up to ``rows``, and where they end
+    while found < rows and (cut := after.find(b"\n", end) + 1):
+        found, end = found + 1, cut
+    if found == rows:
+        return base + end
+    if found == rows - 1 and last is not None:
+        with open(path, "r+b") as file:
+            file.seek(base + end)
+            file.truncate()  # a part of the row, if rank 0 died writing it
+            file.write(last)
+        return base + end + len(last)
+    raise LogUnknown(
+        f"{rows - found} of rank 0's {rows} log row(s) of the last step never reached the file "
+        f"({found} whole row(s) found), and only rank 0 knew them: the step's log cannot be saved"
+    )
 
 
 def off_because(entries: dict[str, Any], check_every: int) -> str | None:

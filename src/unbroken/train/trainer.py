@@ -274,7 +274,7 @@ class Trainer:
                     self._optimizer_step()
                 # The one place a batch's values reach the host (a GPU sync): logged ones only.
                 if progress.batches % log_every == 0:
-                    self.log(step_values(output), "train")
+                    self._log(step_values(output), "train", carried=True)
                     batches.show(self.logs["train/loss"])
                 for hook in on_batch_end:
                     hook(self, self.logs)
@@ -327,7 +327,7 @@ class Trainer:
                 progress.val_batch_done(loss)
                 self.boundary.agree(loss)
                 if progress.val_batches % log_every == 0:  # as in training: the one host read
-                    self.log(step_values(output), "val")
+                    self._log(step_values(output), "val", carried=True)
                     batches.show(self.logs["val/loss"])
                 for hook in on_batch_end:
                     hook(self, self.logs)
@@ -361,6 +361,11 @@ class Trainer:
             values: Names mapped to numbers or one-element tensors (read on the host: a sync).
             phase: ``"train"`` or ``"val"``.
         """
+        self._log(values, phase)
+
+    def _log(self, values: Mapping[str, Any], phase: str, carried: bool = False) -> None:
+        """``log``; ``carried``: a batch's own values, whose loss the ranks' agreement carried
+        (rank 0 writes them at once, before the callbacks: ``RunLog.log``, ``train.jit``)."""
         progress = self.progress
         step = progress.batches if phase == "train" else progress.val_batches
-        self.run_log.log(values, phase, step, progress.epoch, progress.ticks)
+        self.run_log.log(values, phase, step, progress.epoch, progress.ticks, carried)
