@@ -101,11 +101,7 @@ class Carrier:
         self.reduction, self.world, self.device = reduction, world, device
         self._tags: tuple[int, int] = (0, 0)
         self._travelling: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
-        # On the CPU one row serves every batch: a batch's row is reduced within its
-        # backward and read right after it, before the next batch writes it again.
-        self._row = torch.zeros(3 + world.size, dtype=torch.float64)
-        self._head = self._row.numpy()  # the same memory, written without a tensor op each
-        self._slot, self._losses = self._row[3 + world.rank], self._row[3:]
+        self._row: torch.Tensor | None = None  # the CPU's last row, read back at once
 
     def send(
         self,
@@ -117,12 +113,13 @@ class Carrier:
         loss: torch.Tensor,
     ) -> None:
         if self.device.type == "cpu":
-            head = self._head
-            head.fill(0.0)
+            # A row of its own each batch: the last one's losses stay the record's (jit).
+            row = torch.zeros(3 + self.world.size, dtype=torch.float64)
+            head = row.numpy()  # the same memory, written without a tensor op each
             head[0], head[1], head[2] = preempted, time_due, log_bytes
-            self._slot.copy_(loss.detach().reshape(()))
-            self._tags = (rows, ticks)
-            self.reduction.carry(self._row)
+            row[3 + self.world.rank] = loss.detach().reshape(())
+            self._tags, self._row = (rows, ticks), row
+            self.reduction.carry(row)
             return
         # On a device, a row of its own (the last one may still travel to the host), filled
         # there: no copy from pageable host memory, which would sync.
@@ -138,8 +135,9 @@ class Carrier:
         values = self.reduction.carried()
         if values is None:
             return None
-        if values is self._row:
-            return self._losses, self._read(self._head, self._tags)
+        row = self._row
+        if row is not None and values is row:  # the CPU: read at once
+            return row[3:], self._read(row.numpy(), self._tags)
         ready, self._travelling = self._travelling, None
         host = values.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if values.is_cuda else None
