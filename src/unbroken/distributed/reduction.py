@@ -186,36 +186,24 @@ class ExactReduction:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Reduce one bucket: as one all-reduce if it is a chunk, else through its chunks."""
         futures: list[torch.futures.Future[Any]] = []
-        buffer = bucket.buffer()
-        parameters = bucket.parameters()
-        chunk = self._is_chunk(bucket.index(), parameters, buffer)
-        values: torch.Tensor | None = None
         if bucket.index() == 0:
             self._views, self._pending = {}, []
-            values, self._out = self._out, None
-        if values is not None and chunk and _packable(values, buffer):
-            # The numbers ride in the bucket's own all-reduce (see ``_packable``): no
-            # collective of their own, which on shared cores costs a round of waiting.
-            buffer.div_(self.size)
-            flat = torch.cat([buffer, values.to(buffer.dtype)])
-            unpack = partial(_unpack, flat=flat, into=(buffer, values))
-            reduced = self._all_reduce(flat).then(unpack)
-            self._sent = (reduced, values)
-            futures.append(reduced)
-        else:
-            if values is not None:  # its own all-reduce, which DDP waits for with the bucket's
-                carried = self._all_reduce(values)
+            if self._out is not None:  # the numbers ride with the first bucket
+                values, self._out = self._out, None
+                carried = self._all_reduce(values)  # DDP waits for it with the bucket
                 self._sent = (carried, values)
                 futures.append(carried)
-            if chunk:
-                buffer.div_(self.size)
-                futures.append(self._all_reduce(buffer))
-            else:
-                for parameter, gradient in zip(parameters, bucket.gradients()):
-                    self._views[id(parameter)] = gradient
-                done: torch.futures.Future[None] = torch.futures.Future()
-                self._pending.append(done)
-                futures.append(done)
+        buffer = bucket.buffer()
+        parameters = bucket.parameters()
+        if self._is_chunk(bucket.index(), parameters, buffer):
+            buffer.div_(self.size)
+            futures.append(self._all_reduce(buffer))
+        else:
+            for parameter, gradient in zip(parameters, bucket.gradients()):
+                self._views[id(parameter)] = gradient
+            done: torch.futures.Future[None] = torch.futures.Future()
+            self._pending.append(done)
+            futures.append(done)
         if bucket.is_last():
             self._learning = False
             if self._pending:
@@ -302,34 +290,6 @@ class ExactReduction:
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
-
-
-_PACK_BYTES = 4 * 2**20  # the largest bucket the carried numbers are copied in with
-
-
-def _packable(values: torch.Tensor, buffer: torch.Tensor) -> bool:
-    """Whether ``values`` can ride in ``buffer``'s all-reduce exactly: a small bucket on the
-    CPU (a copy of it each way is cheaper than a collective of their own; on a GPU a
-    collective costs the host nothing), of a dtype that holds every value exactly. Each of
-    their slots is summed over the ranks with at most one rank's term not zero, or holds
-    small integers: in float32 the sum is then exact too."""
-    if values.device.type != "cpu" or buffer.device.type != "cpu":
-        return False
-    if buffer.dtype not in (torch.float32, torch.float64):
-        return False
-    if buffer.numel() * buffer.element_size() > _PACK_BYTES:
-        return False
-    return torch.equal(values.to(buffer.dtype).to(values.dtype), values)
-
-
-def _unpack(
-    reduced: torch.futures.Future[Any], flat: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    reduced.wait()  # raises what the all-reduce raised: nothing copied back from a failed one
-    buffer, values = into
-    buffer.copy_(flat[: buffer.numel()])
-    values.copy_(flat[buffer.numel() :])
-    return buffer
 
 
 def _failed(future: torch.futures.Future[Any]) -> bool:

@@ -86,18 +86,12 @@ class Received:
     ticks: int  # ... and the loop's ticks then
 
 
-HEAD = 4  # the row's slots before the losses: two flags, rank 0's log size in two halves
-_HALF = 2**24  # each half of the log size below it: exact in float32, as every other slot
-
-
 class Carrier:
     """The per-batch agreement riding on the gradient reduction (``ExactReduction.carry``).
 
     ``send``, before a backward: a float64 row of the preemption flag, the wall-clock flag,
-    rank 0's log size (in two halves below 2**24) and one slot a rank for its loss, summed over
-    the ranks with the gradients. Every slot but the flags has one rank's term not zero, and
-    the flags are small integers: the sum is exact in float32 too, so the row may ride in a
-    float32 bucket's own all-reduce. ``receive``, after it: each rank's loss as a tensor on the
+    rank 0's log size and one slot a rank for its loss, summed over the ranks by an all-reduce
+    DDP waits for with its own. ``receive``, after it: each rank's loss as a tensor on the
     device (never read here), and the flags as the host reads them. On the CPU they are read
     at once; on an accelerator a batch later, from a copy that travelled while the next batch
     ran, so the host never waits for the device (a preemption is then acted on a batch later).
@@ -120,25 +114,18 @@ class Carrier:
     ) -> None:
         if self.device.type == "cpu":
             # A row of its own each batch: the last one's losses stay the record's (jit).
-            row = torch.zeros(HEAD + self.world.size, dtype=torch.float64)
+            row = torch.zeros(3 + self.world.size, dtype=torch.float64)
             head = row.numpy()  # the same memory, written without a tensor op each
-            head[0], head[1] = preempted, time_due
-            head[2], head[3] = divmod(log_bytes, _HALF)
-            row[HEAD + self.world.rank] = loss.detach().reshape(())
+            head[0], head[1], head[2] = preempted, time_due, log_bytes
+            row[3 + self.world.rank] = loss.detach().reshape(())
             self._tags, self._row = (rows, ticks), row
             self.reduction.carry(row)
             return
         # On a device, a row of its own (the last one may still travel to the host), filled
         # there: no copy from pageable host memory, which would sync.
-        values = torch.zeros(HEAD + self.world.size, dtype=torch.float64, device=self.device)
-        high, low = divmod(log_bytes, _HALF)
-        values[0], values[1], values[2], values[3] = (
-            float(preempted),
-            float(time_due),
-            float(high),
-            float(low),
-        )
-        values[HEAD + self.world.rank] = loss.detach().reshape(())
+        values = torch.zeros(3 + self.world.size, dtype=torch.float64, device=self.device)
+        values[0], values[1], values[2] = float(preempted), float(time_due), float(log_bytes)
+        values[3 + self.world.rank] = loss.detach().reshape(())
         self._tags = (rows, ticks)
         self.reduction.carry(values)
 
@@ -150,7 +137,7 @@ class Carrier:
             return None
         row = self._row
         if row is not None and values is row:  # the CPU: read at once
-            return row[HEAD:], self._read(row.numpy(), self._tags)
+            return row[3:], self._read(row.numpy(), self._tags)
         ready, self._travelling = self._travelling, None
         host = values.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if values.is_cuda else None
@@ -158,16 +145,15 @@ class Carrier:
             event.record()
         self._travelling = (host, event, self._tags)
         if ready is None:
-            return values[HEAD:], None
+            return values[3:], None
         previous, done, tags = ready
         if done is not None:
             done.synchronize()  # recorded a batch ago: long done, no wait in practice
-        return values[HEAD:], self._read(previous.numpy(), tags)
+        return values[3:], self._read(previous.numpy(), tags)
 
     @staticmethod
     def _read(head: Any, tags: tuple[int, int]) -> Received:
-        log_bytes = int(head[2]) * _HALF + int(head[3])
-        return Received(bool(head[0] > 0), bool(head[1] > 0), log_bytes, *tags)
+        return Received(bool(head[0] > 0), bool(head[1] > 0), int(head[2]), *tags)
 
 
 class Boundary:
