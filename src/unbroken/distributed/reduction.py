@@ -245,6 +245,18 @@ class ExactReduction:
         if self.chunks is None:
             self._learn_ready_order()
         assert self.chunks is not None
+        if self.copied == 2:  # past a process's first backward: DDP's buckets are not the chunks
+            log.info(
+                "exact_reduce: DDP's buckets differ from the chunks it predicted; each step "
+                "copies the gradients into them (exact, slower)"
+            )
+        unknown = [tuple(v.shape) for k, v in self._views.items() if k not in self.where]
+        if unknown:
+            raise RuntimeError(
+                f"exact_reduce: DDP reduces gradients of shapes {unknown} that its model's "
+                "named_parameters() did not list; register the hook with exact_reduce(model) "
+                "on the DistributedDataParallel model itself"
+            )
         works: list[torch.futures.Future[Any]] = []
         for members in self.chunks:
             views = [self._views.get(id(p)) for p in members]
@@ -265,15 +277,15 @@ class ExactReduction:
         pending = self._pending
 
         def finish(all_: torch.futures.Future[list[torch.futures.Future[Any]]]) -> None:
-            error = next((f for f in all_.value() if _failed(f)), None)
+            try:
+                for work in all_.value():
+                    work.wait()  # raises what the chunk's all-reduce (or copy back) raised
+            except Exception as raised:
+                for done in pending:
+                    done.set_exception(raised)  # type: ignore[arg-type]  # stub: T
+                return
             for done in pending:
-                if error is None:
-                    done.set_result(None)
-                else:
-                    try:
-                        error.wait()
-                    except Exception as raised:
-                        done.set_exception(raised)  # type: ignore[arg-type]  # stub: T
+                done.set_result(None)
 
         torch.futures.collect_all(works).then(finish)
 
@@ -290,14 +302,6 @@ class ExactReduction:
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
-
-
-def _failed(future: torch.futures.Future[Any]) -> bool:
-    try:
-        future.wait()
-    except Exception:
-        return True
-    return False
 
 
 def _first_error(

@@ -86,6 +86,9 @@ class Received:
     ticks: int  # ... and the loop's ticks then
 
 
+HEAD = 3  # the row's slots before each rank's loss: the two flags and rank 0's log size
+
+
 class Carrier:
     """The per-batch agreement riding on the gradient reduction (``ExactReduction.carry``).
 
@@ -112,22 +115,17 @@ class Carrier:
         ticks: int,
         loss: torch.Tensor,
     ) -> None:
+        # A row of its own each batch: the last one's losses stay the record's (jit), and on a
+        # device the last one may still travel to the host.
+        row = torch.zeros(HEAD + self.world.size, dtype=torch.float64, device=self.device)
         if self.device.type == "cpu":
-            # A row of its own each batch: the last one's losses stay the record's (jit).
-            row = torch.zeros(3 + self.world.size, dtype=torch.float64)
-            head = row.numpy()  # the same memory, written without a tensor op each
-            head[0], head[1], head[2] = preempted, time_due, log_bytes
-            row[3 + self.world.rank] = loss.detach().reshape(())
-            self._tags, self._row = (rows, ticks), row
-            self.reduction.carry(row)
-            return
-        # On a device, a row of its own (the last one may still travel to the host), filled
-        # there: no copy from pageable host memory, which would sync.
-        values = torch.zeros(3 + self.world.size, dtype=torch.float64, device=self.device)
-        values[0], values[1], values[2] = float(preempted), float(time_due), float(log_bytes)
-        values[3 + self.world.rank] = loss.detach().reshape(())
+            row.numpy()[:HEAD] = preempted, time_due, log_bytes  # no tensor op per slot
+            self._row = row
+        else:  # filled there: a copy from pageable host memory would sync
+            row[0], row[1], row[2] = float(preempted), float(time_due), float(log_bytes)
+        row[HEAD + self.world.rank] = loss.detach().reshape(())
         self._tags = (rows, ticks)
-        self.reduction.carry(values)
+        self.reduction.carry(row)
 
     def receive(self) -> tuple[torch.Tensor, Received | None] | None:
         """After the backward: each rank's loss (on the device) and the agreed flags (None on
@@ -137,7 +135,7 @@ class Carrier:
             return None
         row = self._row
         if row is not None and values is row:  # the CPU: read at once
-            return row[3:], self._read(row.numpy(), self._tags)
+            return row[HEAD:], self._read(row.numpy(), self._tags)
         ready, self._travelling = self._travelling, None
         host = values.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if values.is_cuda else None
@@ -145,11 +143,11 @@ class Carrier:
             event.record()
         self._travelling = (host, event, self._tags)
         if ready is None:
-            return values[3:], None
+            return values[HEAD:], None
         previous, done, tags = ready
         if done is not None:
             done.synchronize()  # recorded a batch ago: long done, no wait in practice
-        return values[3:], self._read(previous.numpy(), tags)
+        return values[HEAD:], self._read(previous.numpy(), tags)
 
     @staticmethod
     def _read(head: Any, tags: tuple[int, int]) -> Received:
@@ -205,8 +203,6 @@ class Boundary:
             self.agreed = None
 
     def decide(self, ticks: int) -> tuple[bool, bool]:
-        if self.jit.enabled and self.agreed is not None:
-            return self.agreed
         if not self.agreement.world.distributed:
             return self.preemption.received is not None, self.schedule.by_time()
         if ticks % self.check_every:  # act only on what every rank knows, at one batch

@@ -167,14 +167,19 @@ class JustInTime:
         gathered = [torch.empty_like(mine) for _ in range(self.agreement.world.size)]
         dist.all_gather(gathered, mine)
         stacked = torch.stack(gathered)
-        self.sums += stacked[:, 3]
-        self.losses = (self.progress.ticks, stacked[:, 3])
         rows = stacked.tolist()
-        self.agreed = (int(rows[0][2]), self.run_log.rows)
+        # Rank 0 logs nothing between a record and this: its size is the record's.
         record = self.record
-        if record is not None and record.log_bytes is None:
-            record.log_bytes = int(rows[0][2])  # rank 0 logs nothing between a record and this
-        return any(row[0] for row in rows), any(row[1] for row in rows)
+        ticks = record.ticks if record is not None else self.progress.ticks
+        received = Received(
+            any(row[0] for row in rows),
+            any(row[1] for row in rows),
+            int(rows[0][2]),
+            self.run_log.rows,
+            ticks,
+        )
+        self.agreed_on(stacked[:, 3], received)
+        return received.preempted, received.time_due
 
     def take(self) -> None:
         """Record the loop at a place it can be resumed from (see the module)."""
