@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import unbroken
 import unbroken.distributed
 from unbroken.distributed import InexactReduction, exact_reduce
-from unbroken.distributed.reduction import reduction_of
+from unbroken.distributed.reduction import _register, reduction_of
 
 OUT = Path(sys.argv[1])
 torch.set_num_threads(1)
@@ -41,14 +41,33 @@ def batch(step):
     return torch.randn(16, 12, generator=generator), torch.randint(0, 4, (16,), generator=generator)
 
 
-def gradients(model, step, iterations):
+CARRY = 5  # bytes a backward carries in the carrying runs
+
+
+def row(step):
+    """What each rank carries: a flag every rank sets, and one byte of its own."""
+    out = torch.zeros(CARRY, dtype=torch.uint8)
+    out[0], out[1 + RANK] = 1, (step * 10 + RANK) % 256
+    return out
+
+
+def carried_right(model, step):
+    sums = reduction_of(model).carried()
+    expected = torch.tensor([WORLD] + [(step * 10 + r) % 256 for r in range(WORLD)] + [0])
+    return sums is not None and torch.equal(sums, expected[:CARRY].to(torch.uint8))
+
+
+def gradients(model, step, iterations, carry=False):
     """The reduced gradients of one batch, computed ``iterations`` times (DDP rebuilds its
     buckets after the first), each from the same weights and the same dropout draws."""
     out = []
     for _ in range(iterations):
         torch.manual_seed(step * 7 + RANK)
         x, y = batch(step)
+        if carry:
+            reduction_of(model).carry(row(step))
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert not carry or carried_right(model, step), "the carried row is not its sum"
         out.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
     return out
@@ -88,6 +107,26 @@ gathered = [torch.zeros_like(flat) for _ in range(WORLD)]
 dist.all_gather(gathered, flat)
 mean = torch.stack(gathered).sum(0) / WORLD
 assert torch.allclose(torch.cat([g.reshape(-1) for g in first]), mean, atol=1e-6)
+# Carrying a row: it rides at the end of the smallest chunk ([1, 0] at 0.002; the only one at
+# 25) in every layout, so the sums are again one, and equal to that packed chunked sum.
+for cap, chunks, target in ((25, [[5, 4, 3, 2, 1, 0]], 0), (0.002, [[5, 4, 3, 2], [1, 0]], 1)):
+    model = _register(DDP(net(), bucket_cap_mb=cap), carry_bytes=CARRY)
+    first, rebuilt, steady = gradients(model, 0, 3, carry=True)
+    assert same(first, rebuilt) and same(rebuilt, steady), f"cap {cap}: carrying depends on it"
+    assert reduction_of(model).copied == 1 and reduction_of(model).target == target
+    reference = [None] * len(local)
+    for index, chunk in enumerate(chunks):
+        flat = torch.cat([local[i].reshape(-1) for i in chunk]) / WORLD
+        if index == target:
+            flat = torch.cat([flat, row(0).to(flat.dtype)])
+        dist.all_reduce(flat)
+        sizes = [local[i].numel() for i in chunk]
+        for i, part in zip(chunk, torch.split(flat[: sum(sizes)], sizes)):
+            reference[i] = part.view_as(local[i])
+    assert same(first, reference), f"cap {cap}: not the packed chunked sum"
+    seen[f"carrying cap {cap} differs from not carrying"] = not same(
+        first, gradients(exact_reduce(DDP(net(), bucket_cap_mb=cap)), 0, 1)[0]
+    )
 # Without it, DDP's own layouts give other sums: the hazard the hook removes.
 stock = gradients(DDP(net(), bucket_cap_mb=0.002), 0, 2)
 seen["stock layouts differ"] = not same(stock[0], stock[1])
@@ -98,6 +137,7 @@ seen["stock layouts differ"] = not same(stock[0], stock[1])
 # find_unused_parameters=True never rebuilds its buckets: exact without the hook, and not warned.
 def train(wrap, directory, steps, resume=False, **ddp):
     model = wrap(DDP(net(), **ddp))
+    carry = reduction_of(model) is not None and reduction_of(model).carry_bytes > 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     checkpointer = unbroken.Checkpointer(directory, keep=2)
     state = {"model": model, "optimizer": optimizer}
@@ -110,7 +150,10 @@ def train(wrap, directory, steps, resume=False, **ddp):
     for step in range(start, steps):
         torch.manual_seed(step * 7 + RANK)
         x, y = batch(step)
+        if carry:
+            reduction_of(model).carry(row(step))
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        assert not carry or carried_right(model, step), "the carried row is not its sum"
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (step + 1) % 4 == 0:
@@ -123,8 +166,13 @@ def as_made(model):
     return model
 
 
+def carrying(model):
+    return _register(model, carry_bytes=CARRY)
+
+
 for name, wrap, ddp in (
     ("exact", exact_reduce, {}),
+    ("carrying", carrying, {"bucket_cap_mb": 0.002}),
     ("stock", as_made, {}),
     ("unused", as_made, {"find_unused_parameters": True}),
 ):

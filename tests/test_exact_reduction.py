@@ -45,6 +45,14 @@ def test_a_users_loop_resumed_by_a_fresh_ddp_model_ends_bit_exact_with_exact_red
     assert seen["exact warned"] == 0
 
 
+def test_a_carried_row_rides_in_one_layout_and_a_resumed_loop_ends_bit_exact(seen):
+    # The job checked that the row's sum arrives after each backward, in both ways, and that
+    # the gradients are the chunked sum with the row packed after the smallest chunk. Packing
+    # changes that all-reduce's length, hence its sums (the hazard of packing in one way only).
+    assert seen["carrying cap 0.002 differs from not carrying"]
+    assert seen["carrying resumed equal"] and seen["carrying max diff"] == 0.0
+
+
 def test_without_it_the_resumed_run_differs_and_the_resume_warns(seen):
     # The hazard is real on 3 ranks: DDP's own layouts sum one batch's gradients differently,
     # and a resumed loop ends with other weights; the Checkpointer says so as it loads.

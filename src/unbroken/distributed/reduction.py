@@ -28,10 +28,14 @@ only on its input and length. (3) DDP divides by the world size before it sums (
 hook does). Should DDP's rebuilt buckets not match the chunks (another torch's rule, several
 dtypes), every step takes the copying way: exact still, slower, and said once in the log.
 
-**The agreement's numbers.** ``carry(values)`` hands a small float64 tensor to the next
-backward: it is summed over the ranks by an all-reduce issued with the first bucket's, which
-DDP waits for with its own (``carried()`` after the backward). The Trainer's ranks agree on
-preemption, saves and losses that way, with no collective of their own per step.
+**The agreement's numbers.** Set up with ``carry_bytes`` (``ensure_exact``), the reduction
+also sums a row of that many bytes over the ranks at every backward (``carry(row)`` before it,
+``carried()`` after): the row rides at the end of one chunk's all-reduce, the smallest chunk of
+a floating dtype, each byte one element of the chunk's dtype (exact: a sum of bytes stays an
+integer far below the dtype's precision; saturated at 255). Every backward of every process
+packs a row there, zeros if none was given, so that all-reduce has one length in both ways and
+the sums do not depend on it. The Trainer's ranks agree on preemption, saves and losses that
+way, with no collective of their own per step: one copy of the smallest chunk a step.
 
 **Cost.** In steady state, DDP's own all-reduces plus one call of a Python hook a bucket
 (``benchmarks/ddp_reduction.py``); one copy of the gradients each way in a process's first
@@ -121,6 +125,7 @@ class ExactReduction:
         group: The process group DDP reduces over (None: the default group).
         rebuilds: Whether DDP rebuilds its buckets after the first backward; if not, the
             first backward's buckets are the layout of every step, and each is reduced as is.
+        carry_bytes: The width of the row each backward carries (0: none; see the module).
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class ExactReduction:
         limits: Sequence[int],
         group: Any = None,
         rebuilds: bool = True,
+        carry_bytes: int = 0,
     ) -> None:
         for parameter in parameters:
             if parameter.layout != torch.strided:
@@ -142,14 +148,16 @@ class ExactReduction:
         self._learning = not rebuilds
         self.where: dict[int, int] = {}  # id(parameter) -> its chunk
         self.copied = 0  # backwards that took the copying way (tests, benchmarks)
-        self._known: dict[tuple[int, ...], bool] = {}  # a bucket's key -> whether it is a chunk
+        self.carry_bytes = carry_bytes
+        self.target: int | None = None  # the chunk the row rides with, once chunks are learnt
+        self._known: dict[tuple[int, ...], int] = {}  # a bucket's key -> its chunk, or -1
         self._ready: list[int] = []  # the first backward's ready order, as module indices
         self._hooks: list[Any] = []
         if rebuilds:
             for i, parameter in enumerate(self.parameters):
                 self._hooks.append(parameter.register_post_accumulate_grad_hook(self._noter(i)))
         # Per backward: the gradients of the chunks not reduced as a bucket, and a future per
-        # bucket; the carried numbers (out: to send with the next backward; in: its result).
+        # bucket; the carried row (out: to send with the next backward; in: its sum, pending).
         self._views: dict[int, torch.Tensor] = {}
         self._pending: list[torch.futures.Future[None]] = []
         self._out: torch.Tensor | None = None
@@ -164,14 +172,19 @@ class ExactReduction:
             handle.remove()
         self._hooks = []
 
-    def carry(self, values: torch.Tensor) -> None:
-        """Sum ``values`` over the ranks with the next backward's reduction (see the module);
-        ``carried()`` returns the sum once that backward has returned."""
-        self._out, self._sent = values, None
+    def carry(self, row: torch.Tensor) -> None:
+        """Sum ``row`` (``carry_bytes`` bytes, ``torch.uint8``) over the ranks with the next
+        backward's reduction (see the module); ``carried()`` returns the sum after it."""
+        if row.dtype != torch.uint8 or row.numel() != self.carry_bytes:
+            raise ValueError(
+                f"exact_reduce carries {self.carry_bytes} bytes (torch.uint8) a backward, "
+                f"got {row.numel()} of {row.dtype}"
+            )
+        self._out, self._sent = row, None
 
     def carried(self) -> torch.Tensor | None:
-        """The sum of what ``carry`` was given, if the last backward reduced it; else None (no
-        backward reduced gradients since).
+        """The byte-wise sum over the ranks (at most 255) of what ``carry`` was given, if the
+        last backward reduced it; else None (no backward reduced gradients since).
 
         Raises:
             RuntimeError: the all-reduce that carried it failed.
@@ -179,23 +192,24 @@ class ExactReduction:
         sent, self._sent, self._out = self._sent, None, None
         if sent is None:
             return None
-        reduced, values = sent
+        reduced, tail = sent
         reduced.wait()  # done: DDP waited for it (with NCCL: ordered on the stream)
-        return values
+        return tail.clamp(max=255).to(torch.uint8)
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Reduce one bucket: as one all-reduce if it is a chunk, else through its chunks."""
         futures: list[torch.futures.Future[Any]] = []
         if bucket.index() == 0:
             self._views, self._pending = {}, []
-            if self._out is not None:  # the numbers ride with the first bucket
-                values, self._out = self._out, None
-                carried = self._all_reduce(values)  # DDP waits for it with the bucket
-                self._sent = (carried, values)
-                futures.append(carried)
-        buffer = bucket.buffer()
+        buffer = result = bucket.buffer()
         parameters = bucket.parameters()
-        if self._is_chunk(bucket.index(), parameters, buffer):
+        chunk = self._chunk_of(bucket.index(), parameters, buffer)
+        if chunk is not None and chunk == self.target and self.carry_bytes:  # the row's chunk
+            size = buffer.numel()
+            packed = buffer.new_empty(size + self.carry_bytes)
+            result = torch.div(buffer, self.size, out=packed[:size])
+            futures.append(self._with_row(packed, size))
+        elif chunk is not None:
             buffer.div_(self.size)
             futures.append(self._all_reduce(buffer))
         else:
@@ -208,27 +222,46 @@ class ExactReduction:
             self._learning = False
             if self._pending:
                 self._reduce_by_chunks()
-        return torch.futures.collect_all(futures).then(lambda all_: _first_error(all_, buffer))
+        return torch.futures.collect_all(futures).then(lambda all_: _first_error(all_, result))
 
-    def _is_chunk(self, index: int, parameters: list[torch.Tensor], buffer: torch.Tensor) -> bool:
-        """Whether this bucket is one chunk, its parameters in the chunk's order, its buffer
-        nothing but their gradients. Checked once per layout of a bucket (its key), since
-        DDP changes a bucket only when it rebuilds them all."""
+    def _with_row(self, packed: torch.Tensor, size: int) -> torch.futures.Future[Any]:
+        """All-reduce a chunk's divided gradients (``packed[:size]``) with the row after them:
+        the one given to ``carry``, or zeros (the length never changes)."""
+        row, self._out = self._out, None
+        tail = packed[size:]
+        if row is None:
+            tail.zero_()
+        else:
+            tail.copy_(row)
+        reduced = self._all_reduce(packed)
+        if row is not None:
+            self._sent = (reduced, tail)
+        return reduced
+
+    def _chunk_of(
+        self, index: int, parameters: list[torch.Tensor], buffer: torch.Tensor
+    ) -> int | None:
+        """The chunk this bucket is, its parameters in the chunk's order, its buffer nothing
+        but their gradients; None if it is not one. Checked once per layout of a bucket (its
+        key), since DDP changes a bucket only when it rebuilds them all."""
         if self._learning:  # DDP's buckets never change: the first backward's are the chunks
             self._learn([list(parameters)])
-            return True
+            return len(self.chunks or []) - 1
+        if self.chunks is None:  # not learnt yet: the first backward takes the copying way
+            return None
         key = (index, len(parameters), buffer.numel(), id(parameters[0]), id(parameters[-1]))
         known = self._known.get(key)
         if known is None:
             chunk = self.where.get(id(parameters[0]))
-            members = self.chunks[chunk] if self.chunks is not None and chunk is not None else []
-            known = (
+            members = self.chunks[chunk] if chunk is not None else []
+            same = (
                 len(members) == len(parameters)
                 and all(a is b for a, b in zip(members, parameters))
                 and buffer.numel() == sum(p.numel() for p in members)
             )
+            known = chunk if same and chunk is not None else -1
             self._known[key] = known
-        return known
+        return None if known < 0 else known
 
     def _learn(self, buckets: list[list[torch.Tensor]]) -> None:
         chunks = self.chunks if self.chunks is not None else []
@@ -237,6 +270,10 @@ class ExactReduction:
                 self.where[id(parameter)] = len(chunks)
             chunks.append(members)
         self.chunks = chunks
+        if self.target is None:  # the smallest chunk of a floating dtype (first, if learning)
+            floating = [i for i, m in enumerate(chunks) if m[0].dtype.is_floating_point]
+            if floating:
+                self.target = min(floating, key=lambda i: sum(_nbytes(p) for p in chunks[i]))
 
     def _reduce_by_chunks(self) -> None:
         """The copying way, at the backward's last bucket: every chunk with a gradient copied
@@ -258,7 +295,7 @@ class ExactReduction:
                 "on the DistributedDataParallel model itself"
             )
         works: list[torch.futures.Future[Any]] = []
-        for members in self.chunks:
+        for index, members in enumerate(self.chunks):
             views = [self._views.get(id(p)) for p in members]
             if all(view is None for view in views):
                 continue  # reduced as a bucket
@@ -271,8 +308,15 @@ class ExactReduction:
                 )
             present = [view for view in views if view is not None]
             flat = torch.cat([view.reshape(-1) for view in present])
-            flat.div_(self.size)
-            works.append(self._all_reduce(flat).then(partial(_unflatten, flat=flat, views=present)))
+            if index == self.target and self.carry_bytes:  # as reduce() does: the row after it
+                packed = flat.new_empty(flat.numel() + self.carry_bytes)
+                torch.div(flat, self.size, out=packed[: flat.numel()])
+                reduced = self._with_row(packed, flat.numel())
+                flat = packed[: flat.numel()]
+            else:
+                flat.div_(self.size)
+                reduced = self._all_reduce(flat)
+            works.append(reduced.then(partial(_unflatten, flat=flat, views=present)))
 
         pending = self._pending
 
@@ -296,12 +340,16 @@ class ExactReduction:
         seen = set(self._ready)
         order = self._ready + [i for i in reversed(range(len(self.parameters))) if i not in seen]
         ordered = [self.parameters[i] for i in order]
-        sizes = [(p.numel() * p.element_size(), (p.dtype, p.device)) for p in ordered]
+        sizes = [(_nbytes(p), (p.dtype, p.device)) for p in ordered]
         self._learn([[ordered[i] for i in b] for b in rebuilt_layout(sizes, self.limits)])
         log.debug("exact_reduce: %d chunks in the gradients' ready order", len(self.chunks or []))
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _first_error(
@@ -355,6 +403,10 @@ def exact_reduce(model: DistributedDataParallel) -> DistributedDataParallel:
             f"exact_reduce takes a torch.nn.parallel.DistributedDataParallel model, got "
             f"{type(model).__name__}: wrap the model in DDP first"
         )
+    return _register(model)
+
+
+def _register(model: DistributedDataParallel, carry_bytes: int = 0) -> DistributedDataParallel:
     if model in _STATES:
         return model
     ignored: set[str] = getattr(model, "parameters_to_ignore", set())
@@ -362,7 +414,8 @@ def exact_reduce(model: DistributedDataParallel) -> DistributedDataParallel:
         p for name, p in model.module.named_parameters() if p.requires_grad and name not in ignored
     ]
     rebuilds = bool(model.static_graph or not model.find_unused_parameters)
-    state = ExactReduction(parameters, bucket_limits(model), model.process_group, rebuilds)
+    limits, group = bucket_limits(model), model.process_group
+    state = ExactReduction(parameters, limits, group, rebuilds, carry_bytes)
     try:
         model.register_comm_hook(state, exact_allreduce_hook)
     except RuntimeError as error:
@@ -392,17 +445,18 @@ def is_exact(model: Any) -> bool:
     return bool(model.find_unused_parameters and not model.static_graph)
 
 
-def ensure_exact(model: Any, who: str, carrying: bool = False) -> None:
+def ensure_exact(model: Any, who: str, carry_bytes: int = 0) -> None:
     """For a loop that owns the model's steps (``Trainer``, ``ExactResume``): register
-    ``exact_reduce`` on a DDP model that needs it (or, with ``carrying``, on any DDP model of 2
-    or more ranks, to carry the loop's agreement), or warn (``InexactReduction``) that its
-    resumed steps may differ in the last bits when it cannot (another hook is registered)."""
+    ``exact_reduce`` on a DDP model that needs it (or, with ``carry_bytes``, on any DDP model of
+    2 or more ranks, to carry the loop's agreement: a row that many bytes wide), or warn
+    (``InexactReduction``) that its resumed steps may differ in the last bits when it cannot
+    (another hook is registered)."""
     if not isinstance(model, DistributedDataParallel) or model in _STATES:
         return
-    if is_exact(model) and not (carrying and dist.get_world_size(model.process_group) > 1):
+    if is_exact(model) and not (carry_bytes and dist.get_world_size(model.process_group) > 1):
         return
     try:
-        exact_reduce(model)
+        _register(model, carry_bytes)
         log.info("%s: DDP gradients are reduced in one layout at every step (exact_reduce)", who)
     except RuntimeError as error:
         if not is_exact(model):

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -86,25 +87,32 @@ class Received:
     ticks: int  # ... and the loop's ticks then
 
 
-HEAD = 3  # the row's slots before each rank's loss: the two flags and rank 0's log size
+HEAD = 16  # the row's bytes before the ranks' losses: the two flags, padding, rank 0's log size
 
 
 class Carrier:
     """The per-batch agreement riding on the gradient reduction (``ExactReduction.carry``).
 
-    ``send``, before a backward: a float64 row of the preemption flag, the wall-clock flag,
-    rank 0's log size and one slot a rank for its loss, summed over the ranks by an all-reduce
-    DDP waits for with its own. ``receive``, after it: each rank's loss as a tensor on the
-    device (never read here), and the flags as the host reads them. On the CPU they are read
-    at once; on an accelerator a batch later, from a copy that travelled while the next batch
-    ran, so the host never waits for the device (a preemption is then acted on a batch later).
+    ``send``, before a backward: a row of bytes, summed over the ranks with the gradients: the
+    preemption flag (byte 0) and the wall-clock flag (byte 1) of each rank, rank 0's log size
+    (bytes 8-15, an int64) and each rank's loss as a float64 in 8 bytes of its own (from byte
+    16). Each byte but a flag's is non-zero on one rank at most, so the sums are the values,
+    bit for bit. ``receive``, after it: each rank's loss as a tensor on the device (never read
+    here), and the flags as the host reads them. On the CPU they are read at once; on an
+    accelerator a batch later, from a copy that travelled while the next batch ran, so the host
+    never waits for the device (a preemption is then acted on a batch later).
     """
 
     def __init__(self, reduction: Any, world: World, device: torch.device) -> None:
         self.reduction, self.world, self.device = reduction, world, device
         self._tags: tuple[int, int] = (0, 0)
         self._travelling: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
-        self._row: torch.Tensor | None = None  # the CPU's last row, read back at once
+        self.lag = device.type != "cpu"  # whether the host reads the flags a batch later
+
+    @staticmethod
+    def width(world_size: int) -> int:
+        """The row's bytes in a world of ``world_size`` ranks."""
+        return HEAD + 8 * world_size
 
     def send(
         self,
@@ -117,41 +125,46 @@ class Carrier:
     ) -> None:
         # A row of its own each batch: the last one's losses stay the record's (jit), and on a
         # device the last one may still travel to the host.
-        row = torch.zeros(HEAD + self.world.size, dtype=torch.float64, device=self.device)
+        row = torch.zeros(self.width(self.world.size), dtype=torch.uint8, device=self.device)
+        head = np.zeros(HEAD, dtype=np.uint8)
+        head[0], head[1] = preempted, time_due
+        head[8:] = np.array([log_bytes], dtype=np.int64).view(np.uint8)
         if self.device.type == "cpu":
-            row.numpy()[:HEAD] = preempted, time_due, log_bytes  # no tensor op per slot
-            self._row = row
-        else:  # filled there: a copy from pageable host memory would sync
-            row[0], row[1], row[2] = float(preempted), float(time_due), float(log_bytes)
-        row[HEAD + self.world.rank] = loss.detach().reshape(())
+            row.numpy()[:HEAD] = head  # no tensor op per byte
+        else:  # filled there, byte by byte: a copy from pageable host memory would sync
+            for index in np.flatnonzero(head):
+                row[int(index)] = int(head[index])
+        start = HEAD + 8 * self.world.rank
+        row[start : start + 8] = loss.detach().reshape(1).to(torch.float64).view(torch.uint8)
         self._tags = (rows, ticks)
         self.reduction.carry(row)
 
     def receive(self) -> tuple[torch.Tensor, Received | None] | None:
         """After the backward: each rank's loss (on the device) and the agreed flags (None on
         an accelerator's first batch); None if no backward reduced the row (fall back)."""
-        values = self.reduction.carried()
-        if values is None:
+        sums = self.reduction.carried()
+        if sums is None:
             return None
-        row = self._row
-        if row is not None and values is row:  # the CPU: read at once
-            return row[HEAD:], self._read(row.numpy(), self._tags)
+        losses = sums[HEAD:].view(torch.float64)
+        if not self.lag:  # the CPU: read at once
+            return losses, self._read(sums.numpy(), self._tags)
         ready, self._travelling = self._travelling, None
-        host = values.to("cpu", non_blocking=True)
-        event = torch.cuda.Event() if values.is_cuda else None
+        host = sums[:HEAD].to("cpu", non_blocking=True)
+        event = torch.cuda.Event() if sums.is_cuda else None
         if event is not None:
             event.record()
         self._travelling = (host, event, self._tags)
         if ready is None:
-            return values[HEAD:], None
+            return losses, None
         previous, done, tags = ready
         if done is not None:
             done.synchronize()  # recorded a batch ago: long done, no wait in practice
-        return values[HEAD:], self._read(previous.numpy(), tags)
+        return losses, self._read(previous.numpy(), tags)
 
     @staticmethod
     def _read(head: Any, tags: tuple[int, int]) -> Received:
-        return Received(bool(head[0] > 0), bool(head[1] > 0), int(head[2]), *tags)
+        log_bytes = int(head[8:HEAD].view(np.int64)[0])
+        return Received(bool(head[0]), bool(head[1]), log_bytes, *tags)
 
 
 class Boundary:

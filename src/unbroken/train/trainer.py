@@ -141,7 +141,7 @@ class Trainer:
             self.show_bar = self.options.progress_bar and self.world.first  # on one rank
             # DDP: gradients summed in an order its bucket rebuild cannot change (3+ ranks),
             # and a reduction the ranks' per-batch agreement rides on (2+ ranks).
-            ensure_exact(model, "unbroken.Trainer", carrying=True)
+            ensure_exact(model, "unbroken.Trainer", Carrier.width(self.world.size))
             with self.preemption, determinism(self.options.deterministic, model):
                 exit_if_preempted(self.agreement, self.preemption)
                 self.run.open(self.options.remote_timeout)
@@ -209,9 +209,9 @@ class Trainer:
                 wanted, agreement, progress, self.entries, checkpointer, run, self.run_log, every
             )
             reduction = reduction_of(self.model)
-            carrier = (
-                None if reduction is None else Carrier(reduction, self.world, agreement.device)
-            )
+            carrier = None  # without one that carries this row (the user's exact_reduce): gathered
+            if reduction is not None and reduction.carry_bytes == Carrier.width(self.world.size):
+                carrier = Carrier(reduction, self.world, agreement.device)
             self.boundary = Boundary(
                 agreement, self.preemption, self.schedule, self.jit, every, carrier
             )
