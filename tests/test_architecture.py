@@ -389,3 +389,28 @@ def test_the_public_names_are_sorted_and_the_demos_import_only_them():
                         "streaming",
                         "testing",
                     ), f"{demo.name} uses unbroken.{node.attr}, not a public name"
+
+
+def test_each_public_name_has_one_home():
+    # A public object is offered by one subpackage's __all__ (its home); the top-level package
+    # re-exports some of them for convenience, each the very object of its home. An object in
+    # two homes is two answers to "where does this live" (unbroken.hf.Trainer is another
+    # object than unbroken.train.Trainer: a name of its own in its namespace).
+    from test_docstrings import PACKAGES
+
+    homes: dict[tuple[str, int], list[str]] = {}
+    for dotted in (*PACKAGES, "unbroken.errors"):
+        if dotted == "unbroken":
+            continue
+        module = importlib.import_module(dotted)
+        for name in module.__all__:
+            assert hasattr(module, name), f"{dotted}.__all__ lists {name}, which it lacks"
+            homes.setdefault((name, id(getattr(module, name))), []).append(dotted)
+    twice = {name: where for (name, _), where in homes.items() if len(where) > 1}
+    assert not twice, f"public objects offered by several subpackages: {twice}"
+    for name in unbroken.__all__:
+        home = homes.get((name, id(getattr(unbroken, name))))
+        assert home, f"unbroken.{name} is not the object any subpackage offers under that name"
+    offered = {name for (name, _), where in homes.items() if where != ["unbroken.testing"]}
+    internal = {"MANIFEST", "S3Server"} & offered
+    assert not internal, f"internals in a public namespace: {internal}"

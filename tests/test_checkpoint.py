@@ -28,7 +28,8 @@ from pipelines import Counting
 from torch import nn
 
 import unbroken
-from unbroken.checkpoint import MANIFEST, Checkpointer, Restored
+from unbroken.checkpoint import Checkpointer, Restored
+from unbroken.checkpoint.schema import MANIFEST
 from unbroken.checkpoint.writing import Writing
 
 

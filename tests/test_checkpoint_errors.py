@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from unbroken.checkpoint import MANIFEST, Checkpointer, LocalStorage
+from unbroken.checkpoint import Checkpointer, LocalStorage
 from unbroken.checkpoint.manifest import read
+from unbroken.checkpoint.schema import MANIFEST
 from unbroken.errors import CorruptCheckpoint, CorruptState, StateMismatch
 
 

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from unbroken.checkpoint import MANIFEST, Checkpointer
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.schema import MANIFEST
 
 
 def _state(fill=0.0):

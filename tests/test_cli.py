@@ -29,7 +29,8 @@ from torch import nn
 import unbroken
 from unbroken import cli
 from unbroken._units import human
-from unbroken.checkpoint import MANIFEST, Checkpointer
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.schema import MANIFEST
 from unbroken.cli import checkpoints
 from unbroken.errors import CorruptState, StateMismatch
 from unbroken.preemption import EXIT_CODE

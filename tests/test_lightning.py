@@ -25,9 +25,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import unbroken
+from unbroken import EXIT_CODE
 from unbroken.checkpoint import FsspecStorage
 from unbroken.errors import CorruptState
-from unbroken.lightning import EXIT_CODE, AtomicCheckpointIO, ExactResume
+from unbroken.lightning import AtomicCheckpointIO, ExactResume
 from unbroken.lightning.draws import crossed
 from unbroken.lightning.loops import Place
 

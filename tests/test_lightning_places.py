@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.lightning import EXIT_CODE, ExactResume
+from unbroken import EXIT_CODE
+from unbroken.lightning import ExactResume
 
 BATCHES, ACCUMULATE, VALIDATE_EVERY = 6, 2, 3  # validation after batch 3: inside a window
 

@@ -25,7 +25,8 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, Timer
 
 import unbroken
-from unbroken.lightning import EXIT_CODE, ExactResume
+from unbroken import EXIT_CODE
+from unbroken.lightning import ExactResume
 
 STOP_AT = 10  # the step each stop source decides at: epoch 1, batch 4 of 6, validated after
 LAST = 18  # the run's last step (3 epochs of 6)

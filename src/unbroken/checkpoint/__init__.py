@@ -30,13 +30,11 @@ from .local import LocalStorage
 from .manager import Checkpointer
 from .per_rank import PerRank
 from .restore import Restored
-from .schema import MANIFEST
 from .sharded import Sharded
 from .storage import Storage
 from .stores import storage_for
 
 __all__ = [
-    "MANIFEST",
     "Checkpointer",
     "FsspecStorage",
     "LocalStorage",

@@ -21,9 +21,8 @@ with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckp
 - ``io``: ``AtomicCheckpointIO``, checkpoint files written whole or not at all.
 """
 
-from ..preemption import EXIT_CODE
 from .callback import ExactResume
 from .io import AtomicCheckpointIO
 from .loops import LightningInternalsChanged
 
-__all__ = ["EXIT_CODE", "AtomicCheckpointIO", "ExactResume", "LightningInternalsChanged"]
+__all__ = ["AtomicCheckpointIO", "ExactResume", "LightningInternalsChanged"]

@@ -17,18 +17,9 @@
   survivor saving the job when a rank dies.
 """
 
-from ..errors import DirectoryInUse
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
 from .globalrng import GlobalRNG
 from .options import TrainerOptions
 from .trainer import Trainer
 
-__all__ = [
-    "DEFAULT_SIGNALS",
-    "EXIT_CODE",
-    "DirectoryInUse",
-    "GlobalRNG",
-    "Preemption",
-    "Trainer",
-    "TrainerOptions",
-]
+__all__ = ["DEFAULT_SIGNALS", "EXIT_CODE", "GlobalRNG", "Preemption", "Trainer", "TrainerOptions"]
