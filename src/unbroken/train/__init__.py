@@ -1,7 +1,8 @@
 """The training loop and what it needs to be killed at any instant.
 
-- ``trainer``: ``Trainer``, the loop, top to bottom; ``saves``: its saves, and the exit after a
-  preemption; ``ending``: its clean-up and the line that says how a run ended. ``Preemption`` (scheduler signals as a flag) and ``EXIT_CODE`` are
+- ``trainer``: ``Trainer``, the loop, top to bottom, with its saves and the exit after a
+  preemption; ``ending``: its clean-up and the line that says how a run ended.
+  ``Preemption`` (scheduler signals as a flag) and ``EXIT_CODE`` are
   ``unbroken.preemption``'s, re-exported here.
 - ``options``: ``TrainerOptions``, its options: each default, doc and check in one place.
 - ``globalrng``: ``GlobalRNG``, the process's RNGs as a checkpoint entry, and the per-step seeds.

@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from .._log import logger
 from ..checkpoint.files import join
 from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
 from .csvlog import RunLog
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from .progress import Progress
 
 # What a rerun of a finished run says after its summary.
 NOTHING_TO_TRAIN = (
@@ -81,20 +78,21 @@ def clean_up(steps: Iterable[Callable[[], object]], failed: BaseException | None
         raise first
 
 
-def summary(trainer: Trainer) -> str:
+def summary(progress: Progress, max_steps: int | None, directory: str) -> str:
     """Epochs, optimizer steps and the final checkpoint of a loop that ended.
 
     Args:
-        trainer: The Trainer, its loop at its end (``max_steps`` is said when it ended it).
+        progress: The loop's counters at its end.
+        max_steps: The Trainer's ``max_steps`` (said when it ended the loop).
+        directory: The checkpoints' directory.
 
     Returns:
         ``"3 epochs, 48 optimizer steps; final checkpoint runs/exp1/checkpoints/step-000000054"``.
     """
-    progress, max_steps = trainer.progress, trainer.options.max_steps
     epochs = f"{progress.epoch} epoch{'s' * (progress.epoch != 1)}"
     steps = f"{progress.steps} optimizer step{'s' * (progress.steps != 1)}"
     reached = max_steps is not None and progress.steps >= max_steps
     why = f" (max_steps={max_steps} reached)" if reached else ""
     # The last save is at the loop's end, named by its tick (a rerun's: the one restored).
-    final = join(trainer.checkpointer.directory, final_name(progress.ticks))
+    final = join(directory, final_name(progress.ticks))
     return f"{epochs}, {steps}{why}; final checkpoint {final}"

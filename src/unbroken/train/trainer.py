@@ -15,9 +15,10 @@ At INFO, rank 0 says where the run starts and, at the end, how it ended (``endin
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from typing_extensions import Unpack
@@ -25,7 +26,8 @@ from typing_extensions import Unpack
 from ..checkpoint.manager import Checkpointer
 from ..distributed.process_group import refuse_unrestartable_group
 from ..distributed.reduction import ensure_exact, reduction_of
-from ..preemption import Preemption
+from ..errors import RemoteUnavailable
+from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
 from .agreement import Agreement, Boundary, Carrier, exit_if_preempted
 from .checkpointing import checkpoint_entries, compute_metrics, reset_metrics, resume
 from .csvlog import RunLog
@@ -37,7 +39,6 @@ from .jit import JustInTime
 from .options import NAMES, TrainerKeywords, TrainerOptions, options_of
 from .progress import Progress, bar, say
 from .rundir import RunDirectory
-from .saves import exit_preempted, save
 from .schedule import SaveSchedule
 from .startup import Startup
 from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
@@ -193,7 +194,7 @@ class Trainer:
             self.startup.resumed(restored.seconds if restored else {})
             rerun = restored is not None and self._done()  # nothing trains, nothing is saved
             if rerun:
-                say(f"already complete: {summary(self)}; {NOTHING_TO_TRAIN}")
+                say(f"already complete: {summary(*self._ended())}; {NOTHING_TO_TRAIN}")
             exit_if_preempted(self.agreement, self.preemption)
             if restored is None:
                 self.run_log.restart()
@@ -228,7 +229,7 @@ class Trainer:
             close(self.checkpointer, self.run_log, error)  # never in the place of `error`
             raise
         close(self.checkpointer, self.run_log, None)
-        return "" if rerun else f"finished: {summary(self)}"  # the last line
+        return "" if rerun else f"finished: {summary(*self._ended())}"  # the last line
 
     def _epochs(self, train_loader: Iterable, val_loader: Iterable | None) -> None:
         progress, jit = self.progress, self.jit
@@ -246,7 +247,7 @@ class Trainer:
             progress.next_epoch()
             jit.take()
         progress.saved_at = -1  # a save at this tick came before the end: the end is saved too
-        save(self)
+        self._save()
 
     def _train_epoch(self, loader: Iterable) -> None:
         progress, model, log_every = self.progress, self.model, self.options.log_every
@@ -343,10 +344,70 @@ class Trainer:
         self.startup.first_step(self.resumed)
         preempted, time_due = self.boundary.decide(self.progress.ticks)
         if preempted:
-            save(self, blocking=True)
-            exit_preempted(self)
+            self._save(blocking=True)
+            self._exit_preempted()
         if time_due or self.schedule.by_steps(self.progress):
-            save(self, blocking=not self.options.async_save, periodic=True)
+            self._save(blocking=not self.options.async_save, periodic=True)
+
+    def _save(self, blocking: bool = True, periodic: bool = False) -> None:
+        """Checkpoint the loop where it is, unless it is saved there already: every checkpoint
+        the loop takes (periodic, at a preemption, at the end)."""
+        # It waits for the background save before it, skips a place already saved
+        # (progress.saved_at: a committed checkpoint's; a background save counts once that wait
+        # returned) and times what it holds training for (schedule). A periodic save that
+        # cannot reach object storage (RemoteUnavailable: after its retries, or a store that
+        # did not answer within remote_timeout) does not stop training: it is reported and the
+        # next one tries again; so does a background save (always periodic) before any save.
+        # One process only: under torch.distributed the ranks raise together (the job restarts).
+        tolerate = periodic and not self.world.distributed
+        started = time.perf_counter()  # what the save holds training for: the wait included
+        checkpointer, progress = self.checkpointer, self.progress
+        background = checkpointer.background_step
+        try:
+            checkpointer.wait()  # the background save before it: it may have failed
+        except RemoteUnavailable as error:
+            if self.world.distributed:
+                raise
+            say(f"the background checkpoint failed ({error}); training goes on")
+        else:
+            if background is not None:
+                progress.saved_at = background  # committed: every rank knows it now
+        if progress.ticks == progress.saved_at:
+            return  # nothing happened since the last committed checkpoint
+        self.schedule.saved()
+        call_hooks(self.options.callbacks, "on_save_start", self)
+        try:
+            self.run_log.flush_board()
+            checkpointer.save(progress.ticks, self.entries, blocking=blocking)
+        except RemoteUnavailable as error:
+            if not tolerate:
+                raise
+            say(f"checkpoint at {progress.where()} failed ({error}); training goes on")
+            return
+        if blocking:  # a background save counts once committed: at the next wait (above)
+            progress.saved_at = progress.ticks
+        self.schedule.measured(time.perf_counter() - started)
+
+    def _exit_preempted(self) -> NoReturn:
+        """After the preemption checkpoint: say when the signal came, ignore the signals from
+        then on, and exit with ``EXIT_CODE`` to be requeued."""
+        progress, received = self.progress, self.preemption.received
+        seconds = self.preemption.seconds_since_signal()
+        heard = (
+            f"{received.name} received; checkpoint at {progress.where()} committed "
+            f"{seconds:.3f} s after the signal"
+            if received is not None
+            else f"a preemption signal reached another rank; checkpoint at {progress.where()} "
+            "committed"
+        )
+        self.preemption.ignore_until_exit()  # saved: nothing may kill it with -15 now
+        self.schedule.history.end("preempted")
+        say(f"{heard}; exiting with {EXIT_CODE} to be requeued")
+        call_hooks(self.options.callbacks, "on_preempted", self, seconds)
+        exit_to_be_requeued()
+
+    def _ended(self) -> tuple[Progress, int | None, str]:
+        return self.progress, self.options.max_steps, self.checkpointer.directory
 
     def _max_steps_reached(self) -> bool:
         return self.options.max_steps is not None and self.progress.steps >= self.options.max_steps
