@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import unbroken
 from unbroken.checkpoint import Checkpointer, PerRank, Sharded
-from unbroken.checkpoint.writing import Staged
 
 HERE = Path(__file__).parent
 JOB = HERE / "ddp_job.py"
@@ -89,6 +89,8 @@ def test_a_rank_killed_anywhere_in_an_hsdp_job_costs_at_most_the_step_in_flight(
 def test_shards_staged_by_their_holders_are_sealed_with_the_rest_by_one_process(tmp_path):
     """The Checkpointer's part (in one process: DCP without a group): the shards written into
     a staged directory, then the rest and the seal; a failure before the seal removes it."""
+    from unbroken.checkpoint.writing import Staged
+
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 3)).sum().backward()
@@ -115,3 +117,14 @@ def test_shards_staged_by_their_holders_are_sealed_with_the_rest_by_one_process(
     checkpointer.write_shards(tmp, 1, "model", entry, None, 0)
     checkpointer.abandon(tmp)
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(path).name]
+
+
+def test_a_model_sharded_with_no_replica_keeps_just_in_time_saves_off(monkeypatch):
+    from test_just_in_time import fsdp2_entries
+
+    from unbroken.train import jit
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    loader = unbroken.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4)), batch_size=2)
+    entries = fsdp2_entries(loader)  # fully_shard over a 1-D mesh: pure FSDP2
+    assert "sharded (FSDP2) with no replica of its shards" in jit.off_because(entries, 1)

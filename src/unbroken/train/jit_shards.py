@@ -75,22 +75,20 @@ def save(jit: JustInTime, record: Record, deadline: float) -> str | None:
     claims = [f"{key}/shard-{index}" for index in range(shards)]
     holders = [int(value) for value in _values(store, claims, deadline, "claimed the shard")]
     group = dist.new_group(holders, timeout=_left(deadline), use_local_synchronization=True)
-    first = shard == 0
     tmp = ""
-    try:
-        if first:
-            try:
-                if store.compare_set("hsdp/writer", "", str(ticks)).decode() == str(ticks):
-                    tmp = jit.checkpointer.stage_alone(ticks)
-            finally:
-                store.set(f"{key}/tmp", tmp)  # "": no save, and the others stop waiting
-        else:
-            tmp = _values(store, [f"{key}/tmp"], deadline, "staged the checkpoint")[0]
-        if not tmp:
-            return None  # the claimers of another step save
-        return _write(jit, record, tmp, group, deadline)
-    finally:
-        dist.destroy_process_group(group)
+    if shard == 0:
+        try:
+            if store.compare_set("hsdp/writer", "", str(ticks)).decode() == str(ticks):
+                tmp = jit.checkpointer.stage_alone(ticks)
+        finally:
+            store.set(f"{key}/tmp", tmp)  # "": no save, and the others stop waiting
+    else:
+        tmp = _values(store, [f"{key}/tmp"], deadline, "staged the checkpoint")[0]
+    path = _write(jit, record, tmp, group, deadline) if tmp else None  # "": another step's
+    # Only once DCP's collectives ended well: a group with a collective left unfinished may
+    # block in its destruction (the process exits soon in any case).
+    dist.destroy_process_group(group)
+    return path
 
 
 def _write(jit: JustInTime, record: Record, tmp: str, group: Any, deadline: float) -> str | None:
