@@ -156,7 +156,7 @@ def replica_shard(model: torch.nn.Module) -> tuple[int, int] | None:
     import torch.distributed as dist
 
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    params = list(model.parameters())
+    params: list[Any] = list(model.parameters())  # DTensors, if anything
     if dtensor is None or not params or not all(isinstance(p, dtensor) for p in params):
         return None
     mesh, placements = params[0].device_mesh, params[0].placements

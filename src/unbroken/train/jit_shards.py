@@ -110,8 +110,8 @@ def _write(jit: JustInTime, record: Record, tmp: str, group: Any, deadline: floa
                 store.set(f"{key}/part-{shard}", "")  # the holder of shard 0 stops waiting
             raise
         if shard:
-            files = [[file, digest.sha256, digest.size] for file, digest in part.files]
-            store.set(f"{key}/part-{shard}", json.dumps(files))
+            listed = [[file, digest.sha256, digest.size] for file, digest in part.files]
+            store.set(f"{key}/part-{shard}", json.dumps(listed))
             say(
                 f"rank {jit.agreement.world.rank} wrote shard {shard} of {shards} of "
                 f"{final_name(record.ticks)} just in time",
