@@ -57,26 +57,36 @@ def reference(tmp_path_factory):
 def test_a_rank_killed_anywhere_in_an_hsdp_job_costs_at_most_the_step_in_flight(
     reference, tmp_path
 ):
-    """Two failures, each saved just in time at the last completed step, by the survivors:
+    """Three failures, each saved just in time at the last completed step, by the survivors:
 
     - rank 3 killed after tick 7 (a step ended): rank 1 is the only survivor holding shard 1;
       shard 0 lives on ranks 0 and 2, and one of them writes it;
     - rank 0 (the log's writer) killed inside training tick 12, the others waiting in its
-      collectives: saved at tick 11, the log's size read from the file rank 0 left.
+      collectives: saved at tick 11, the log's size read from the file rank 0 left;
+    - rank 1 killed inside validation tick 17: rank 3, the only survivor holding shard 1, may
+      stay blocked in the batch's gather with a survivor that left it to write shard 0, until
+      the process group's timeout (10 s); then it writes shard 1: saved at tick 16.
     """
     run = tmp_path / "run"
     options = {
+        "pg_timeout": 10,
         "kill": {"rank": 3, "at": [7]},
-        "kill_in_step": [{"rank": 0, "phase": "train", "at": 12}],
+        "kill_in_step": [
+            {"rank": 0, "phase": "train", "at": 12},
+            {"rank": 1, "phase": "val", "at": 17},
+        ],
     }
-    output = torchrun(run, options, restarts=2)
-    assert output.count("exitcode: -9") == 2, output[-3000:]
-    assert ticks(r"resumed from checkpoint \S+/step-(\d+)", output) == [7, 11], output[-3000:]
+    output = torchrun(run, options, restarts=3)
+    assert output.count("exitcode: -9") == 3, output[-3000:]
+    saved = [7, 11, 16]
+    assert ticks(r"resumed from checkpoint \S+/step-(\d+)", output) == saved, output[-3000:]
     assert "just-in-time saves are off" not in output, output[-3000:]
     assert "no just-in-time save" not in output, output[-3000:]
-    assert ticks(r"just in time: \S+/step-(\d+)", output) == [7, 11], output[-3000:]
-    # Each time the only survivor holding shard 1 wrote it, for the holder of shard 0.
-    assert ticks(r"rank 1 wrote shard 1 of 2 of step-(\d+)", output) == [7, 11], output[-3000:]
+    assert ticks(r"just in time: \S+/step-(\d+)", output) == saved, output[-3000:]
+    # Shard 1's writer, for the holder of shard 0: at ticks 7 and 16 its only survivor.
+    found = re.findall(r"rank (\d) wrote shard 1 of 2 of step-0*(\d+)", output)
+    assert [tick for _, tick in found] == ["7", "11", "16"], output[-3000:]
+    assert found[0][0] == "1" and found[2][0] == "3", output[-3000:]
     ours = torch.load(run / "final.pt", weights_only=True)  # the gathered full state dict
     theirs = torch.load(reference / "final.pt", weights_only=True)
     assert ours.keys() == theirs.keys()

@@ -17,8 +17,10 @@ collective, holding the record of the last completed step (``jit``):
    job as for a DDP model (``JustInTime._save``), and seals and commits the checkpoint, whole
    and verified; on any failure it removes it.
 
-A shard that no survivor claims within ``WAIT_SECONDS`` of the failure (all its holders died),
-or a claimer's failure, leaves the previous checkpoint: the job resumes from it. The store's keys
+A shard that no survivor claims within ``WAIT_SECONDS`` of the failure (all its holders died,
+or the only one left is blocked in a collective with a claimer, which stays, and the process
+group's timeout is longer), or a claimer's failure, leaves the previous checkpoint: the job
+resumes from it. The store's keys
 carry the record's step, so claimers of different steps (a collective that completed on some
 ranks only) never mix, and only one step is saved (``hsdp/writer``).
 
