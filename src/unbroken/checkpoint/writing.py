@@ -1,6 +1,9 @@
 """Writing a checkpoint, every rank together: rank 0 opens the temporary directory, each rank
 writes its entries' files into it (``entries``: one class per kind), rank 0 seals the manifest
-once all are durable, commits it through the storage and drops what is no longer kept.
+once all are durable, commits it through the storage and drops what is no longer kept. A
+survivor's save for a rank that died writes every rank's files alone (``write_alone``), after
+one holder of each shard of a sharded entry wrote it into the staged directory (``stage``,
+``write_shards``).
 
 A checkpoint that ``load_latest`` read and found damaged (``Writing.damaged``) is never deleted:
 the next save moves it into ``damaged/`` beside the checkpoints (``quarantine``), the evidence
