@@ -25,6 +25,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   ``jit``: the Trainer's ``just_in_time``; ``log_every``: the Trainer's (default 1).
 - ``plain``: the model unwrapped (one process continuing a job of several).
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
+- ``hsdp``: the same over a 2-D mesh of ``(WORLD // 2, 2)`` ranks, dims ``("replicate",
+  "shard")``: FSDP2's HSDP, each replica (a row of 2 ranks) holding every shard.
 - ``count``: count, per training tick, the host reads of tensor values made by the library
   (``item``, ``tolist``, ``bool``, ``float``, ``int`` called from ``unbroken/``, outside the
   loader, whose index tensors live on the host in any run) and the collectives it issues,
@@ -242,11 +244,14 @@ net = torch.nn.Sequential(
     torch.nn.Dropout(0.2),
     torch.nn.Linear(32, CLASSES),
 )
-if OPTIONS.get("fsdp"):
+if OPTIONS.get("fsdp") or OPTIONS.get("hsdp"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (WORLD,))
+    if OPTIONS.get("hsdp"):
+        mesh = init_device_mesh("cpu", (WORLD // 2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (WORLD,))
     for layer in (net[0], net[3]):
         fully_shard(layer, mesh=mesh)
     model = fully_shard(net, mesh=mesh)
@@ -313,7 +318,7 @@ try:
     )
 finally:
     time.sleep(getattr(trainer, "slow_exit", 0))  # on_preempted, with slow_exit
-if OPTIONS.get("fsdp"):
+if OPTIONS.get("fsdp") or OPTIONS.get("hsdp"):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     weights = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))

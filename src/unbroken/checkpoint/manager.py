@@ -54,9 +54,10 @@ from .manifest import param_shapes
 from .per_rank import PerRank
 from .restore import Restored
 from .schema import FORMAT, MANIFEST, VERSION, ParamShapes
+from .sharded import Sharded
 from .storage import Storage
 from .stores import storage_for
-from .writing import Writing
+from .writing import Staged, Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
 
@@ -185,28 +186,78 @@ class Checkpointer:
             self._pending_step = step
         return final
 
-    def save_alone(self, step: int, state: dict[str, Any], parts: dict[str, list[Any]]) -> str:
+    def save_alone(
+        self,
+        step: int,
+        state: dict[str, Any],
+        parts: dict[str, list[Any]],
+        staged: Staged | None = None,
+    ) -> str:
         """Write checkpoint ``step`` of the whole job from this process alone, no collective.
 
-        A survivor's save for a rank that died (``train.jit``); no ``Sharded`` entry.
+        A survivor's save for a rank that died (``train.jit``). A ``Sharded`` entry is not in
+        ``state``: its holders wrote it first (``stage_alone``, ``write_shards``).
 
         Args:
             step: The training step, an int >= 0.
             state: The replicated entries.
             parts: Each ``PerRank`` entry's value for every rank, in rank order.
+            staged: The temporary directory ``stage_alone`` made, with the ``Sharded``
+                entries' files written into it; sealed with the rest, or removed on a failure.
 
         Returns:
             The checkpoint's final directory.
 
         Raises:
-            ValueError: a bad ``step`` or name.
+            ValueError: a bad ``step`` or name, or a ``Sharded`` entry in ``state``.
         """
         if not is_int(step) or step < 0:
             raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
         _check_names({**state, **parts}, "save_alone")
         final = join(self._root, layout.final_name(step))
-        self._writing.write_alone(step, final, state, parts)
+        self._writing.write_alone(step, final, state, parts, staged)
         return final
+
+    def stage_alone(self, step: int) -> str:
+        """The temporary directory of checkpoint ``step`` for ``write_shards``, which
+        ``save_alone`` then seals (``abandon`` removes it instead). No collective.
+
+        Args:
+            step: The training step, an int >= 0.
+
+        Returns:
+            The temporary directory, for every writer of shards.
+
+        Raises:
+            ValueError: a bad ``step``, or a larger step not found damaged.
+        """
+        if not is_int(step) or step < 0:
+            raise ValueError(f"step must be an int >= 0 (the training step), got {step!r}")
+        return self._writing.stage(step)
+
+    def write_shards(
+        self, tmp: str, index: int, name: str, entry: Sharded, group: Any, rank: int
+    ) -> Part:
+        """Write this rank's shards of ``entry`` into ``tmp`` through DCP, collective over
+        ``group``: one holder of each shard of an HSDP model makes the same files a ``save``
+        of every rank does (``sharded.replica_shard``).
+
+        Args:
+            tmp: What ``stage_alone`` returned (on any rank).
+            index: The entry's place in the state, which numbers its folder.
+            name: The entry's name.
+            entry: The ``Sharded`` entry.
+            group: A process group of one holder of each shard, made after a rank died.
+            rank: This process's rank in ``group``.
+
+        Returns:
+            The files this rank wrote, for ``save_alone``'s ``staged``.
+        """
+        return self._writing.write_shards(tmp, index, name, entry, group, rank)
+
+    def abandon(self, tmp: str) -> None:
+        """Remove the temporary directory of a ``stage_alone`` that will not be sealed."""
+        self._writing.abandon(tmp)
 
     def _prepare(
         self, state: dict[str, Any], blocking: bool

@@ -21,10 +21,17 @@ holds a second copy of this rank's shards in GPU memory until the write ends.
 Costs: DCP's, plus one read of each shard file for its sha256 after DCP wrote it (each rank its
 own files), and at load the sha256 of each file by one rank (spread over the ranks).
 ``.metadata`` is a pickle that DCP unpickles; the sha256 catches accidents, not an attacker.
+
+With HSDP (FSDP2 over a mesh of replicas and shards) each shard lives on several ranks:
+``replica_shard`` says which of the shards of one whole replica this rank holds, so that any one
+holder of each shard can write it, DCP's collectives running on a group of just those
+(``Checkpointer.write_shards``; a survivor's save for a rank that died, ``train.jit_shards``).
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -130,6 +137,41 @@ def _one_process(group: Any) -> Iterator[None]:
         if group is None:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         yield
+
+
+def replica_shard(model: torch.nn.Module) -> tuple[int, int] | None:
+    """Which part of one whole replica of an HSDP model this rank holds.
+
+    Every parameter must be a ``DTensor`` on the one mesh of the whole job, with the same
+    placements, replicated over dimensions of at least 2 ranks in all: the ranks that differ
+    only along those dimensions hold the same shards.
+
+    Args:
+        model: The model, e.g. ``fully_shard``-ed over a 2-D mesh ``(replicate, shard)``.
+
+    Returns:
+        ``(shard, shards)``: this rank's shard (its coordinates along the sharded dimensions,
+        row-major) among the ``shards`` that make one replica; ``None`` for any other layout.
+    """
+    import torch.distributed as dist
+
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    params: list[Any] = list(model.parameters())  # DTensors, if anything
+    if dtensor is None or not params or not all(isinstance(p, dtensor) for p in params):
+        return None
+    mesh, placements = params[0].device_mesh, params[0].placements
+    if any(p.device_mesh != mesh or p.placements != placements for p in params[1:]):
+        return None
+    split = [dim for dim, placement in enumerate(placements) if not placement.is_replicate()]
+    if math.prod(mesh.size(dim) for dim in range(mesh.ndim) if dim not in split) < 2:
+        return None  # no replica: a rank's shards die with it
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or mesh.size() != dist.get_world_size():
+        return None  # a mesh of some ranks only: the others hold other parameters
+    shard, shards = 0, 1
+    for dim in split:
+        shard, shards = shard * mesh.size(dim) + coordinate[dim], shards * mesh.size(dim)
+    return shard, shards
 
 
 def written_by(names: list[str], rank: int) -> list[str]:

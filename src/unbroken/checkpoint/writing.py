@@ -1,6 +1,9 @@
 """Writing a checkpoint, every rank together: rank 0 opens the temporary directory, each rank
 writes its entries' files into it (``entries``: one class per kind), rank 0 seals the manifest
-once all are durable, commits it through the storage and drops what is no longer kept.
+once all are durable, commits it through the storage and drops what is no longer kept. A
+survivor's save for a rank that died writes every rank's files alone (``write_alone``), after
+one holder of each shard of a sharded entry wrote it into the staged directory (``stage``,
+``write_shards``).
 
 A checkpoint that ``load_latest`` read and found damaged (``Writing.damaged``) is never deleted:
 the next save moves it into ``damaged/`` beside the checkpoints (``quarantine``), the evidence
@@ -18,7 +21,7 @@ checkpoint kept, so its requests do not grow with ``keep``."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +36,15 @@ from .space import FULL, disk_full
 from .storage import Storage
 
 Written = dict[str, Part]  # one rank's files, by entry name
+
+
+class Staged(NamedTuple):
+    """A checkpoint's temporary directory (``Writing.stage``) with its ``Sharded`` entries
+    written, for ``write_alone`` to add the rest and seal."""
+
+    tmp: str
+    shards: dict[str, Part]  # each Sharded entry's files, from all the ranks that wrote them
+    order: dict[str, int]  # every entry's number in the file names, as the shards' folder has
 
 
 class Writing:
@@ -87,11 +99,17 @@ class Writing:
             raise
 
     def write_alone(
-        self, step: int, final: str, state: dict[str, Any], parts: dict[str, list[Any]]
+        self,
+        step: int,
+        final: str,
+        state: dict[str, Any],
+        parts: dict[str, list[Any]],
+        staged: Staged | None = None,
     ) -> None:
         """One process writes every rank's files (``Checkpointer.save_alone``): the replicated
         entries as rank 0, each ``parts`` entry's value for rank r as rank r's file; then the
-        seal and the commit, as ``write`` does, with no collective."""
+        seal and the commit, as ``write`` does, with no collective. ``staged``: the temporary
+        directory already holds the ``Sharded`` entries' files (``write_shards``)."""
         sizes = {len(values) for values in parts.values()}
         world_size = min(sizes, default=0)
         if len(sizes) != 1 or world_size < 1:
@@ -112,9 +130,11 @@ class Writing:
             if isinstance(entry, torch.optim.Optimizer)
         }
         order = {name: index for index, name in enumerate({**state, **parts})}
-        tmp = None
+        tmp = None if staged is None else staged.tmp
+        if staged is not None:  # numbered as in the Trainer's state, the shards' folder too
+            order = {name: staged.order[name] for name in order}
         try:
-            tmp = self._open(step)
+            tmp = self._open(step) if tmp is None else tmp
             written = []
             for rank in range(world_size):
                 theirs: dict[str, tuple[Kind, Any]] = {
@@ -124,12 +144,32 @@ class Writing:
                 written.append(
                     self._write_files(tmp, {**theirs, **mine} if rank == 0 else theirs, order, rank)
                 )
+            if staged is not None:
+                written[0].update(staged.shards)
             self._seal(step, tmp, final, written, shapes)
             self._drop_old(step)
         except BaseException:
             if tmp is not None:
                 self.storage.abandon(tmp)
             raise
+
+    def stage(self, step: int) -> str:
+        """The temporary directory of a checkpoint that ``write_alone`` will seal, for the
+        ``Sharded`` entries' files written into it first (``write_shards``)."""
+        return self._open(step)
+
+    def write_shards(
+        self, tmp: str, index: int, name: str, entry: Sharded, group: Any, rank: int
+    ) -> Part:
+        """This rank's shards of ``entry``, written through DCP into ``tmp`` (collective over
+        ``group``, in which this rank is ``rank``): the same folder and files a ``write`` of
+        every rank makes, from one holder of each shard."""
+        value = THROUGH_DCP.prepare(entry, name, True)
+        return THROUGH_DCP.write(self.storage, tmp, index, name, value, rank, group)
+
+    def abandon(self, tmp: str) -> None:
+        """Remove a temporary directory that ``stage`` made and will never be sealed."""
+        self.storage.abandon(tmp)
 
     def _open(self, step: int) -> str:
         """Rank 0: the new checkpoint's temporary directory, after cleaning up."""

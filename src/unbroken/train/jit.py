@@ -35,10 +35,15 @@ Rank 0's log is saved as of the record too: its rows reach the file as rank 0 lo
 or writes the last one when rank 0 died before it and it is the batch's loss, which the
 agreement carried (``logged_through``).
 
+A model sharded by FSDP2 with replicas (HSDP: a mesh of replicas and shards) is saved by the
+survivors together: one survivor holding each shard writes it through DCP, one writes the rest
+from the record and commits (``jit_shards``).
+
 Off (``off_because``) where a survivor cannot know the state of a rank that died: a model
-sharded by FSDP2 or saved through DCP, torchmetrics states (each rank's own updates), a loader
-whose state is per rank, agreements less often than every batch, no torchrun agent. A run
-directory in object storage is saved for only by rank 0 (the others cannot upload its log).
+sharded by FSDP2 with no replica of its shards, or saved through DCP, torchmetrics states (each
+rank's own updates), a loader whose state is per rank, agreements less often than every batch,
+no torchrun agent. A run directory in object storage is saved for only by rank 0 (the others
+cannot upload its log), and not for an HSDP model.
 Costs: one record per optimizer step (the loader's state and the counters, copied as plain
 values: docs/benchmarks/unit-costs.md, row ``jit_record``), a few tensor ops a batch for the row
 the reduction carries (no collective, no host read: ``benchmarks/trainer_ddp.py``), one
@@ -62,9 +67,11 @@ import torch.distributed as dist
 from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
 from ..checkpoint.per_rank import PerRank, unwrap
-from ..checkpoint.sharded import Sharded
+from ..checkpoint.sharded import Sharded, replica_shard
+from ..checkpoint.writing import Staged
 from ..data.loader import DataLoader
 from ..distributed.process_group import attempt_store, under_agent
+from . import jit_shards
 from .agreement import Agreement, Received
 from .checkpointing import CALLBACK, GRADIENTS, LOG, METRIC, MODEL, PROGRESS, RNG, is_sharded
 from .csvlog import CSVLog, RunLog, line, log_state
@@ -118,6 +125,7 @@ class JustInTime:
         # The last agreement's tick and each rank's loss then (on the device, never read in a
         # step): rank 0's row of it, should rank 0 die before writing it (``_last_row``).
         self.losses: tuple[int, torch.Tensor] | None = None
+        self.shard: tuple[int, int] | None = None  # HSDP: this rank's shard, and how many
         if not agreement.world.distributed or wanted is False:
             return
         reason = off_because(entries, check_every)
@@ -127,6 +135,8 @@ class JustInTime:
             say(f"just-in-time saves are off: {reason}; periodic checkpoints only")
             return
         self.enabled = True
+        if isinstance(model := entries.get(MODEL), Sharded):
+            self.shard = replica_shard(model.model)
         # This attempt's keys of torchrun's store: who saves, and the commit.
         self.store = dist.PrefixStore("jit", attempt_store(timedelta(seconds=WAIT_SECONDS + 5)))
         self.device = agreement.device
@@ -233,13 +243,17 @@ class JustInTime:
         if self.run.remote and rank != 0:
             return  # only rank 0 can upload the run's log; the periodic checkpoint stays
         try:
-            writer = int(self.store.compare_set("writer", "", str(rank)))
+            hsdp = self.shard is not None  # one survivor holding each shard writes it
+            writer = rank if hsdp else int(self.store.compare_set("writer", "", str(rank)))
             if writer != rank:
                 self._wait_for(writer)
                 return
             try:
-                path = self._save(record)
-            except LogUnknown as unknown:
+                deadline = failed + WAIT_SECONDS
+                path = jit_shards.save(self, record, deadline) if hsdp else self._save(record)
+                if path is None:
+                    return  # another survivor holding its shard writes it, or commits
+            except (LogUnknown, jit_shards.NoSave) as unknown:
                 self.store.set("committed", "")
                 say(f"no just-in-time save: {unknown}", every_rank=True)
                 return
@@ -300,15 +314,17 @@ class JustInTime:
         except Exception as error:
             say(f"rank {writer} was to save the job just in time and did not ({error})", True)
 
-    def _save(self, record: Record) -> str:
+    def _save(self, record: Record, staged: Staged | None = None) -> str:
+        """The checkpoint of the job as of ``record``, from this rank's memory; a ``Sharded``
+        entry's files are ``staged`` already (``jit_shards``)."""
         replicated: dict[str, Any] = {}
         parts: dict[str, list[Any]] = {}
         world = self.agreement.world.size
         sums = record.sums.tolist()
         progress = [{**record.progress, "loss_sum": sums[rank]} for rank in range(world)]
         for name, entry in self.entries.items():
-            if name == LOG:
-                continue  # below: the record's size, whichever rank saves
+            if name == LOG or isinstance(entry, Sharded):
+                continue  # the log below: the record's size; shards: ``staged``
             if name == PROGRESS:
                 parts[name] = progress
             elif name == RNG:  # any: the RNGs are seeded before the next batch
@@ -321,14 +337,18 @@ class JustInTime:
                     replicated[name] = value
             elif name == GRADIENTS:  # none at a step boundary
                 model = unwrap(entry).model
-                replicated[name] = {param: None for param, _ in model.named_parameters()}
+                none = {param: None for param, _ in model.named_parameters()}
+                if isinstance(entry, PerRank):  # a sharded model's: each rank's shards
+                    parts[name] = [none] * world
+                else:
+                    replicated[name] = none
             elif isinstance(entry, PerRank):
                 raise AssertionError(f"no record of the per-rank entry {name!r}")
             else:
                 replicated[name] = entry  # the model, optimizer, scheduler, scaler: as they are
         # The hash of rank 0's log up to the record, read from the file (a failure's cost).
         replicated[LOG] = log_state(self.run.local / METRICS, self._log_bytes(record))
-        return self.checkpointer.save_alone(record.ticks, replicated, parts)
+        return self.checkpointer.save_alone(record.ticks, replicated, parts, staged)
 
     def _log_bytes(self, record: Record) -> int:
         """Rank 0's log size at the record: its own, or what the next agreement brought; if
@@ -407,10 +427,14 @@ def off_because(entries: dict[str, Any], check_every: int) -> str | None:
         return "the job was not started by torchrun, whose agent's store elects the saver"
     model = entries.get(MODEL)
     if isinstance(model, Sharded):  # how the Trainer holds a sharded model (``through_dcp``)
-        if is_sharded(model.model):
-            return "the model is sharded (FSDP2): a rank's shards die with it"
-        return "the model is saved through DCP (the run was saved by a sharded model)"
-    if isinstance(model, torch.nn.Module) and is_sharded(model) or MODEL not in entries:
+        if not is_sharded(model.model):
+            return "the model is saved through DCP (the run was saved by a sharded model)"
+        if replica_shard(model.model) is None:  # HSDP's replicas hold every shard: jit_shards
+            return (
+                "the model is sharded (FSDP2) with no replica of its shards (as HSDP has): a "
+                "rank's shards die with it"
+            )
+    elif isinstance(model, torch.nn.Module) and is_sharded(model) or MODEL not in entries:
         return "the model is sharded (FSDP2): a rank's shards die with it"
     if any(name.startswith(f"{METRIC}.") for name in entries):
         return "torchmetrics states are per rank (each rank's own updates)"
