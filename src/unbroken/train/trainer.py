@@ -219,7 +219,9 @@ class Trainer:
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
             # A hung peer: this rank's own thread saves the last step (train.watchdog).
-            watchdog = None if rerun else Watchdog.start(self.jit, progress, self.options.hang_timeout)
+            watchdog = (
+                None if rerun else Watchdog.start(self.jit, progress, self.options.hang_timeout)
+            )
             try:
                 if not rerun:
                     self._epochs(train_loader, val_loader)

@@ -5,8 +5,8 @@ good) never closes its sockets: its peers wait in their next collective until th
 group's timeout, 30 minutes by default. ``Watchdog`` notices it sooner. Under torchrun, with
 just-in-time saves on, each rank runs one daemon thread that every ``poll`` seconds:
 
-- publishes this rank's heartbeat (a count of its own polls, and the loop's ``progress.ticks``
-  for the message) under a key of this attempt in torchrun's store;
+- publishes this rank's heartbeat (a count of its own polls) under a key of this attempt in
+  torchrun's store;
 - reads the heartbeat of the next rank (a ring: one key read a poll, whatever the world size);
 - notes how long this rank's own ``progress.ticks`` stayed unchanged: a step, a save, a
   validation batch or a phase's end. The slowest of these, once over, sets the limit.
@@ -162,7 +162,7 @@ class Watchdog:
             self.slowest = max(self.slowest, now - self.mine.since)
             self.mine = Seen(ticks, now)
         self.beats += 1
-        self.store.set(f"beat/{self.rank}", f"{self.beats} {ticks}")
+        self.store.set(f"beat/{self.rank}", str(self.beats))
         if self.store.check([SAVED]):
             return self.store.get(SAVED).decode(), False
         key = f"beat/{self.peer}"
@@ -176,11 +176,15 @@ class Watchdog:
         still, waiting = now - self.theirs.since, now - self.mine.since
         if still <= limit or waiting <= limit:
             return None
-        _, at = beat.split()
-        how = "hang_timeout" if self.hang_timeout is not None else "derived: hang_timeout=None"
+        how = (
+            "hang_timeout"
+            if self.hang_timeout is not None
+            else f"{FACTOR:g} x the slowest interval between two batches, at least {FLOOR:g} s; "
+            "Trainer(hang_timeout=...) sets it"
+        )
         return (
-            f"rank {self.peer} hung: its process has not run for {still:.0f} s (its last "
-            f"heartbeat at tick {at}), while rank {self.rank} waited on it at tick {ticks}; "
+            f"rank {self.peer} hung: its process has not run for {still:.0f} s (no heartbeat "
+            f"in torchrun's store), while rank {self.rank} waited on it after tick {ticks}; "
             f"the limit is {limit:.0f} s ({how})"
         ), True
 
