@@ -6,10 +6,11 @@ lock the run directory, restore or seed; each epoch, a training then a validatio
 every batch, a preemption signal saves and exits with ``EXIT_CODE``, or a periodic save is due.
 Loss values reach the host only on logged batches (``LossSum``), so there is no sync per batch.
 Under ``torchrun`` every rank runs this loop with a DDP model; the ranks agree on signals and
-saves (``agreement``), rank 0 alone writes the logs, and when a rank dies (or hangs: ``watchdog``)
-a survivor saves the job as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
-step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
-``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
+saves (``agreement``), rank 0 alone writes the logs, and when a rank dies (or hangs:
+``watchdog``) a survivor saves the job as of the last completed step (``jit``). Each step's
+RNGs derive from (seed, phase, epoch, step, rank). ``max_steps`` and
+``checkpoint_every_steps`` count optimizer steps; the log's ``step`` counts batches of its
+phase; checkpoints are numbered by batches seen, both phases.
 At INFO, rank 0 says where the run starts and, at the end, how it ended (``ending``).
 """
 

@@ -3,7 +3,8 @@
 A rank whose process stops running (SIGSTOP, a frozen host, a thread that holds the GIL for
 good) never closes its sockets: its peers wait in their next collective until the process
 group's timeout, 30 minutes by default. ``Watchdog`` notices it sooner. Under torchrun, with
-just-in-time saves on, each rank runs one daemon thread that every ``poll`` seconds:
+just-in-time saves on, each rank runs one daemon thread that every few seconds (``POLL``, or a
+tenth of the limit where that is shorter):
 
 - publishes this rank's heartbeat (a count of its own polls) under a key of this attempt in
   torchrun's store;
@@ -21,16 +22,16 @@ own length. A rank that was paused itself (its own polls far apart) judges no on
 Then the main thread sits in a collective and cannot act, so the watchdog thread does. It halts
 the main thread's loop (``JustInTime.halted``: the loop stops at its next optimizer step, record
 or failure, so the live objects stay those of the last record), runs the same election and
-``save_alone`` as a failure (``JustInTime.on_failure``) and ends the process with ``EXIT_HUNG``.
-It then tells the other ranks (key ``SAVED``), which wait on the hung rank too: each follows at
+``save_alone`` as a failure (``JustInTime.on_failure``), tells the other ranks (key ``SAVED``)
+and ends the process with ``EXIT_HUNG``. The others wait on the hung rank too: each follows at
 its next poll, through the same election (it waits for the commit) and exit. torchrun's agent
 then stops the group (SIGKILL reaches the stopped rank, after the agent's 30 s grace) and
 restarts it from the new checkpoint. The log says which rank hung, and for how long.
 
 Not noticed here: a process that runs but never returns (a deadlock in a step, a stuck
-kernel): its thread beats on. The process group's timeout ends that wait, as before.
+kernel): its thread beats on. The process group's timeout ends that wait.
 
-Costs: nothing in a step (the thread reads a plain int); a store write and two reads a poll
+Costs: nothing in a step (the thread reads a plain int); a store write and three reads a poll
 (every 5 s at most) per rank, on a ``TCPStore`` connection of its own.
 """
 
