@@ -18,7 +18,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
 - ``slow_exit``: {"rank": r, "seconds": s}: after a preemption checkpoint, that rank takes
   that long to exit.
 - ``stop``: {"rank": r, "at": tick}: that rank SIGSTOPs itself after that tick, once (a hung
-  rank); ``pg_timeout``: the process group's timeout in seconds (gloo's default: 30 min).
+  rank); ``pg_timeout``: the process group's timeout in seconds (gloo's default: 30 min);
+  ``hang_timeout``: the Trainer's (left out: its default).
 - ``val``: true adds a validation loader (48 samples) and step; ``kill_in_step``: see
   ``kill_in_step`` below; ``kill``'s ``rank`` may be a list (ranks dying at once).
 - ``metrics``: false leaves the torchmetrics accuracy out (the state a survivor cannot know);
@@ -276,6 +277,7 @@ trainer = unbroken.Trainer(
     preemption_check_every=OPTIONS.get("check_every", 1),
     just_in_time=OPTIONS.get("jit"),
     async_save=OPTIONS.get("async_save", False),
+    **({"hang_timeout": OPTIONS["hang_timeout"]} if "hang_timeout" in OPTIONS else {}),
 )
 metrics = {"acc": accuracy} if OPTIONS.get("metrics", True) else None
 

@@ -42,17 +42,24 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 BASE = {"metrics": False, "log_every": 5, "val": True}
 
 
-def torchrun(run, options, restarts=0):
-    result = subprocess.run(
+def torchrun(run, options, restarts=0, timeout=300):
+    """The job on 3 ranks; its output. A job still running after ``timeout`` seconds fails the
+    test, once torchrun has stopped its ranks (SIGTERM lets it: a SIGKILL would leave them)."""
+    job = subprocess.Popen(
         [TORCHRUN, "--standalone", "--nproc-per-node=3", f"--max-restarts={restarts}"]
         + [str(JOB), str(run), json.dumps({**BASE, **options})],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-5000:]
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.terminate()  # torchrun stops its ranks: SIGTERM, then SIGKILL 30 s later
+        output, _ = job.communicate(timeout=60)
+        pytest.fail(f"the job ran for more than {timeout} s:\n{output[-5000:]}")
+    assert job.returncode == 0, output[-5000:]
     return output
 
 
@@ -196,6 +203,24 @@ def test_a_hung_rank_becomes_a_save_after_the_process_groups_timeout(reference, 
     assert saved_just_in_time(output) == [9], output[-3000:]
     assert resumed_ticks(output) == [9], output[-3000:]
     assert "Timed out" in output
+    assert_same_run(run, reference)
+
+
+def test_a_stopped_rank_is_saved_for_and_restarted_without_a_process_group_timeout(
+    reference, tmp_path
+):
+    # Rank 1 SIGSTOPs itself after tick 9, under the process group's default timeout (30 min).
+    # Rank 0 watches it (train.watchdog): its heartbeat stands still for more than the limit
+    # (3 s here; 60 s at least by default), so rank 0 saves tick 9 and exits; rank 2 follows,
+    # and torchrun kills the stopped rank (SIGKILL, after its 30 s grace) and restarts.
+    run = tmp_path / "run"
+    options = {"stop": {"rank": 1, "at": 9}, "hang_timeout": 3}
+    output = torchrun(run, options, restarts=1, timeout=150)
+    assert re.search(r"rank 1 hung: its process has not run for \d+ s", output), output[-3000:]
+    assert "limit is 3 s (hang_timeout)" in output
+    assert saved_just_in_time(output) == [9], output[-3000:]
+    assert resumed_ticks(output) == [9], output[-3000:]
+    assert "Timed out" not in output
     assert_same_run(run, reference)
 
 

@@ -51,6 +51,7 @@ REFUSED = {
     "lease_seconds": (-1, "lease_seconds must be a number of seconds > 0, got -1"),
     "remote_timeout": (0, "remote_timeout must be a number of seconds > 0, got 0"),
     "just_in_time": ("on", "just_in_time must be True, False or None, got 'on'"),
+    "hang_timeout": (0, "hang_timeout must be a number of seconds > 0, got 0"),
 }
 
 

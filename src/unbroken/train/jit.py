@@ -20,7 +20,9 @@ places: the loop's counters, the loaders' states, the stateful callbacks' states
 size. The model, optimizer, scheduler and scaler change only inside an optimizer step, which
 runs no collective: so when a collective fails (a peer died: "Connection reset by peer"; or
 stopped answering: the process group's timeout; or a checkpoint save lost a rank), the live
-objects and the last record describe the same moment, the last completed step.
+objects and the last record describe the same moment, the last completed step. A peer whose
+process stops running is noticed sooner by the hang watchdog (``watchdog``): its thread calls
+``on_failure`` while the loop waits in the collective (``halted`` keeps the loop from going on).
 
 ``on_failure`` then elects one survivor through torchrun's store (the agent serves it and
 outlives the attempt: a compare-and-set on a key of this attempt) and that one writes the
@@ -56,6 +58,7 @@ import copy
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -119,6 +122,8 @@ class JustInTime:
         self.agreed: tuple[int, int] | None = None
         self.enabled = False
         self.acted = False  # a failure came and this rank saved, waited or declined
+        # The thread saving for a hung peer (``watchdog``); the loop then stops (``_hold``).
+        self.halted: int | None = None
         self.record: Record | None = None
         self.consistent = False  # the live objects are as the record says
         self.sums = torch.zeros(0, dtype=torch.float64)
@@ -195,6 +200,8 @@ class JustInTime:
         """Record the loop at a place it can be resumed from (see the module)."""
         if not self.enabled:
             return
+        if self.halted is not None:
+            _hold()  # the hang watchdog saves the last record: leave it as it is
         states = {}
         for name, entry in self.entries.items():
             obj = unwrap(entry)
@@ -220,15 +227,26 @@ class JustInTime:
 
     def changing(self) -> None:
         """An optimizer or scheduler step begins: the live objects leave the record behind."""
-        self.consistent = False
+        self.consistent = False  # before the look at ``halted``: see ``on_failure``
+        if self.halted is not None:
+            _hold()
 
     def on_failure(self, error: BaseException) -> None:
         """A collective failed (or anything else raised in the loop): save the job as of the
-        record, if it is still what the live objects hold and newer than the last checkpoint."""
-        record, failed = self.record, time.perf_counter()
+        record, if it is still what the live objects hold and newer than the last checkpoint.
+
+        Also called by the hang watchdog's thread (``watchdog``), once it set ``halted``: the
+        loop then stops before its next optimizer step, record or failure. This reads
+        ``consistent`` before ``record`` (``take`` writes them in the other order), and
+        ``changing`` clears ``consistent`` before it looks at ``halted``: whenever this reads
+        ``consistent`` True, the record it reads next is the live objects'."""
+        if self.halted not in (None, threading.get_ident()):
+            _hold()  # the watchdog's thread saves and ends the process
+        consistent, failed = self.consistent, time.perf_counter()
+        record = self.record
         if not self.enabled or record is None:
             return
-        if not self.consistent:
+        if not consistent:
             say(
                 f"no just-in-time save: {type(error).__name__} came between an optimizer step "
                 "and the loop's record of it",
@@ -381,6 +399,12 @@ class JustInTime:
         saved = Progress(config=self.progress.config)
         saved.load_state_dict({**record.progress, "loss_sum": 0.0})
         return saved.where()
+
+
+def _hold() -> None:
+    """The loop's thread, once the hang watchdog saves for a hung peer: it waits for the
+    watchdog to end the process (``os._exit``), changing nothing meanwhile."""
+    threading.Event().wait()
 
 
 class LogUnknown(RuntimeError):

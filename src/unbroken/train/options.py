@@ -63,6 +63,11 @@ def _norm_or_none(name: str, value: Any) -> None:
         )
 
 
+def _seconds_or_none(name: str, value: Any) -> None:
+    if value is not None:
+        _seconds(name, value)
+
+
 def _flag(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -168,6 +173,12 @@ class TrainerOptions:
     job as of the last completed optimizer step (``train.jit``). ``None``: wherever a survivor
     can know every rank's state, else off with a message; ``True``: required (``fit`` raises,
     naming what prevents it); ``False``: off."""
+    hang_timeout: float | None = _option(None, _seconds_or_none)
+    """With just-in-time saves on: seconds a rank's process may go without running (its
+    heartbeat in torchrun's store stands still) while the next rank waits on it. That rank then
+    saves the job and exits, and torchrun restarts it (``train.watchdog``). ``None``: ``max(60,
+    3 x the slowest step, save or validation batch seen so far)``. The process group's own
+    timeout still ends any collective that waits longer."""
     remote_timeout: float = _option(60.0, _seconds)
     """A run directory in object storage: seconds one operation on the store may go without
     progress before it fails. A periodic save that fails so is reported and training goes
@@ -219,6 +230,7 @@ class TrainerKeywords(TypedDict, total=False):
     checkpoint_timeout: float
     lease_seconds: float
     just_in_time: bool | None
+    hang_timeout: float | None
     remote_timeout: float
 
 

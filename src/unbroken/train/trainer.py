@@ -6,10 +6,11 @@ lock the run directory, restore or seed; each epoch, a training then a validatio
 every batch, a preemption signal saves and exits with ``EXIT_CODE``, or a periodic save is due.
 Loss values reach the host only on logged batches (``LossSum``), so there is no sync per batch.
 Under ``torchrun`` every rank runs this loop with a DDP model; the ranks agree on signals and
-saves (``agreement``), rank 0 alone writes the logs, and when a rank dies a survivor saves the job
-as of the last completed step (``jit``). Each step's RNGs derive from (seed, phase, epoch,
-step, rank). ``max_steps`` and ``checkpoint_every_steps`` count optimizer steps; the log's
-``step`` counts batches of its phase; checkpoints are numbered by batches seen, both phases.
+saves (``agreement``), rank 0 alone writes the logs, and when a rank dies (or hangs:
+``watchdog``) a survivor saves the job as of the last completed step (``jit``). Each step's
+RNGs derive from (seed, phase, epoch, step, rank). ``max_steps`` and
+``checkpoint_every_steps`` count optimizer steps; the log's ``step`` counts batches of its
+phase; checkpoints are numbered by batches seen, both phases.
 At INFO, rank 0 says where the run starts and, at the end, how it ended (``ending``).
 """
 
@@ -42,6 +43,7 @@ from .rundir import RunDirectory
 from .schedule import SaveSchedule
 from .startup import Startup
 from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
+from .watchdog import Watchdog
 
 
 class Trainer:
@@ -218,12 +220,21 @@ class Trainer:
             )
             self._on_optimizer_step = hooks(self.options.callbacks, "on_optimizer_step")
             call_hooks(self.options.callbacks, "on_fit_start", self)
+            # A hung peer: this rank's own thread saves the last step (train.watchdog).
+            watchdog = (
+                None if rerun else Watchdog.start(self.jit, progress, self.options.hang_timeout)
+            )
             try:
                 if not rerun:
                     self._epochs(train_loader, val_loader)
             except Exception as error:
+                if watchdog is not None:
+                    watchdog.stop()  # one failure path at a time: the loop's, from here
                 self.jit.on_failure(error)  # a rank died: a survivor saves the last step
                 raise
+            finally:
+                if watchdog is not None:
+                    watchdog.stop()
             self.schedule.history.end("finished")
         except BaseException as error:
             close(self.checkpointer, self.run_log, error)  # never in the place of `error`
