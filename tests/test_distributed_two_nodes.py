@@ -25,6 +25,7 @@ agent too. The test accepts a torch that lets the new agent join instead.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -33,12 +34,17 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from unbroken.data.bijection import derive_key
+from unbroken.distributed.world import World
+from unbroken.train import jit
 
 HERE = Path(__file__).parent
 JOB = HERE / "ddp_job.py"
@@ -181,7 +187,13 @@ class Nodes:
         return "".join(node.output() for node in self.all)
 
     def tails(self):
-        return "\n".join(f"--- {n.log.name}\n{n.output()[-3000:]}" for n in self.all)
+        """Each agent's lines of unbroken and its last lines, for a failure's message."""
+        parts = []
+        for node in self.all:
+            lines = node.output().splitlines()
+            ours = [line[:300] for line in lines if "unbroken:" in line]
+            parts += [f"--- {node.log.name}", *ours, "...", *lines[-5:]]
+        return "\n".join(parts)
 
     def close(self):
         for node in self.running():
@@ -233,11 +245,26 @@ def trained(run, rank):
     return [(tick, ids) for _epoch, tick, ids, _loss in map(json.loads, seen)]
 
 
-def last_tick(run, rank, after=0):
-    return max(tick for tick, _ in trained(run, rank)[after:])
+def before_resume(run, rank, start, steps):
+    """The last step ``rank`` trained before the job resumed from step ``start``; checks that
+    it trained each step up to it once, and then each of the steps after ``start`` once."""
+    ticks = [tick for tick, _ in trained(run, rank)]
+    rest = steps - start
+    assert ticks[-rest:] == list(range(start + 1, steps + 1)), (rank, start, ticks)
+    assert ticks[:-rest] == list(range(1, len(ticks) - rest + 1)), (rank, start, ticks)
+    return len(ticks) - rest
 
 
-def test_a_dead_node_costs_at_most_the_step_in_flight_and_the_store_nodes_the_last_checkpoint(
+def assert_one_step_at_most(start, trained, output):
+    """The job resumed from the last step rank 0 had trained, or the one before (another
+    survivor, which its all-reduce of the next step left waiting, saved its own last step);
+    saved just in time, or the periodic checkpoint held it."""
+    assert trained - 1 <= start <= trained, (start, trained)
+    jit = saved_just_in_time(output)
+    assert jit == [start] or start % 5 == 0 and jit == [], (jit, start)
+
+
+def test_a_node_killed_costs_at_most_a_step_and_the_stores_node_killed_the_last_checkpoint(
     nodes, reference
 ):
     # 1. The node of ranks 2 and 3 dies mid-run, and a scheduler starts its agent again.
@@ -249,17 +276,15 @@ def test_a_dead_node_costs_at_most_the_step_in_flight_and_the_store_nodes_the_la
     done = nodes.finish([first, third], seconds=200)
     if done == [0, 0]:  # a torch whose new agent joins: the job went on in place
         (start,) = resumed(nodes.output())
-        # Rank 0 trained each step once: the job resumed from the last step it had trained.
-        assert [tick for tick, _ in trained(nodes.run, 0)] == list(range(1, STEPS + 1))
+        trained_then = before_resume(nodes.run, 0, start, STEPS)
+        assert_one_step_at_most(start, trained_then, nodes.output())
         assert_same_run(nodes.run, reference)
         return
     # torch 2.13: the new agent cannot join the surviving node 0 (see the module).
     assert "MASTER_ADDR" in third.output(), nodes.tails()
-    start = last_tick(nodes.run, 0)  # rank 0 had trained this step when it noticed
-    jit = saved_just_in_time(first.output())
-    assert jit == [start] or start % 5 == 0 and jit == [], nodes.tails()  # or periodic
-    # 2. So the scheduler restarts the job on both nodes, which resumes from that step. Then
-    # the node of both stores dies: the survivors cannot elect a saver.
+    trained_then = trained(nodes.run, 0)[-1][0]  # only the first attempt so far
+    # 2. So the scheduler restarts the job on both nodes, which resumes from the step saved.
+    # Then the node of both stores dies: the survivors cannot elect a saver.
     after = nodes.lines(2)
     _, (first, second) = nodes.launch()
     nodes.wait_for_tick(2, random.randint(11, 12), after)
@@ -275,11 +300,15 @@ def test_a_dead_node_costs_at_most_the_step_in_flight_and_the_store_nodes_the_la
     # 3. The scheduler restarts the job on both nodes: it resumes from that checkpoint.
     _, fresh = nodes.launch()
     assert nodes.finish(fresh) == [0, 0], nodes.tails()
-    assert resumed(nodes.output()) == [start, 10], nodes.tails()
+    start, fallback = resumed(nodes.output())
+    assert_one_step_at_most(start, trained_then[-1], nodes.output())
+    assert fallback == 10, nodes.tails()
     assert_same_run(nodes.run, reference)
 
 
-def test_with_nnodes_1_to_2_the_survivor_goes_on_alone_with_the_same_samples(nodes, reference):
+def test_a_node_killed_under_nnodes_1_to_2_leaves_the_survivor_going_on_with_the_same_samples(
+    nodes, reference
+):
     _, (first, second) = nodes.launch(nnodes="1:2")
     nodes.wait_for_tick(0, random.randint(3, 11))
     assert second.ranks() == {2, 3}, nodes.tails()
@@ -287,16 +316,13 @@ def test_with_nnodes_1_to_2_the_survivor_goes_on_alone_with_the_same_samples(nod
     assert nodes.finish([first]) == [0], nodes.tails()
     output = first.output()
     (start,) = resumed(output)
-    assert "saved by 4 ranks, on 2 ranks" in output, output[-3000:]
-    jit = saved_just_in_time(output)
-    assert jit == [start] or start % 5 == 0 and jit == [], output[-3000:]
-    # Ranks 0 and 1 trained each step once: the job resumed from the last step they trained,
-    # then the rest of the epoch in global batches of 8 (2 ranks of 4 samples).
+    assert "saved by 4 ranks, on 2 ranks" in output, nodes.tails()
+    # Then the rest of the epoch, in global batches of 8 (2 ranks of 4 samples).
+    steps = start + (N - start * BATCH) // 8
+    assert_one_step_at_most(start, before_resume(nodes.run, 0, start, steps), output)
+    before_resume(nodes.run, 1, start, steps)
     lines = [trained(nodes.run, rank) for rank in (0, 1)]
-    total = start + (N - start * BATCH) // 8
-    for rank in (0, 1):
-        assert [tick for tick, _ in lines[rank]] == list(range(1, total + 1)), rank
-        # Up to it, each rank trained what it did in the uninterrupted job.
+    for rank in (0, 1):  # up to it, each rank trained what it did in the uninterrupted job
         assert lines[rank][:start] == trained(reference, rank)[:start], rank
     # The data go on at the same global sample, in the same global order: the reference's
     # order (rank 0's share of a global batch, then rank 1's, ...) from the saved cursor on.
@@ -306,8 +332,34 @@ def test_with_nnodes_1_to_2_the_survivor_goes_on_alone_with_the_same_samples(nod
         for rank in range(4)
         for sample in dict(trained(reference, rank))[tick]
     ]
-    after = [line[start:] for line in lines]
-    assert [s for (_, a), (_, b) in zip(*after) for s in a + b] == order[start * BATCH :]
+    continued = [line[-(steps - start) :] for line in lines]
+    assert [s for (_, a), (_, b) in zip(*continued) for s in a + b] == order[start * BATCH :]
     # The survivor's ranks are seeded anew from (seed 0, the resumed step, their rank).
     seeds = [json.loads((nodes.run / f"fit.rank{r}.json").read_text()) for r in (0, 1)]
     assert seeds == [derive_key(0, start, r) % 2**63 for r in (0, 1)]
+
+
+def test_a_survivor_whose_store_is_gone_says_so_in_one_line_naming_the_last_checkpoint(caplog):
+    # The agent serving the ranks' store died with its node: the election's compare-and-set
+    # fails at once ("Connection was likely closed"), and no survivor can save.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+    del server
+    survivor = object.__new__(jit.JustInTime)  # the state on_failure reads, no process group
+    survivor.enabled = survivor.consistent = True
+    survivor.record = SimpleNamespace(ticks=12)
+    survivor.progress = SimpleNamespace(saved_at=10)
+    survivor.checkpointer = SimpleNamespace(background_step=None)
+    survivor.agreement = SimpleNamespace(world=World(2, 4))
+    survivor.run = SimpleNamespace(remote=False)
+    survivor.store = dist.PrefixStore("jit", client)
+    with caplog.at_level(logging.INFO, logger="unbroken"):
+        survivor.on_failure(RuntimeError("Connection reset by peer"))
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert line.startswith(
+        "no just-in-time save: torchrun's store did not answer (DistNetworkError: "
+    ), line
+    assert line.endswith(
+        "so no survivor can be elected to save; the node whose agent served it died: restart "
+        "the job on every node, it resumes from its last checkpoint, step-000000010"
+    ), line
