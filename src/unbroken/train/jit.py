@@ -29,8 +29,8 @@ sealed and committed as every checkpoint). The others wait for its commit (at mo
 ``WAIT_SECONDS``), and every survivor raises the error that stopped it, so torchrun restarts the
 group, which resumes from the new checkpoint: the work lost is the step in flight. If the store
 does not answer (the node whose agent served it died), no one is elected: each survivor says so
-in one line, naming the last checkpoint, which the job, restarted on every node, resumes from. A step
-counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
+in one line, naming the last checkpoint, which the job, restarted on every node, resumes from.
+A step counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
 (``async_save``) that a rank's death left unfinished is dropped, and its step saved this way.
 Rank 0's log is saved as of the record too: its rows reach the file as rank 0 logs them
 (``RunLog.log``), and a survivor saving for a dead rank 0 keeps the record's rows found there,
