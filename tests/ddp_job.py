@@ -24,6 +24,8 @@ over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accur
   ``kill_in_step`` below; ``kill``'s ``rank`` may be a list (ranks dying at once).
 - ``metrics``: false leaves the torchmetrics accuracy out (the state a survivor cannot know);
   ``jit``: the Trainer's ``just_in_time``; ``log_every``: the Trainer's (default 1).
+- ``step_ms``: each training step sleeps that long first, so that a test's kill from outside
+  lands at a moment it chose, not after the run's end.
 - ``plain``: the model unwrapped (one process continuing a job of several).
 - ``fsdp``: shard the model with FSDP2 (``fully_shard``) instead of wrapping it in DDP.
 - ``hsdp``: the same over a 2-D mesh of ``(WORLD // 2, 2)`` ranks, dims ``("replicate",
@@ -292,6 +294,7 @@ def hold_for_background_save():
 
 def training_step(model, batch):
     hold_for_background_save()
+    time.sleep(OPTIONS.get("step_ms", 0) / 1000)
     kill_in_step("train")
     x, y, ids = batch
     trainer.last_ids = ids.tolist() if COUNTED is None else None  # the user's read: not ours

@@ -29,8 +29,10 @@ outlives the attempt: a compare-and-set on a key of this attempt) and that one w
 checkpoint of the whole job from its own memory (``Checkpointer.save_alone``: no collective,
 sealed and committed as every checkpoint). The others wait for its commit (at most
 ``WAIT_SECONDS``), and every survivor raises the error that stopped it, so torchrun restarts the
-group, which resumes from the new checkpoint: the work lost is the step in flight. A step
-counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
+group, which resumes from the new checkpoint: the work lost is the step in flight. If the store
+does not answer (the node whose agent served it died), no one is elected: each survivor says so
+in one line, naming the last checkpoint, which the job, restarted on every node, resumes from.
+A step counts as saved once its checkpoint is committed (``progress.saved_at``): a background save
 (``async_save``) that a rank's death left unfinished is dropped, and its step saved this way.
 Rank 0's log is saved as of the record too: its rows reach the file as rank 0 logs them
 (``RunLog.log``), and a survivor saving for a dead rank 0 keeps the record's rows found there,
@@ -260,9 +262,13 @@ class JustInTime:
         self.acted = True
         if self.run.remote and rank != 0:
             return  # only rank 0 can upload the run's log; the periodic checkpoint stays
+        hsdp = self.shard is not None  # one survivor holding each shard writes it
         try:
-            hsdp = self.shard is not None  # one survivor holding each shard writes it
             writer = rank if hsdp else int(self.store.compare_set("writer", "", str(rank)))
+        except Exception as gone:  # the store's agent died with its node: no one can be elected
+            say(self._store_gone(gone), every_rank=True)
+            return
+        try:
             if writer != rank:
                 self._wait_for(writer)
                 return
@@ -295,6 +301,17 @@ class JustInTime:
                 f"save of {final_name(record.ticks)} covers it",
                 every_rank=True,
             )
+
+    def _store_gone(self, failure: BaseException) -> str:
+        """The one line a survivor says when torchrun's store does not answer the election."""
+        saved = self.progress.saved_at
+        fallback = final_name(saved) if saved > 0 else "the run's start"
+        why = (str(failure).splitlines() or [""])[0][:120]
+        return (
+            f"no just-in-time save: torchrun's store did not answer ({type(failure).__name__}: "
+            f"{why}), so no survivor can be elected to save; the node whose agent served it "
+            f"died: restart the job on every node, it resumes from its last checkpoint, {fallback}"
+        )
 
     def _background(self) -> tuple[int, str] | None:
         """The background save, if any, settled without waiting: committed (``saved_at``), or
