@@ -130,10 +130,11 @@ class Events:
 
 
 def run_job(
-    run: Path, options: dict[str, Any], trace: list[Failure], cap: float
+    run: Path, options: dict[str, Any], trace: list[Failure], cap: float, hang_in_save: bool = False
 ) -> tuple[int, dict[tuple[int, int], float]]:
     """torchrun the job, applying ``trace`` (failures struck: ``attempt >= 0``); the exit
-    status, and when each rank's process of each attempt was first seen ended."""
+    status, and when each rank's process of each attempt was first seen ended. The hang waits
+    until the victim has no save under way, or with ``hang_in_save`` until it writes one."""
     run.mkdir(parents=True)
     log = open(run / "torchrun.log", "wb")
     command = [TORCHRUN, "--standalone", f"--nproc-per-node={RANKS}"]
@@ -164,10 +165,12 @@ def run_job(
                 break  # the job ended (or the cap came) before this failure
             while time.time() < started + failure.gap and job.poll() is None:
                 poll(min(0.05, max(0.0, started + failure.gap - time.time())))
-            if failure.kind == "save" and not in_a_save(
-                events, failure.rank, attempt, job, deadline
-            ):
+            aim = failure.kind == "save" or (failure.kind == "hang" and hang_in_save)
+            if aim and not in_a_save(events, failure.rank, attempt, job, deadline):
                 break  # the job ended before a background save began
+            if failure.kind == "hang" and not hang_in_save:
+                while saving(events, failure.rank, attempt) and job.poll() is None:
+                    poll(0.005)
             pid = int(events.of(failure.rank, "pid", attempt)[0][2])
             events.read()
             if job.poll() is not None or (
@@ -194,6 +197,9 @@ def run_job(
             os.killpg(job.pid, signal.SIGKILL)  # the cap: every rank, stopped ones included
             job.wait()
         log.close()
+        # What only the supervisor knows, kept beside the events (--keep) for a later look.
+        kept = {"trace": [asdict(f) for f in trace], "ended": [[*k, v] for k, v in ended.items()]}
+        (run / "trace.json").write_text(json.dumps(kept))
 
 
 def in_a_save(
@@ -208,6 +214,13 @@ def in_a_save(
         if len(events.of(rank, "sb", attempt)) > seen:
             return True
     return False
+
+
+def saving(events: Events, rank: int, attempt: int) -> bool:
+    """Whether ``rank`` has a save under way in ``attempt``: its last ``s``, ``sb`` or ``sw``
+    event is not an ``sw`` (a hang there waits out the checkpoint's own timeout: see the docs)."""
+    moments = [e for e in events.lines[rank] if e[0] in ("s", "sb", "sw") and int(e[1]) == attempt]
+    return bool(moments) and moments[-1][0] != "sw"
 
 
 def last_begun(events: Events, rank: int, attempt: int) -> int:
@@ -271,8 +284,8 @@ def analyse(
         f.recomputed = max(0, max(begun, default=0) - f.resumed)
         f.completed_lost = max(0, max(done, default=0) - f.resumed)
         before = [e for e in events.lines[f.rank] if int(e[1]) == a and float(e[-1]) < f.at]
-        steps = [e for e in before if e[0] in ("b", "d", "s")]
-        f.struck = describe(steps[-1] if steps else None)
+        moments = [e for e in before if e[0] in ("b", "d", "s")]
+        f.struck = describe(moments[-1] if moments else None)
         writing = background_save(before, events, a, f.at)
         if writing is not None:
             f.in_save = True
@@ -421,6 +434,9 @@ def main() -> None:
                         help="default: the Trainer's and torch's default settings notice the "
                         "hang (needs hang_timeout, the watchdog); timeout: a --pg-timeout "
                         "process group; auto: default where the watchdog is")  # fmt: skip
+    parser.add_argument("--hang-in-save", action="store_true",
+                        help="the hang strikes while its victim writes a background save "
+                        "(default: while it has none under way)")  # fmt: skip
     parser.add_argument("--pg-timeout", type=float, default=5.0,
                         help="--hang timeout's process-group timeout, seconds")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the failure trace's seed")
@@ -459,7 +475,7 @@ def main() -> None:
         trace = failure_trace(args.seed, args.failures, args.save_kills, work)
         options = {**base, "policy": policy, "async_save": True, **hang_options(args, policy)}
         print(f"[{policy}: {len(trace)} failures]", file=sys.stderr, flush=True)
-        rc, ended = run_job(root / policy, options, trace, args.cap)
+        rc, ended = run_job(root / policy, options, trace, args.cap, args.hang_in_save)
         runs[policy] = analyse(root / policy, trace, rc, root / "none", ended)
         runs[policy]["hang"] = hang_setting(args, policy)
     measured = measured_costs(runs)

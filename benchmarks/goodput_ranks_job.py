@@ -81,9 +81,10 @@ class Recorder:
 
     def watch(self, trainer, ticks: int) -> None:
         """A background save's two moments, from the Checkpointer's public properties: ``sb``
-        once its writer thread runs (``background_step`` is its step), ``sw`` once that thread
-        ended, with 1 if the checkpoint's directory is there (committed: every rank's writer
-        waits for rank 0's commit before it ends) or 0 (the write failed). Polled every 2 ms,
+        once its writer thread runs (``background_step`` is its step), ``sw`` once it is no
+        longer in flight, with 1 if the checkpoint's directory is there (committed: every
+        rank's writer waits for rank 0's commit before it ends) or 0 (the write failed, or a
+        failure made the Checkpointer drop it: its thread may still run). Polled every 2 ms,
         for the save's length only."""
         checkpointer, steps = trainer.checkpointer, trainer.progress.steps
         final = Path(trainer.run.checkpoints) / f"step-{ticks:09d}"  # the library's layout
