@@ -450,7 +450,7 @@ def main() -> None:
     if args.steps is None:
         args.steps = max(1200, 150 * args.failures)
     if args.save_kills is None:
-        args.save_kills = max(1, args.failures // 5)
+        args.save_kills = min(args.failures - 1, max(1, args.failures // 5))
     if args.failures < 1 or not 0 <= args.save_kills <= args.failures - 1:
         parser.error("--failures must be >= 1 (the hang) and --save-kills in [0, failures - 1]")
     if args.hang == "auto":

@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> None:
             "periodic": costs_json(costs), "jit": costs_json(jit_costs or costs), "mix": mix,
         }  # fmt: skip
         title = (f"{args.work_days:g} days of work at Llama 3's failure rate, {label} costs: step "
-                 f"{costs.step:g} s, save {costs.save:g} s, JIT save {costs.jit_save:g} s, "
-                 f"restart {costs.restart:g} s; {describe_kinds(costs, jit_costs, mix)}; "
+                 f"{costs.step:.4g} s, save {costs.save:.4g} s, JIT save {costs.jit_save:.4g} s, "
+                 f"restart {costs.restart:.4g} s; {describe_kinds(costs, jit_costs, mix)}; "
                  f"{args.replicas} jobs per row")  # fmt: skip
         print(f"\n{title}\n\n" + results.table(title, scenario_table(rows)), flush=True)
     if args.check is not None:
