@@ -100,8 +100,6 @@ def ranks_file(path):
              "steps_recomputed": [1], "failures": [failure("hang", 36.0, 3.0)]},
         ],
     }  # fmt: skip
-    data["runs"][0]["failures"].append(failure("kill", float("nan")))  # no next attempt: skipped
-    data["runs"][0]["failures"].pop()
     path.write_text(json.dumps(data))
     return path
 
@@ -123,7 +121,9 @@ def test_check_replays_each_failure_with_its_kinds_measured_cost(sim, tmp_path, 
     sim.main(["--check", str(path), "--measured", str(path), "--gpus", "8", "--work-days",
               "0.01", "--replicas", "2", "--json", ""])  # fmt: skip
     printed = capsys.readouterr().out
-    assert "0 periodic: +0.185 with one restart for every failure, +0.000 with each kind's" in printed
+    assert (
+        "0 periodic: +0.185 with one restart for every failure, +0.000 with each kind's" in printed
+    )
     assert "33% kill (restart 5 s), 67% hang (restart 35 s / 36 s with JIT)" in printed
 
 
