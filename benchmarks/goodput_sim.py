@@ -490,10 +490,12 @@ def main(argv: list[str] | None = None) -> None:
     kill = KindCost(args.restart)
     assumed = Costs(args.step, args.save, args.jit_save, args.restart,
                     {"kill": kill, "save": kill, "hang": KindCost(args.restart + args.hang_extra)})  # fmt: skip
+    # (label, the periodic policies' costs, jit's where they differ, the mix of kinds)
+    runs: list[tuple[str, Costs, Costs | None, Mapping[str, float]]]
     runs = [("assumed", assumed, None, args.mix or {"kill": 1.0})]
     if args.measured is not None:
-        periodic, jit, mix = measured_model(args.measured)
-        runs.append(("measured", periodic, jit, args.mix or mix))
+        periodic, jit, measured_mix = measured_model(args.measured)
+        runs.append(("measured", periodic, jit, args.mix or measured_mix))
     for label, costs, jit_costs, mix in runs:
         rows = scenario_rows(args, costs, label, mix, jit_costs)
         results.data.setdefault("scenario", []).extend(rows)
