@@ -170,6 +170,8 @@ def run_job(
                 break  # the job ended before a background save began
             if failure.kind == "hang" and not hang_in_save:
                 while saving(events, failure.rank, attempt) and job.poll() is None:
+                    if time.monotonic() > deadline:
+                        break
                     poll(0.005)
             pid = int(events.of(failure.rank, "pid", attempt)[0][2])
             events.read()
@@ -524,6 +526,7 @@ def report(
             "max_recomputed": max(recomputed, default=None), "hang": r["hang"],
             "weights_equal": r["weights_equal"], "finished": r["finished"],
             "attempts": r["attempts"], "wall_seconds": r["span"], "exit_status": r["rc"],
+            "step_seconds": statistics.median(r["step_gaps"]) if r["step_gaps"] else None,
             "failures": fs, "jit_trouble": r["jit_trouble"],
         })  # fmt: skip
         rows.append([
