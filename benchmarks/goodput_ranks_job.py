@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,8 +63,8 @@ class Recorder:
     """The events of the steps and saves (see the module); no ``state_dict``, so it is not
     checkpointed."""
 
-    def __init__(self, events: Events) -> None:
-        self.events = events
+    def __init__(self, events: Events, background: bool) -> None:
+        self.events, self.background = events, background
 
     def on_fit_start(self, trainer) -> None:
         self.events.write("resume", trainer.progress.steps, trainer.progress.ticks)
@@ -73,12 +74,39 @@ class Recorder:
 
     def on_save_start(self, trainer) -> None:
         self.events.write("s", trainer.progress.steps)
+        if self.background:
+            threading.Thread(
+                target=self.watch, args=(trainer, trainer.progress.ticks), daemon=True
+            ).start()
+
+    def watch(self, trainer, ticks: int) -> None:
+        """A background save's two moments, from the Checkpointer's public properties: ``sb``
+        once its writer thread runs (``background_step`` is its step), ``sw`` once it is no
+        longer in flight, with 1 if the checkpoint's directory is there (committed: every
+        rank's writer waits for rank 0's commit before it ends) or 0 (the write failed, or a
+        failure made the Checkpointer drop it: its thread may still run). Polled every 2 ms,
+        for the save's length only."""
+        checkpointer, steps = trainer.checkpointer, trainer.progress.steps
+        final = Path(trainer.run.checkpoints) / f"step-{ticks:09d}"  # the library's layout
+        deadline = time.monotonic() + 120.0
+        while checkpointer.background_step != ticks:
+            if time.monotonic() > deadline:
+                return  # the save did not start (it raised: the job restarts)
+            time.sleep(0.002)
+        self.events.write("sb", steps)
+        while checkpointer.in_flight:
+            time.sleep(0.002)
+        self.events.write("sw", steps, int(final.is_dir()))
 
 
 def main(run: Path, options: dict) -> None:
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=options.get("pg_timeout", 5))
-    unbroken.distributed.init_process_group("gloo", timeout=timeout)
+    if options.get("hang_default", False):
+        # Default settings: torch's process-group timeout, the Trainer's own hang handling.
+        unbroken.distributed.init_process_group("gloo")
+    else:
+        timeout = datetime.timedelta(seconds=options.get("pg_timeout", 5))
+        unbroken.distributed.init_process_group("gloo", timeout=timeout)
     rank = dist.get_rank()
     events = Events(run, rank)
     events.write("pid", os.getpid())
@@ -105,10 +133,11 @@ def main(run: Path, options: dict) -> None:
         max_epochs=-(-steps // len(loader)),
         checkpoint_every_seconds=None if policy == "none" else options["interval"],
         just_in_time=policy == "jit",
+        async_save=options.get("async_save", False),
         progress_bar=False,
         tensorboard=False,
         log_every=50,
-        callbacks=[Recorder(events)],
+        callbacks=[Recorder(events, options.get("async_save", False))],
     )
 
     def training_step(model, batch):
@@ -121,6 +150,7 @@ def main(run: Path, options: dict) -> None:
     except BaseException:
         events.write("x", trainer.progress.steps)  # a peer failed: this rank leaves fit
         raise
+    events.write("end", trainer.progress.steps)  # fit returned: this rank finished the run
     if rank == 0:
         partial = run / "final.pt.partial"
         torch.save(net.state_dict(), partial)
