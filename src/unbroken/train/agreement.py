@@ -22,10 +22,10 @@ NCCL). Cost of ``any_of``: one all-reduce of two ints (docs/benchmarks/unit-cost
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -88,6 +88,7 @@ class Received:
 
 
 HEAD = 16  # the row's bytes before the ranks' losses: the two flags, padding, rank 0's log size
+_HEAD = struct.Struct("<BB6xq")  # those 16 bytes: two flags, 6 of padding, a little-endian int64
 
 
 class Carrier:
@@ -108,6 +109,9 @@ class Carrier:
         self._tags: tuple[int, int] = (0, 0)
         self._travelling: tuple[torch.Tensor, Any, tuple[int, int]] | None = None
         self.lag = device.type != "cpu"  # whether the host reads the flags a batch later
+        # On the CPU one row serves every batch: the reduction copies it as it sends it, and
+        # each rank only ever writes the head and its own loss's bytes (the rest stays zero).
+        self._cpu: tuple[torch.Tensor, Any, torch.Tensor] | None = None
 
     @staticmethod
     def width(world_size: int) -> int:
@@ -123,20 +127,28 @@ class Carrier:
         ticks: int,
         loss: torch.Tensor,
     ) -> None:
-        # A row of its own each batch: the last one's losses stay the record's (jit), and on a
-        # device the last one may still travel to the host.
-        row = torch.zeros(self.width(self.world.size), dtype=torch.uint8, device=self.device)
-        head = np.zeros(HEAD, dtype=np.uint8)
-        head[0], head[1] = preempted, time_due
-        head[8:] = np.array([log_bytes], dtype=np.int64).view(np.uint8)
-        if self.device.type == "cpu":
-            row.numpy()[:HEAD] = head  # no tensor op per byte
-        else:  # filled there, byte by byte: a copy from pageable host memory would sync
-            for index in np.flatnonzero(head):
-                row[int(index)] = int(head[index])
         start = HEAD + 8 * self.world.rank
-        row[start : start + 8] = loss.detach().reshape(1).to(torch.float64).view(torch.uint8)
         self._tags = (rows, ticks)
+        if self.device.type == "cpu":
+            if self._cpu is None:
+                row = torch.zeros(self.width(self.world.size), dtype=torch.uint8)
+                self._cpu = (
+                    row,
+                    row.numpy().data,  # the array's buffer, written in place
+                    row[start : start + 8].view(torch.float64),
+                )
+            row, host, slot = self._cpu
+            _HEAD.pack_into(host, 0, preempted, time_due, log_bytes)  # no tensor op per byte
+            slot.copy_(loss.detach().reshape(1))  # in float64, on the tensor's side: no read
+            self.reduction.carry(row)
+            return
+        # On a device a row of its own each batch (the last one may still be on its way):
+        # filled there, byte by byte, since a copy from pageable host memory would sync.
+        row = torch.zeros(self.width(self.world.size), dtype=torch.uint8, device=self.device)
+        for index, byte in enumerate(_HEAD.pack(preempted, time_due, log_bytes)):
+            if byte:
+                row[index] = byte
+        row[start : start + 8] = loss.detach().reshape(1).to(torch.float64).view(torch.uint8)
         self.reduction.carry(row)
 
     def receive(self) -> tuple[torch.Tensor, Received | None] | None:
@@ -163,8 +175,8 @@ class Carrier:
 
     @staticmethod
     def _read(head: Any, tags: tuple[int, int]) -> Received:
-        log_bytes = int(head[8:HEAD].view(np.int64)[0])
-        return Received(bool(head[0]), bool(head[1]), log_bytes, *tags)
+        preempted, time_due, log_bytes = _HEAD.unpack_from(head)
+        return Received(preempted > 0, time_due > 0, log_bytes, *tags)
 
 
 class Boundary:
