@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -39,8 +38,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import torch.distributed as dist
+from test_just_in_time import assert_same_run, resumed_ticks, saved_just_in_time
 
 from unbroken.data.bijection import derive_key
 from unbroken.distributed.world import World
@@ -223,23 +222,6 @@ def reference(tmp_path_factory):
     return run
 
 
-def assert_same_run(run, reference):
-    ours = torch.load(run / "final.pt", weights_only=True)
-    theirs = torch.load(reference / "final.pt", weights_only=True)
-    assert ours.keys() == theirs.keys()
-    for key in ours:
-        assert torch.equal(ours[key], theirs[key]), key
-    assert (run / "metrics.csv").read_bytes() == (reference / "metrics.csv").read_bytes()
-
-
-def resumed(output):
-    return [int(t) for t in re.findall(r"resumed from checkpoint \S+/step-(\d+)", output)]
-
-
-def saved_just_in_time(output):
-    return sorted({int(t) for t in re.findall(r"just in time: \S+/step-(\d+)", output)})
-
-
 def trained(run, rank):
     """``rank``'s (tick, ids) lines, in the order it trained them over every attempt."""
     seen = (run / f"seen.rank{rank}.jsonl").read_text().splitlines()
@@ -276,7 +258,7 @@ def test_a_node_killed_costs_at_most_a_step_and_the_stores_node_killed_the_last_
     third = nodes.join(port)
     done = nodes.finish([first, third], seconds=200)
     if done == [0, 0]:  # a torch whose new agent joins: the job went on in place
-        (start,) = resumed(nodes.output())
+        (start,) = resumed_ticks(nodes.output())
         trained_then = before_resume(nodes.run, 0, start, STEPS)
         assert_one_step_at_most(start, trained_then, nodes.output())
         assert_same_run(nodes.run, reference)
@@ -301,7 +283,7 @@ def test_a_node_killed_costs_at_most_a_step_and_the_stores_node_killed_the_last_
     # 3. The scheduler restarts the job on both nodes: it resumes from that checkpoint.
     _, fresh = nodes.launch()
     assert nodes.finish(fresh) == [0, 0], nodes.tails()
-    start, fallback = resumed(nodes.output())
+    start, fallback = resumed_ticks(nodes.output())
     assert_one_step_at_most(start, trained_then, nodes.output())
     assert fallback == 10, nodes.tails()
     assert_same_run(nodes.run, reference)
@@ -316,7 +298,7 @@ def test_a_node_killed_under_nnodes_1_to_2_leaves_the_survivor_going_on_with_the
     second.kill()
     assert nodes.finish([first]) == [0], nodes.tails()
     output = first.output()
-    (start,) = resumed(output)
+    (start,) = resumed_ticks(output)
     assert "saved by 4 ranks, on 2 ranks" in output, nodes.tails()
     # Then the rest of the epoch, in global batches of 8 (2 ranks of 4 samples).
     steps = start + (N - start * BATCH) // 8
