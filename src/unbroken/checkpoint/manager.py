@@ -256,7 +256,11 @@ class Checkpointer:
         return self._writing.write_shards(tmp, index, name, entry, group, rank)
 
     def abandon(self, tmp: str) -> None:
-        """Remove the temporary directory of a ``stage_alone`` that will not be sealed."""
+        """Remove the temporary directory of a ``stage_alone`` that will not be sealed.
+
+        Args:
+            tmp: The directory ``stage_alone`` returned.
+        """
         self._writing.abandon(tmp)
 
     def _prepare(

@@ -15,7 +15,8 @@
   a resume checks; ``schedule``: when a periodic one is due; ``startup``: where a start's time
   went before the first step.
 - ``agreement``: what the ranks of a data-parallel job agree on; ``jit``: just-in-time saves, a
-  survivor saving the job when a rank dies.
+  survivor saving the job when a rank dies (``jit_shards``: each shard of an HSDP model written
+  by a survivor that holds it); ``watchdog``: a hung rank noticed through torchrun's store.
 """
 
 from ..preemption import DEFAULT_SIGNALS, EXIT_CODE, Preemption
