@@ -330,6 +330,7 @@ def test_a_survivor_whose_store_is_gone_says_so_in_one_line_naming_the_last_chec
     del server
     survivor = object.__new__(jit.JustInTime)  # the state on_failure reads, no process group
     survivor.enabled = survivor.consistent = True
+    survivor.halted = survivor.shard = None  # no hang watchdog acting, not an HSDP model
     survivor.record = SimpleNamespace(ticks=12)
     survivor.progress = SimpleNamespace(saved_at=10)
     survivor.checkpointer = SimpleNamespace(background_step=None)
