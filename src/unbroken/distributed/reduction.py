@@ -205,10 +205,8 @@ class ExactReduction:
         parameters = bucket.parameters()
         chunk = self._chunk_of(bucket.index(), parameters, buffer)
         if chunk is not None and chunk == self.target and self.carry_bytes:  # the row's chunk
-            size = buffer.numel()
-            packed = buffer.new_empty(size + self.carry_bytes)
-            result = torch.div(buffer, self.size, out=packed[:size])
-            futures.append(self._with_row(packed, size))
+            reduced, result = self._with_row(buffer)
+            futures.append(reduced)
         elif chunk is not None:
             buffer.div_(self.size)
             futures.append(self._all_reduce(buffer))
@@ -226,9 +224,17 @@ class ExactReduction:
             return futures[0].then(partial(_done, result=result))
         return torch.futures.collect_all(futures).then(lambda all_: _first_error(all_, result))
 
-    def _with_row(self, packed: torch.Tensor, size: int) -> torch.futures.Future[Any]:
-        """All-reduce a chunk's divided gradients (``packed[:size]``) with the row after them:
-        the one given to ``carry``, or zeros (the length never changes)."""
+    def _with_row(self, gradients: torch.Tensor) -> tuple[torch.futures.Future[Any], torch.Tensor]:
+        """All-reduce a chunk's flat ``gradients``, divided, with the row after them: the one
+        given to ``carry``, or zeros (the length never changes). Both ways of ``reduce`` come
+        here, so the row's chunk is one all-reduce of one length in each.
+
+        Returns:
+            The all-reduce's future, and the divided gradients (a view of its tensor).
+        """
+        size = gradients.numel()
+        packed = gradients.new_empty(size + self.carry_bytes)
+        divided = torch.div(gradients, self.size, out=packed[:size])
         row, self._out = self._out, None
         tail = packed[size:]
         if row is None:
@@ -238,7 +244,7 @@ class ExactReduction:
         reduced = self._all_reduce(packed)
         if row is not None:
             self._sent = (reduced, tail)
-        return reduced
+        return reduced, divided
 
     def _chunk_of(
         self, index: int, parameters: list[torch.Tensor], buffer: torch.Tensor
@@ -311,10 +317,7 @@ class ExactReduction:
             present = [view for view in views if view is not None]
             flat = torch.cat([view.reshape(-1) for view in present])
             if index == self.target and self.carry_bytes:  # as reduce() does: the row after it
-                packed = flat.new_empty(flat.numel() + self.carry_bytes)
-                torch.div(flat, self.size, out=packed[: flat.numel()])
-                reduced = self._with_row(packed, flat.numel())
-                flat = packed[: flat.numel()]
+                reduced, flat = self._with_row(flat)
             else:
                 flat.div_(self.size)
                 reduced = self._all_reduce(flat)
