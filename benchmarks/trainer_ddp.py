@@ -70,20 +70,24 @@ class Clock:
         self.first, self.last, self.sync = first, last, sync
         self.steps, self.saves = 0, 0
         self.start = self.end = float("nan")
+        self.cpu_start = self.cpu_end = float("nan")  # this process's CPU time, all threads
         self.jit: bool | None = None  # whether the Trainer's just-in-time saves were on
 
     def stepped(self) -> None:
         self.steps += 1
         if self.steps in (self.first, self.last):
             self.sync()
-            now = time.perf_counter()
+            now, cpu = time.perf_counter(), time.process_time()
             if self.steps == self.first:
-                self.start = now
+                self.start, self.cpu_start = now, cpu
             else:
-                self.end = now
+                self.end, self.cpu_end = now, cpu
 
     def ms_per_step(self) -> float:
         return (self.end - self.start) / (self.last - self.first) * 1e3
+
+    def cpu_ms_per_step(self) -> float:
+        return (self.cpu_end - self.cpu_start) / (self.last - self.first) * 1e3
 
     # As a Trainer callback: the same moment as the hand loop's, right after the step.
     def on_optimizer_step(self, trainer: Any) -> None:
@@ -188,6 +192,7 @@ def measure(args: argparse.Namespace, distributed: bool, out: Path) -> dict[str,
     monitor = ForeignLoad(root=os.getppid() if distributed else None)
     monitor.available &= bench.rank == 0
     ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
     saves: dict[str, list[int]] = {v: [] for v in VARIANTS}
     jit: dict[str, list[bool | None]] = {v: [] for v in VARIANTS}
     foreign: list[float] = []
@@ -196,8 +201,13 @@ def measure(args: argparse.Namespace, distributed: bool, out: Path) -> dict[str,
         for variant in rotated(VARIANTS, max(index, 0)):
             directory = out / f"round{index + 1}-{VARIANTS.index(variant)}"
             clock = bench.run(variant, directory)
+            spent = torch.tensor(clock.cpu_ms_per_step(), dtype=torch.float64)
+            if distributed:  # every rank's CPU time: the mean over the ranks, after the window
+                dist.all_reduce(spent)
+                spent /= bench.world
             if index >= 0:
                 ms[variant].append(clock.ms_per_step())
+                cpu[variant].append(float(spent))
                 saves[variant].append(clock.saves)
                 jit[variant].append(clock.jit)
             gc.collect()  # the DDP models of this variant go now, not inside a later window
@@ -205,7 +215,14 @@ def measure(args: argparse.Namespace, distributed: bool, out: Path) -> dict[str,
                 shutil.rmtree(directory, ignore_errors=True)
         if index >= 0:
             foreign.append(ForeignLoad.cores(before, monitor.snapshot()))
-    return {"world": bench.world, "ms": ms, "saves": saves, "jit": jit, "foreign": foreign}
+    return {
+        "world": bench.world,
+        "ms": ms,
+        "cpu": cpu,
+        "saves": saves,
+        "jit": jit,
+        "foreign": foreign,
+    }
 
 
 def quiet() -> None:
@@ -226,8 +243,10 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], dict[str, Any]]:
     """The table's rows for one world, and the same numbers for the JSON."""
     ms, rows, entry = measured["ms"], [], {"world": measured["world"], "variants": {}}
+    cpu = measured["cpu"]
     for variant in VARIANTS:
         ratio = [t / h for t, h in zip(ms[variant], ms[HAND])]
+        cpu_ratio = [t / h for t, h in zip(cpu[variant], cpu[HAND])]
         low, high = quartiles(ms[variant])
         median = statistics.median(ms[variant])
         entry["variants"][variant] = {
@@ -236,6 +255,10 @@ def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], di
             "ms_per_round": ms[variant],
             "ratio": statistics.median(ratio),
             "ratio_min_max": [min(ratio), max(ratio)],
+            "cpu_ms_per_step": statistics.median(cpu[variant]),
+            "cpu_ms_per_round": cpu[variant],
+            "cpu_ratio": statistics.median(cpu_ratio),
+            "cpu_ratio_min_max": [min(cpu_ratio), max(cpu_ratio)],
             "saves_in_window": sum(measured["saves"][variant]),
             "just_in_time": sorted({str(on) for on in measured["jit"][variant]}),
         }
@@ -247,6 +270,9 @@ def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], di
                 f"{low:.2f}-{high:.2f}",
                 "1" if variant == HAND else f"{statistics.median(ratio):.3f}",
                 "-" if variant == HAND else f"{min(ratio):.3f}-{max(ratio):.3f}",
+                f"{statistics.median(cpu[variant]):.2f}",
+                "1" if variant == HAND else f"{statistics.median(cpu_ratio):.3f}",
+                "-" if variant == HAND else f"{min(cpu_ratio):.3f}-{max(cpu_ratio):.3f}",
             ]
         )
     entry["foreign_cores"] = measured["foreign"]
@@ -305,7 +331,17 @@ def main() -> None:
     results.show(
         f"A training step, {LAYERS} x Linear({WIDTH}, {WIDTH}) MLP, batch {args.batch} a rank "
         f"({args.device}, {args.backend}): ms per step on rank 0",
-        ["ranks", "loop", "ms/step", "ms IQR", "ratio vs hand", "ratio min-max"],
+        [
+            "ranks",
+            "loop",
+            "ms/step",
+            "ms IQR",
+            "ratio vs hand",
+            "ratio min-max",
+            "CPU ms/step",
+            "CPU ratio",
+            "CPU ratio min-max",
+        ],
         rows,
         left=2,
     )
@@ -313,7 +349,9 @@ def main() -> None:
     notes = [
         f"medians over {args.rounds} rounds (after 1 warm-up round) of {args.steps} timed steps "
         f"after {args.warmup} untimed ones, per variant; ratio: a Trainer's time over the hand "
-        "loop's in the same round, median and min-max over rounds",
+        "loop's in the same round, median and min-max over rounds; ms: rank 0's wall clock; "
+        "CPU ms: each process's CPU time (all its threads: gloo's, autograd's), the mean over "
+        "the ranks, taken at the same two moments",
         f"Trainer options besides its defaults: max_epochs=1, max_steps={args.warmup + args.steps}, "
         f"checkpoint_every_seconds={NO_SAVE_SECONDS:.0f}, progress_bar=False; saves started in "
         "the timed windows: "

@@ -36,6 +36,7 @@ from harness.workloads import (
 )
 
 import unbroken
+from unbroken.train.globalrng import TRAIN, seed_step
 
 # --------------------------------------------------------------------------- workloads
 
@@ -82,16 +83,23 @@ def make_workload(name: str, args) -> Workload:
 # --------------------------------------------------------------------------- the loops
 
 NO_CHECKPOINTS = "Trainer, checkpoint_every_steps=None"
+# The exactness floor: the plain loop making the calls the Trainer makes to seed each step's
+# randomness from (seed, epoch, step, rank). Its ratio is what exactness costs; the Trainer's
+# rows over it, what the rest of the Trainer costs.
+CONTROL = "control: plain loop + the Trainer's per-step seeding"
+SEEDED = "seeded"  # the control's "options"
 HAS_TENSORBOARD_ARG = "tensorboard" in inspect.signature(unbroken.Trainer).parameters
 _LOG_EVERY = inspect.signature(unbroken.Trainer).parameters.get("log_every")
 LOG_EVERY = _LOG_EVERY.default if _LOG_EVERY is not None else None  # None: every batch
 
 
-def variants(tensorboard: str) -> list[tuple[str, dict | None]]:
-    """(label, Trainer keyword arguments; None for the plain loop), in the order run."""
+def variants(tensorboard: str) -> list[tuple[str, dict | str | None]]:
+    """(label, Trainer keyword arguments; None for the plain loop, SEEDED for the control), in
+    the order run."""
     chosen = {} if tensorboard == "default" else {"tensorboard": tensorboard == "on"}
-    out = [
+    out: list[tuple[str, dict | str | None]] = [
         ("plain loop", None),
+        (CONTROL, SEEDED),
         (
             NO_CHECKPOINTS,
             {"checkpoint_every_steps": None, "checkpoint_every_seconds": None, **chosen},
@@ -129,13 +137,15 @@ class Run:
     tensorboard: bool = False  # the Trainer wrote TensorBoard events
 
 
-def run_plain(work: Workload) -> Run:
+def run_plain(work: Workload, seeded: bool = False) -> Run:
     model, optimizer, loader = work.fresh()
     torch.manual_seed(0)  # as the Trainer seeds at its start (nothing here draws from it)
     step, steps = work.step, 0
     start = time.perf_counter()
-    for _ in range(work.epochs):
+    for epoch in range(work.epochs):
         for batch in loader:
+            if seeded:  # what the Trainer calls before each step (seed 0, rank 0)
+                seed_step(0, TRAIN, epoch, steps, 0)
             loss = step(model, batch)
             loss.backward()
             optimizer.step()
@@ -191,8 +201,10 @@ def run_trainer(work: Workload, options: dict, parent: str | None) -> Run:
     )
 
 
-def run_variant(work: Workload, options: dict | None, parent: str | None) -> Run:
-    return run_plain(work) if options is None else run_trainer(work, options, parent)
+def run_variant(work: Workload, options: dict | str | None, parent: str | None) -> Run:
+    if not isinstance(options, dict):
+        return run_plain(work, seeded=options == SEEDED)
+    return run_trainer(work, options, parent)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -231,7 +243,7 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
         delta = [(rd[label].loop - rd[labels[0]].loop) / rd[label].steps * 1e6 for rd in rounds]
         saves = sorted({run.saves for run in runs})
         save_ms = "-"
-        if options[label] is not None and saves != [0]:
+        if isinstance(options[label], dict) and saves != [0]:
             costs = [
                 (rd[label].loop - rd[NO_CHECKPOINTS].loop) / rd[label].saves * 1e3 for rd in rounds
             ]
@@ -239,17 +251,17 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
             save_ms = f"{per_save[label]:.2f}"
         fixed_ms = (
             None
-            if options[label] is None
+            if not isinstance(options[label], dict)
             else statistics.median(run.total - run.loop for run in runs) * 1e3
         )
         fixed = "-" if fixed_ms is None else f"{fixed_ms:.1f}"
-        is_plain = options[label] is None
+        is_plain, is_trainer = options[label] is None, isinstance(options[label], dict)
         board = sorted({"on" if run.tensorboard else "off" for run in runs})
         rows.append(
             [
                 work.name,
                 label,
-                "-" if is_plain else "/".join(board),
+                "/".join(board) if is_trainer else "-",
                 "/".join(map(str, saves)),
                 f"{statistics.median(us):.1f}",
                 "1" if is_plain else f"{statistics.median(ratio):.3f}",
@@ -264,7 +276,7 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
                 "workload": work.name,
                 "variant": label,
                 "plain": is_plain,
-                "tensorboard": None if is_plain else board == ["on"],
+                "tensorboard": board == ["on"] if is_trainer else None,
                 "saves": saves,
                 "us_per_step": statistics.median(us),
                 "ratio": 1.0 if is_plain else statistics.median(ratio),
@@ -275,9 +287,15 @@ def bench(work: Workload, args) -> tuple[list[list[str]], list[str], list[dict]]
             }
         )
 
+    control = [rd[NO_CHECKPOINTS].loop / rd[CONTROL].loop for rd in rounds]
+    floor = [rd[CONTROL].loop / rd[labels[0]].loop for rd in rounds]
     notes = [
+        f"{work.name}: the per-step seeding alone (control over plain) "
+        f"{statistics.median(floor):.3f}; the checkpoint-free Trainer over the control "
+        f"{statistics.median(control):.3f} (min-max {min(control):.3f}-{max(control):.3f}): "
+        "what the Trainer costs besides deriving each step's randomness",
         f"{work.name}: {len(work.dataset)} samples, batch {work.batch_size}, {work.epochs} "
-        f"epoch(s) = {rounds[0][labels[0]].steps} steps per run"
+        f"epoch(s) = {rounds[0][labels[0]].steps} steps per run",
     ]
     if foreign:
         notes.append(

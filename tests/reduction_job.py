@@ -57,16 +57,18 @@ def carried_right(model, step):
     return sums is not None and torch.equal(sums, expected[:CARRY].to(torch.uint8))
 
 
-def gradients(model, step, iterations, carry=False):
+def gradients(model, step, iterations, carry=False, divide=1):
     """The reduced gradients of one batch, computed ``iterations`` times (DDP rebuilds its
-    buckets after the first), each from the same weights and the same dropout draws."""
+    buckets after the first), each from the same weights and the same dropout draws; the loss
+    divided by ``divide`` (the world size, for a predivided reduction)."""
     out = []
     for _ in range(iterations):
         torch.manual_seed(step * 7 + RANK)
         x, y = batch(step)
         if carry:
             reduction_of(model).carry(row(step))
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        (loss / divide if divide > 1 else loss).backward()
         assert not carry or carried_right(model, step), "the carried row is not its sum"
         out.append([p.grad.clone() for p in model.parameters()])
         model.zero_grad(set_to_none=True)
@@ -127,6 +129,30 @@ for cap, chunks, target in ((25, [[5, 4, 3, 2, 1, 0]], 0), (0.002, [[5, 4, 3, 2]
     seen[f"carrying cap {cap} differs from not carrying"] = not same(
         first, gradients(exact_reduce(DDP(net(), bucket_cap_mb=cap)), 0, 1)[0]
     )
+# Predivided (the Trainer's way without accumulation): each rank's loss divided by the world
+# size, and the hook only sums, with the row carried. One result in every layout, equal to the
+# packed chunked sum of those gradients with no division, and close to the ranks' mean.
+alone = net()
+torch.manual_seed(7 * 0 + RANK)
+(torch.nn.functional.cross_entropy(alone(x), y) / WORLD).backward()
+shares = [p.grad for p in alone.parameters()]
+for cap, chunks, target in ((25, [[5, 4, 3, 2, 1, 0]], 0), (0.002, [[5, 4, 3, 2], [1, 0]], 1)):
+    model = _register(DDP(net(), bucket_cap_mb=cap), carry_bytes=CARRY)
+    reduction_of(model).predivided = True
+    first, rebuilt, steady = gradients(model, 0, 3, carry=True, divide=WORLD)
+    assert same(first, rebuilt) and same(rebuilt, steady), f"cap {cap}: predivided depends on it"
+    reference = [None] * len(shares)
+    for index, chunk in enumerate(chunks):
+        flat = torch.cat([shares[i].reshape(-1) for i in chunk])
+        if index == target:
+            flat = torch.cat([flat, row(0).to(flat.dtype)])
+        dist.all_reduce(flat)
+        sizes = [shares[i].numel() for i in chunk]
+        for i, part in zip(chunk, torch.split(flat[: sum(sizes)], sizes)):
+            reference[i] = part.view_as(shares[i])
+    assert same(first, reference), f"cap {cap}: predivided is not the packed chunked sum"
+    whole = torch.cat([g.reshape(-1) for g in first])
+    assert torch.allclose(whole, mean, atol=1e-6), f"cap {cap}: predivided is not the mean"
 # Without it, DDP's own layouts give other sums: the hazard the hook removes.
 stock = gradients(DDP(net(), bucket_cap_mb=0.002), 0, 2)
 seen["stock layouts differ"] = not same(stock[0], stock[1])
@@ -138,6 +164,7 @@ seen["stock layouts differ"] = not same(stock[0], stock[1])
 def train(wrap, directory, steps, resume=False, **ddp):
     model = wrap(DDP(net(), **ddp))
     carry = reduction_of(model) is not None and reduction_of(model).carry_bytes > 0
+    divide = WORLD if carry and reduction_of(model).predivided else 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     checkpointer = unbroken.Checkpointer(directory, keep=2)
     state = {"model": model, "optimizer": optimizer}
@@ -152,7 +179,8 @@ def train(wrap, directory, steps, resume=False, **ddp):
         x, y = batch(step)
         if carry:
             reduction_of(model).carry(row(step))
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        (loss / divide if divide > 1 else loss).backward()
         assert not carry or carried_right(model, step), "the carried row is not its sum"
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -170,9 +198,16 @@ def carrying(model):
     return _register(model, carry_bytes=CARRY)
 
 
+def predividing(model):
+    carrying(model)
+    reduction_of(model).predivided = True
+    return model
+
+
 for name, wrap, ddp in (
     ("exact", exact_reduce, {}),
     ("carrying", carrying, {"bucket_cap_mb": 0.002}),
+    ("predivided", predividing, {"bucket_cap_mb": 0.002}),
     ("stock", as_made, {}),
     ("unused", as_made, {"find_unused_parameters": True}),
 ):
@@ -183,7 +218,55 @@ for name, wrap, ddp in (
     seen[f"{name} warned"] = warned
     seen[f"{name} max diff"] = max((a - b).abs().max().item() for a, b in zip(whole, resumed))
 
-# 3. A model with a hook of its own cannot take exact_reduce: refused with the reason.
+
+# 3. The Trainer's DDP step: one optimizer step of SGD (lr 1) moves the weights by the ranks'
+# mean gradient, with and without accumulation (its reduction sums loss-divided gradients in
+# the first case, divides them itself in the second).
+def recording(got):
+    def step(model, batch):
+        got.append(batch.clone())
+        return model(batch).square().mean()
+
+    return step
+
+
+for accumulate in (1, 2):
+    got = []
+    step = recording(got)
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 3)
+    start = [p.detach().clone() for p in linear.parameters()]
+    model = DDP(linear)
+    data = torch.randn(48, 6, generator=torch.Generator().manual_seed(3))
+    loader = unbroken.DataLoader(data, batch_size=4, shuffle=True, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unbroken.Trainer(
+            OUT / f"trainer-{accumulate}",
+            max_epochs=1,
+            max_steps=1,
+            accumulate=accumulate,
+            progress_bar=False,
+        ).fit(model, torch.optim.SGD(model.parameters(), lr=1.0), loader, training_step=step)
+    assert len(got) == accumulate
+    fresh = torch.nn.Linear(6, 3)
+    with torch.no_grad():
+        for p, value in zip(fresh.parameters(), start):
+            p.copy_(value)
+    for batch in got:
+        (fresh(batch).square().mean() / accumulate).backward()
+    local = torch.cat([p.grad.reshape(-1) for p in fresh.parameters()])
+    gathered = [torch.zeros_like(local) for _ in range(WORLD)]
+    dist.all_gather(gathered, local)
+    expected = torch.cat([v.reshape(-1) for v in start]) - torch.stack(gathered).sum(0) / WORLD
+    trained = torch.cat([p.detach().reshape(-1) for p in linear.parameters()])
+    assert torch.allclose(trained, expected, atol=1e-6), (
+        f"accumulate {accumulate}: the Trainer's step is not the ranks' mean gradient"
+    )
+    seen[f"trainer step {accumulate} is the mean"] = True
+
+# 4. A model with a hook of its own cannot take exact_reduce: refused with the reason.
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook  # noqa: E402
 
 hooked = DDP(net())

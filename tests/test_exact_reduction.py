@@ -53,6 +53,19 @@ def test_a_carried_row_rides_in_one_layout_and_a_resumed_loop_ends_bit_exact(see
     assert seen["carrying resumed equal"] and seen["carrying max diff"] == 0.0
 
 
+def test_a_predivided_reduction_only_sums_and_a_resumed_loop_ends_bit_exact(seen):
+    # The Trainer's way without accumulation: each rank's loss divided by the world size, the
+    # hook only sums (no pass over the gradients). The job checked one result in every layout,
+    # equal to the packed chunked sum of those gradients undivided, and close to the mean.
+    assert seen["predivided resumed equal"] and seen["predivided max diff"] == 0.0
+
+
+def test_the_trainers_ddp_step_is_the_ranks_mean_gradient_with_and_without_accumulation(seen):
+    # The job checked it (allclose): its reduction sums gradients of a loss it divided by the
+    # world size, or divides accumulated gradients itself.
+    assert seen["trainer step 1 is the mean"] and seen["trainer step 2 is the mean"]
+
+
 def test_without_it_the_resumed_run_differs_and_the_resume_warns(seen):
     # The hazard is real on 3 ranks: DDP's own layouts sum one batch's gradients differently,
     # and a resumed loop ends with other weights; the Checkpointer says so as it loads.

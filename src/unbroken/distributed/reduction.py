@@ -38,8 +38,10 @@ the sums do not depend on it. The Trainer's ranks agree on preemption, saves and
 way, with no collective of their own per step: one copy of the smallest chunk a step.
 
 **Cost.** In steady state, DDP's own all-reduces plus one call of a Python hook a bucket
-(``benchmarks/ddp_reduction.py``); one copy of the gradients each way in a process's first
-step. **Scope.** Dense gradients of one DDP model. ``Trainer`` registers it on a DDP model of 2
+(``benchmarks/ddp_reduction.py``), and a pass over the gradients to divide them by the world
+size, which DDP's C++ path fuses into its copy. A loop that divides its loss by the world size
+instead saves that pass: set ``predivided`` (the Trainer does, without gradient accumulation).
+One copy of the gradients each way in a process's first step. **Scope.** Dense gradients of one DDP model. ``Trainer`` registers it on a DDP model of 2
 or more ranks; ``lightning.ExactResume`` on Lightning's DDP of 3 or more. In your own loop,
 call ``exact_reduce(model)`` once, after wrapping the model, before its first backward.
 """
@@ -126,6 +128,10 @@ class ExactReduction:
         rebuilds: Whether DDP rebuilds its buckets after the first backward; if not, the
             first backward's buckets are the layout of every step, and each is reduced as is.
         carry_bytes: The width of the row each backward carries (0: none; see the module).
+        predivided: The gradients arrive divided by the world size already: the hook only
+            sums them, with no pass over the gradients to divide. Right only for a loop that
+            scales its loss by ``1 / world size`` and reduces each backward's gradients alone
+            (no gradient accumulation): the Trainer sets it so (an attribute) when it may.
     """
 
     def __init__(
@@ -135,6 +141,7 @@ class ExactReduction:
         group: Any = None,
         rebuilds: bool = True,
         carry_bytes: int = 0,
+        predivided: bool = False,
     ) -> None:
         for parameter in parameters:
             if parameter.layout != torch.strided:
@@ -148,7 +155,7 @@ class ExactReduction:
         self._learning = not rebuilds
         self.where: dict[int, int] = {}  # id(parameter) -> its chunk
         self.copied = 0  # backwards that took the copying way (tests, benchmarks)
-        self.carry_bytes = carry_bytes
+        self.carry_bytes, self.predivided = carry_bytes, predivided
         self.target: int | None = None  # the chunk the row rides with, once chunks are learnt
         self._known: dict[tuple[int, ...], int] = {}  # a bucket's key -> its chunk, or -1
         self._ready: list[int] = []  # the first backward's ready order, as module indices
@@ -208,7 +215,8 @@ class ExactReduction:
             reduced, result = self._with_row(buffer)
             futures.append(reduced)
         elif chunk is not None:
-            buffer.div_(self.size)
+            if not self.predivided:
+                buffer.div_(self.size)
             futures.append(self._all_reduce(buffer))
         else:
             for parameter, gradient in zip(parameters, bucket.gradients()):
@@ -234,7 +242,11 @@ class ExactReduction:
         """
         size = gradients.numel()
         packed = gradients.new_empty(size + self.carry_bytes)
-        divided = torch.div(gradients, self.size, out=packed[:size])
+        divided = packed[:size]
+        if self.predivided:
+            divided.copy_(gradients)
+        else:
+            torch.div(gradients, self.size, out=divided)
         row, self._out = self._out, None
         tail = packed[size:]
         if row is None:
@@ -319,7 +331,8 @@ class ExactReduction:
             if index == self.target and self.carry_bytes:  # as reduce() does: the row after it
                 reduced, flat = self._with_row(flat)
             else:
-                flat.div_(self.size)
+                if not self.predivided:
+                    flat.div_(self.size)
                 reduced = self._all_reduce(flat)
             works.append(reduced.then(partial(_unflatten, flat=flat, views=present)))
 

@@ -145,6 +145,7 @@ class Trainer:
             # DDP: gradients summed in an order its bucket rebuild cannot change (3+ ranks),
             # and a reduction the ranks' per-batch agreement rides on (2+ ranks).
             ensure_exact(model, "unbroken.Trainer", Carrier.width(self.world.size))
+            self._loss_divisor = self._divisor(model)
             with self.preemption, determinism(self.options.deterministic, model):
                 exit_if_preempted(self.agreement, self.preemption)
                 self.run.open(self.options.remote_timeout)
@@ -277,7 +278,7 @@ class Trainer:
                 output = self.training_step(model, batch)
                 loss = step_loss(output)
                 # Dividing by 1 would add a no-op node to the graph: skip it.
-                scaled = loss / self.options.accumulate if self.options.accumulate > 1 else loss
+                scaled = loss / self._loss_divisor if self._loss_divisor > 1 else loss
                 self.boundary.send(loss, progress.ticks)  # rides on the backward's reduction
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 progress.batch_done(loss)  # adds the loss to the epoch's sum, without a sync
@@ -303,6 +304,18 @@ class Trainer:
         if self.scheduler is not None and self.options.scheduler_interval == "epoch":
             jit.changing()
             self.scheduler.step()
+
+    def _divisor(self, model: torch.nn.Module) -> int:
+        """What a batch's loss is divided by before its backward: the accumulation window's
+        length; or, on the Trainer's own DDP reduction without accumulation, the world size.
+        That reduction then only sums (``ExactReduction.predivided``): DDP's mean with no pass
+        over the gradients to divide them. Accumulated gradients are summed again by each
+        backward's reduction, so that hook divides them itself."""
+        accumulate, reduction = self.options.accumulate, reduction_of(model)
+        if reduction is None or reduction.carry_bytes != Carrier.width(self.world.size):
+            return accumulate  # no DDP, or the user's own exact_reduce: it divides
+        reduction.predivided = accumulate == 1
+        return self.world.size if reduction.predivided else accumulate
 
     def _optimizer_step(self) -> None:
         self.jit.changing()
