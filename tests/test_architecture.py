@@ -11,8 +11,8 @@ from pipelines import Augmented, Positioned
 
 import unbroken
 from unbroken.data import keys
-from unbroken.data.bijection import derive_key
 from unbroken.data.epochs import EpochIterable
+from unbroken.data.keys import derive_key
 from unbroken.data.sources import SOURCES, register
 from unbroken.data.sources.base import BatchSource
 from unbroken.data.sources.orders import IndexSource

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import unbroken
-from unbroken.data.bijection import IndexShuffle, derive_key
+from unbroken.data.bijection import IndexShuffle
+from unbroken.data.keys import derive_key
 from unbroken.data.rng import sample_seed_at
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.data.bijection import derive_key
+from unbroken.data.keys import derive_key
 from unbroken.train.lock import DirectoryLock
 
 HERE = Path(__file__).parent

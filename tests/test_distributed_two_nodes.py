@@ -41,7 +41,7 @@ import pytest
 import torch.distributed as dist
 from test_just_in_time import assert_same_run, resumed_ticks, saved_just_in_time
 
-from unbroken.data.bijection import derive_key
+from unbroken.data.keys import derive_key
 from unbroken.distributed.world import World
 from unbroken.train import jit
 

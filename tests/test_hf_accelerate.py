@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 import unbroken.distributed
 import unbroken.hf
 import unbroken.hf.accelerate
-from unbroken.data.bijection import derive_key
+from unbroken.data.keys import derive_key
 from unbroken.data.rng import batch_seeds
 from unbroken.errors import CorruptCheckpoint
 

@@ -373,7 +373,8 @@ def test_the_state_before_the_last_batch_is_the_state_one_batch_earlier(iterable
 def test_batches_that_do_not_divide_the_internal_block_are_whole(batch_size):
     # The order is computed in blocks of positions (4096 at a time): a batch size that does not
     # divide it must still give whole batches across every block edge, in the shuffle's order.
-    from unbroken.data.bijection import IndexShuffle, derive_key
+    from unbroken.data.bijection import IndexShuffle
+    from unbroken.data.keys import derive_key
 
     n = 3 * 4096 + 5
     loader = unbroken.DataLoader(Counting(n), batch_size=batch_size, shuffle=True, seed=2)

@@ -32,8 +32,9 @@ from pipelines import Stateless
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 import unbroken
-from unbroken.data.bijection import IndexShuffle, derive_key
+from unbroken.data.bijection import IndexShuffle
 from unbroken.data.combined import MODES, CombinedLoader
+from unbroken.data.keys import derive_key
 from unbroken.data.rng import batch_seeds, sample_rng_seed, sample_seed_at
 from unbroken.data.sources.orders import _BLOCK
 

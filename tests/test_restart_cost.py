@@ -11,9 +11,9 @@ import time
 
 import pytest
 
+from unbroken.train.progress import Startup
 from unbroken.train.rundir import RunDirectory
 from unbroken.train.schedule import KEPT_SESSIONS, AutoInterval, History, daly_interval
-from unbroken.train.startup import Startup
 
 
 @pytest.mark.parametrize("cost, mtbf", [(50.0, 100.0), (10.0, 400.0), (30.0, 20.0 * 60)])

@@ -6,7 +6,7 @@ import torch
 from pipelines import Augmented
 
 import unbroken
-from unbroken.data.bijection import derive_key
+from unbroken.data.keys import derive_key
 from unbroken.data.rng import (
     batch_seeds,
     check_global_rngs,

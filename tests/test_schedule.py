@@ -14,6 +14,7 @@ from trainer_job import Crash, CrashAt, SignalAt, run
 
 import unbroken
 from unbroken.train import schedule
+from unbroken.train.progress import process_age
 from unbroken.train.rundir import RunDirectory
 from unbroken.train.schedule import (
     FIRST_SECONDS,
@@ -25,7 +26,6 @@ from unbroken.train.schedule import (
     SaveSchedule,
     daly_interval,
 )
-from unbroken.train.startup import process_age
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unbroken.data.bijection import IndexShuffle, derive_key
+from unbroken.data.bijection import IndexShuffle
+from unbroken.data.keys import derive_key
 
 
 @given(n=st.integers(0, 3000), key=st.integers(0, 2**64 - 1))

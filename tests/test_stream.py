@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils.data import IterableDataset, get_worker_info
 
 import unbroken
-from unbroken.data.bijection import derive_key
+from unbroken.data.keys import derive_key
 from unbroken.data.rng import batch_seeds, sample_seed_at
 from unbroken.testing import assert_resumes_exactly
 

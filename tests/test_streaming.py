@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import unbroken
-from unbroken.data.bijection import IndexShuffle, derive_key
+from unbroken.data.bijection import IndexShuffle
+from unbroken.data.keys import derive_key
 from unbroken.errors import CorruptShard, RemoteUnavailable, StateMismatch
 from unbroken.streaming import StreamingDataset, index_parquet, write_shards
 from unbroken.streaming.order import WindowShuffle

@@ -7,11 +7,12 @@
   attributes, both ways (argument checks, samplers taken in and shown, the seed's draw).
 - ``epochs``: the epoch protocol every resumable iterable here shares (``iter()`` continues a
   loaded epoch or starts the next, a ``break`` ends it, ``set_epoch``).
-- ``combined``, ``iterable`` (``resumable``), ``buffered_shuffle`` (``shuffle_buffer``):
-  iterables built on that protocol; ``combined_checks``: the checks of a ``CombinedLoader``.
+- ``combined`` (with its checks), ``iterable`` (``resumable``), ``buffered_shuffle``
+  (``shuffle_buffer``): iterables built on that protocol.
 - ``rng`` and ``bijection``: per-batch and per-sample randomness and the per-index shuffle, pure
-  functions of (seed, epoch, position); ``keys``: the named seed derivations; ``states``: every
-  state's schema; ``workers``: what DataLoader workers do with preemption signals.
+  functions of (seed, epoch, position); ``keys``: the seed derivation (``derive_key``) and its
+  named keys; ``states``: every state's schema; ``workers``: what DataLoader workers do with
+  preemption signals.
 
 Importing it imports torch; nothing runs at import time.
 """

@@ -15,24 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .keys import mix64
+
 _ROUNDS = 6
-_U64 = (1 << 64) - 1
-
-
-def mix64(x: int) -> int:
-    """SplitMix64's finalizer: a cheap, well-spread 64-bit hash of a Python int."""
-    x = (x + 0x9E3779B97F4A7C15) & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
-    return x ^ (x >> 31)
-
-
-def derive_key(*parts: int) -> int:
-    """Hash a tuple of ints in [0, 2**64) (seed, epoch, ...) into one 64-bit key."""
-    key = 0x6A09E667F3BCC908
-    for part in parts:
-        key = mix64(key ^ part)
-    return key
 
 
 class IndexShuffle:

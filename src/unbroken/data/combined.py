@@ -21,6 +21,9 @@ short in ``min_size``, a cycled child when the longest ends, any child after a `
 moved to its next epoch with ``child.set_epoch(child.epoch + 1)`` when the combined epoch ends,
 so a resumed child and one that was abandoned in this process continue alike. Cost per step:
 one ``next()`` per child and a few flags; nothing is replayed on resume.
+
+The checks close the module: a child's methods at construction, and a loaded state's entries
+and the invariants every state that ``state_dict`` takes satisfies in each mode.
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
-from .._state import StateReader, same
+from .._state import StateReader, check_int, same, schema_fields
 from ..errors import CorruptState, StateMismatch, prefixed
-from .combined_checks import check_child, check_entry, check_progress, sets_epochs
 from .epochs import EpochIterable, check_epoch
-from .states import COMBINED, CombinedState
+from .states import COMBINED, ChildPosition, CombinedState
 
 MODES = ("max_size_cycle", "min_size", "max_size", "sequential")
 _WHAT = "unbroken.CombinedLoader"
+_CHILD_FIELDS = schema_fields(ChildPosition)
 _END = object()  # what a step returns when the combined epoch is over
 
 
@@ -318,3 +321,78 @@ def _close(iterator: Any) -> None:
     close = getattr(iterator, "close", None)
     if callable(close):
         close()
+
+
+# The checks: of the children (at construction), and of a loaded state's entries and the
+# invariants every state that ``state_dict`` takes satisfies in each mode (run before anything
+# changes).
+def check_entry(key: Any, entry: Any) -> None:
+    where = f"{_WHAT} state field 'loaders' entry {key!r}"
+    if not isinstance(entry, dict) or set(entry) != _CHILD_FIELDS:
+        raise CorruptState(
+            f"{where}: expected a dict with fields {sorted(_CHILD_FIELDS)}, got {entry!r:.200}"
+        )
+    check_int(entry["batches"], f"{where}: 'batches'")
+    for flag in ("exhausted", "open"):
+        if not isinstance(entry[flag], bool):
+            raise CorruptState(f"{where}: '{flag}' must be a bool, got {entry[flag]!r}", "loaders")
+
+
+def check_progress(mode: str, batches: int, current: Any, entries: list) -> None:
+    """The invariants every state that ``state_dict`` takes satisfies, per mode."""
+    counts = [entry["batches"] for entry in entries]
+    exhausted = [entry["exhausted"] for entry in entries]
+    opened = [entry["open"] for entry in entries]
+    n = len(entries)
+    if mode == "sequential":
+        first = next((i for i in range(n) if not exhausted[i]), n)
+        ok = (
+            isinstance(current, int)
+            and not isinstance(current, bool)
+            and current == first < n
+            and sum(counts) == batches
+            and not any(opened[:current] + opened[current + 1 :])
+            and not any(exhausted[current:])
+            and not any(counts[current + 1 :])
+        )
+    else:
+        ok = current is None and all(c <= batches for c in counts) and not all(exhausted)
+        if mode == "max_size":
+            ok = ok and not any(e and o for e, o in zip(exhausted, opened))
+            ok = ok and all(c == batches for c, e in zip(counts, exhausted) if not e)
+        else:  # every child gives a batch at every step
+            ok = ok and all(c == batches for c in counts)
+            ok = ok and (mode == "max_size_cycle" or not any(exhausted))
+    # A child that gave batches in this combined epoch and has not run out is mid-epoch.
+    ok = ok and all(o for c, e, o in zip(counts, exhausted, opened) if c and not e)
+    if batches == 0:  # the start of a combined epoch: nothing is in progress
+        ok = ok and not any(counts) and not any(opened) and not any(exhausted)
+        ok = ok and current in (None, 0)
+    if not ok:
+        raise CorruptState(
+            f"{_WHAT} state is inconsistent: batches={batches}, current={current!r} and the "
+            f"loaders' counts {counts}, exhausted {exhausted}, open {opened} do not describe a "
+            f"position in mode {mode!r}; the state is corrupt"
+        )
+
+
+def check_child(key: Any, child: Any, mode: str) -> None:
+    name = f"{type(child).__module__}.{type(child).__qualname__}"
+    needed = ("__iter__", "state_dict", "load_state_dict")
+    if not all(callable(getattr(child, method, None)) for method in needed):
+        raise TypeError(
+            f"CombinedLoader: loader {key!r} (a {name}) needs __iter__, state_dict() and "
+            "load_state_dict(): without them a resume would silently restart it. Use "
+            "unbroken.DataLoader (or any loader that saves its position)."
+        )
+    if mode in ("min_size", "max_size_cycle") and not sets_epochs(child):
+        raise TypeError(
+            f"CombinedLoader(mode={mode!r}): loader {key!r} (a {name}) needs `epoch` and "
+            "set_epoch(): this mode ends children's epochs early and moves them to their next "
+            "epoch with child.set_epoch(child.epoch + 1). Use unbroken.DataLoader, or "
+            "mode='max_size' or 'sequential'."
+        )
+
+
+def sets_epochs(child: Any) -> bool:
+    return callable(getattr(child, "set_epoch", None)) and hasattr(child, "epoch")

@@ -13,8 +13,8 @@ with ``unbroken.DataLoader`` for every loader of the fit. Give the ``ModelCheckp
 
 - ``callback``: ``ExactResume``, what Lightning does not save or put back, preemption.
 - ``advice``: its warnings where exactness is out of its hands, and what to do instead.
-- ``loops``: what it reads of Lightning's loops: where a checkpoint would resume exactly.
-- ``restart``: what it changes in them after a resume.
+- ``loops``: what it reads of Lightning's loops (where a checkpoint would resume exactly), and
+  what it changes in them after a resume.
 - ``stops``: where a run stops: a preempted run that ends anyway finishes (exit 0).
 - ``draws``: steps drawing from numpy or ``random`` after a resume with other worker counts.
 - ``saved``: what it keeps in Lightning's checkpoint.

@@ -10,9 +10,9 @@ the checkpoint. What else a resumed run needs, this callback adds:
   sanity check, so nothing Lightning does before the first batch moves them).
 - **The metrics callbacks and schedulers read** (``trainer.callback_metrics``, each rank's), put
   back at the same moment, and ``ReduceLROnPlateau``'s step at the end of the first resumed
-  epoch, which Lightning leaves out (``restart.let_plateau_schedulers_step``).
+  epoch, which Lightning leaves out (``loops.let_plateau_schedulers_step``).
 - **Lightning's epoch counters**, which it leaves short after a resume from an epoch's last
-  batch (``restart.start_epoch_left_unstarted``), so that the resumed run's own checkpoints
+  batch (``loops.start_epoch_left_unstarted``), so that the resumed run's own checkpoints
   resume exactly.
 - **The loaders' positions where Lightning drops them**: loaders built before the checkpoint is
   loaded (``trainer.estimated_stepping_batches`` in ``configure_optimizers``) get their saved
@@ -58,7 +58,7 @@ from ..preemption import DEFAULT_SIGNALS, Preemption, exit_to_be_requeued
 from ..train.agreement import Agreement
 from ..train.globalrng import GlobalRNG
 from ..train.progress import say
-from . import draws, loops, restart, stops
+from . import draws, loops, stops
 from .advice import WHAT, Advice, resumed_inexactly
 from .io import AtomicCheckpointIO
 from .saved import VERSION, metrics, read_state, stop_decided, tensors
@@ -244,7 +244,7 @@ class ExactResume(Callback):
         self._step_at_batch_start = trainer.global_step
         if self._batches_before_resume == -1:  # the first batch after a resume
             self._batches_before_resume = batch_idx
-            restart.start_epoch_left_unstarted(trainer)  # so that later checkpoints resume exactly
+            loops.start_epoch_left_unstarted(trainer)  # so that later checkpoints resume exactly
         self._draws.start()
         # Gradients of the window's earlier batches wait for its optimizer step.
         self._place = loops.Place("train_batch_start", accumulating=self._place.accumulating)
@@ -313,7 +313,7 @@ class ExactResume(Callback):
         if partial:
             self._advice.partial_epoch_metrics(partial, before)
         self._batches_before_resume = None
-        missing = restart.let_plateau_schedulers_step(trainer)
+        missing = loops.let_plateau_schedulers_step(trainer)
         if missing:
             self._advice.plateau(missing)
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..data.bijection import IndexShuffle, derive_key
+from ..data.bijection import IndexShuffle
+from ..data.keys import derive_key
 
 _SHARDS, _ROWS, _GROUPS = 0, 1, 2  # the purposes of the epoch key
 

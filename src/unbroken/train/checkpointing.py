@@ -36,7 +36,7 @@ from .._checks import is_int
 from .._state import has_state
 from ..checkpoint import Checkpointer, PerRank, Restored, Sharded
 from ..checkpoint.per_rank import unwrap
-from ..data.bijection import derive_key
+from ..data.keys import derive_key
 from ..errors import CorruptState, StateMismatch
 from .csvlog import CSVLog
 from .globalrng import GlobalRNG, seed_everything

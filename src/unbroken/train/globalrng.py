@@ -26,7 +26,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..data.bijection import derive_key
+from ..data.keys import derive_key
 from ..errors import CorruptState, StateMismatch
 
 TRAIN, VAL = 1, 2  # the phase in a step's seed

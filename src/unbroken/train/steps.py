@@ -1,18 +1,24 @@
-"""One step of the Trainer's loop: the user's step functions and the optimizer step.
+"""One step of the Trainer's loop: the user's step functions, the callbacks' hooks and the
+optimizer step, and ``fit``'s loaders, checked where they are given.
 
 ``step_function`` turns ``model.training_step`` into a step function when ``fit`` is given none;
 ``step_loss`` and ``step_values`` read what a step returned (a loss tensor, or a dict with
 ``"loss"`` and other scalars); ``optimizer_step`` ends an accumulation window: unscale, clip,
 step, zero the gradients and step a per-step scheduler. No host syncs here: values stay
 tensors, and the loop's log reads them on the host only on the batches it writes.
+
+``hooks`` looks the callbacks' hooks up once, before a loop; ``check_loaders`` refuses a loader
+whose position cannot be saved. The Trainer's own options are checked in ``options``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from .._state import has_state
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
 
@@ -82,3 +88,26 @@ def ready_scaler(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
             torch.device("cpu"),
         )
         scaler.scale(torch.zeros((), device=device))
+
+
+def hooks(callbacks: Iterable[Any], hook: str) -> tuple[Callable[..., Any], ...]:
+    """The ``hook`` methods of the callbacks that have one, in order (duck-typed): looked up
+    once before a loop, so a batch with no callback for it costs an empty ``for``."""
+    return tuple(method for c in callbacks if callable(method := getattr(c, hook, None)))
+
+
+def call_hooks(callbacks: Iterable[Any], hook: str, trainer: Any, *args: Any) -> None:
+    """Call ``hook(trainer, *args)`` on every callback that has it (duck-typed, in order)."""
+    for method in hooks(callbacks, hook):
+        method(trainer, *args)
+
+
+def check_loaders(train_loader: Iterable, val_loader: Iterable | None) -> None:
+    """A loader without ``state_dict`` would restart its epoch on resume: refuse it."""
+    for loader, name in ((train_loader, "train_loader"), (val_loader, "val_loader")):
+        if loader is not None and not has_state(loader):
+            raise TypeError(
+                f"{name} has no state_dict(), so its position cannot be saved and a resume "
+                "would restart its epoch; use unbroken.DataLoader (or any loader with "
+                "state_dict/load_state_dict)"
+            )

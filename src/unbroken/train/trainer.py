@@ -35,14 +35,22 @@ from .csvlog import RunLog
 from .determinism import determinism
 from .ending import NOTHING_TO_TRAIN, close, summary
 from .globalrng import TRAIN, VAL, seed_everything, seed_step
-from .hooks import call_hooks, check_loaders, hooks
 from .jit import JustInTime
 from .options import NAMES, TrainerKeywords, TrainerOptions, options_of
-from .progress import Progress, bar, say
+from .progress import Progress, Startup, bar, say
 from .rundir import RunDirectory
 from .schedule import SaveSchedule
-from .startup import Startup
-from .steps import StepFn, optimizer_step, ready_scaler, step_function, step_loss, step_values
+from .steps import (
+    StepFn,
+    call_hooks,
+    check_loaders,
+    hooks,
+    optimizer_step,
+    ready_scaler,
+    step_function,
+    step_loss,
+    step_values,
+)
 from .watchdog import Watchdog
 
 

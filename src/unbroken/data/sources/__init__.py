@@ -8,8 +8,8 @@ dataset and sampler (``base``: the protocol), each saying which datasets it read
 - ``streams``, ``worker_streams``, ``replicas``: iterable datasets, by how they resume;
 - ``sharding``: one rank's share of a global order (data parallelism); ``rank_checks``: the
   rank and world size of sources iterated per rank;
-- ``fetch``, ``standin``: what the inner torch loader's workers run (the seeded fetch, and the
-  dataset standing in for the user's).
+- ``fetch``: what the inner torch loader's workers run (the seeded fetch, and the dataset
+  standing in for the user's).
 
 Cost: ``make_source`` asks each class's ``matches`` once, when a loader is built.
 """

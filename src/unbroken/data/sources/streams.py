@@ -40,9 +40,8 @@ from ...errors import CorruptState
 from .. import keys
 from ..rng import CURRENT, Seeder, clear_sample, keep_main_torch_rng, make_seeder
 from .base import SKIP, Arguments, BatchSource, Cursor, Receiver
-from .fetch import SeededCollate
+from .fetch import SeededCollate, StandIn
 from .rank_checks import refuse_a_global_cursor
-from .standin import StandIn
 
 PLACEHOLDER = -1  # Tagged.items of a placeholder: a worker's turn that already came
 
@@ -131,7 +130,8 @@ def read_items(
 
 class StreamWorker(StandIn, IterableDataset):
     """What the inner torch loader iterates: the source's batches, read in each worker. In a
-    worker, ``get_worker_info().dataset``: it stands in for the user's dataset (``standin``)."""
+    worker, ``get_worker_info().dataset``: it stands in for the user's dataset
+    (``fetch.StandIn``)."""
 
     _OWN = frozenset(
         (
