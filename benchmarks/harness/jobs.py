@@ -5,7 +5,8 @@ each), waits, and returns what rank 0 wrote to ``DIR/results.json``; DIR (inside
 so it is on the same disk the benchmarks write to) is removed afterwards. ``torchrun_script``
 starts a whole script on N ranks instead (its rank 0 prints), and returns what rank 0 passed to
 ``hand_back``. On the ranks, ``slowest`` and ``rank0_decides`` are the two collectives a timed
-loop needs. Costs torchrun's start-up, ~2 s.
+loop needs. ``kill_group`` and ``last_json``: what a script that starts its own child processes
+needs to stop them and read their result. Costs torchrun's start-up, ~2 s.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,3 +118,25 @@ def rank0_decides(value: bool) -> bool:
     t = torch.tensor([int(value)])
     dist.broadcast(t, src=0)
     return bool(t.item())
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``proc``'s process group (started with ``start_new_session=True``): its
+    ranks and loader workers too. Nothing if the group is gone."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def last_json(text: str) -> dict[str, Any] | None:
+    """The last line of ``text`` that parses as a JSON object (how a child hands its result
+    back on stdout, after whatever else it printed), or None."""
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
