@@ -13,11 +13,8 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -41,6 +38,7 @@ from harness import (
     table,
 )
 from harness import parser as harness_parser
+from harness.jobs import hand_back, launcher_pid, rank0_decides, slowest, torchrun_script
 from harness.stats import median_ci as median_ci_bounds
 from harness.stats import probe_note, rotated
 
@@ -51,10 +49,6 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 BATCH = 64
 FEATURES = 64
 NPROC = 2
-ROOT_ENV = "UNBROKEN_BENCH_ROOT_PID"
-# Rank 0 writes its tables and numbers to this file; the launcher adds the environment and wall
-# time and writes the --json results (the ranks do not know the launcher's start or command).
-PARTS_ENV = "UNBROKEN_BENCH_PARTS"
 
 
 # --------------------------------------------------------------------------- datasets, model
@@ -93,24 +87,7 @@ def step(model, opt, batch) -> None:
     opt.step()
 
 
-# --------------------------------------------------------------------------- process-tree probe
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def slowest(seconds: float) -> float:
-    """The largest of every rank's value (the step that waits for all ranks waits for it)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def agree(value: bool) -> bool:
-    """Rank 0 decides, every rank follows."""
-    t = torch.tensor([int(value)])
-    dist.broadcast(t, src=0)
-    return bool(t.item())
 
 
 def say(*lines: str) -> None:
@@ -131,7 +108,7 @@ def median_ci(xs: list[float]) -> str:
 def probed_rounds(names, run_one, want: int, most: int, max_foreign: float, monitor):
     """The harness's probed rounds, probed on rank 0 and agreed by every rank."""
     probe = monitor if dist.get_rank() == 0 else None
-    return stats.probed_rounds(names, run_one, want, most, max_foreign, probe, more=agree)
+    return stats.probed_rounds(names, run_one, want, most, max_foreign, probe, more=rank0_decides)
 
 
 # --------------------------------------------------------------------------- part 1: epochs
@@ -579,7 +556,6 @@ def launch() -> int:
     start = time.perf_counter()
     args = parse()
     results = Results("ddp_loader", args.json, args)
-    parts = Path(tempfile.mkdtemp(prefix="ddp-loader-")) / "parts.json"
     print("# Data-parallel training (2 ranks, gloo, CPU)\n")
     print(f"Command: `{command_line()}`\n")
     print("\n".join(environment()))
@@ -589,28 +565,14 @@ def launch() -> int:
         "workers use 1 thread each); the ranks and their workers share the cores above",
         flush=True,
     )
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", **{ROOT_ENV: str(os.getpid()), PARTS_ENV: str(parts)}
-    )
-    try:
-        rc = subprocess.run(
-            [str(torchrun), "--standalone", f"--nproc-per-node={NPROC}", __file__, *sys.argv[1:]],
-            env=env,
-            check=False,
-        ).returncode
-        print(load_line())
-        print(f"- wall time of the whole run: {time.perf_counter() - start:.0f} s")
-        if rc == 0 and parts.exists():  # a failed run writes no results: report.py says so
-            ranks = json.loads(parts.read_text())
-            results.tables, results.notes, results.data = (
-                ranks["tables"],
-                ranks["notes"],
-                ranks["data"],
-            )
-            results.write()
-    finally:
-        shutil.rmtree(parts.parent, ignore_errors=True)
+    # Rank 0 hands its tables and numbers back; the launcher adds the environment and wall
+    # time and writes the --json results (the ranks do not know the launcher's start or command).
+    rc, ranks = torchrun_script(__file__, NPROC, sys.argv[1:])
+    print(load_line())
+    print(f"- wall time of the whole run: {time.perf_counter() - start:.0f} s")
+    if ranks is not None:  # a failed run writes no results: report.py says so
+        results.tables, results.notes, results.data = ranks["tables"], ranks["notes"], ranks["data"]
+        results.write()
     return rc
 
 
@@ -619,7 +581,7 @@ def rank_main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     assert dist.get_world_size() == NPROC, "run plainly, or under torchrun with 2 processes"
-    monitor = ForeignLoad(int(os.environ.get(ROOT_ENV, os.getppid())))
+    monitor = ForeignLoad(launcher_pid())
     parts = args.parts.split(",")
     # For the JSON results (rank 0 writes them to PARTS_ENV's file at the end).
     kept: dict = {"tables": [], "notes": [], "data": {}}
@@ -732,8 +694,7 @@ def rank_main() -> None:
             "",
             f"- {text}",
         )
-    if dist.get_rank() == 0 and os.environ.get(PARTS_ENV):
-        Path(os.environ[PARTS_ENV]).write_text(json.dumps(jsonable(kept)))
+    hand_back(jsonable(kept))
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from goodput_job import PER_EPOCH, SAMPLES, UNSUPPORTED  # noqa: E402  (stdlib and torch only)
+from harness.jobs import kill_group  # noqa: E402
 from harness.workloads import weights_equal  # noqa: E402
 
 JOB = HERE / "goodput_job.py"
@@ -202,13 +203,6 @@ class RunLog:
     stopped: str = ""  # why a run did not finish: "" when it did
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def run_job(
     config: Config,
     run_dir: Path,
@@ -271,7 +265,7 @@ def run_job(
             continue
         now = time.time() - log.start
         if now >= cap:
-            _signal_group(proc, signal.SIGKILL)
+            kill_group(proc, signal.SIGKILL)
             proc.wait()
             session = log.sessions[-1]
             session.exit, session.status = time.time(), proc.returncode
@@ -281,15 +275,15 @@ def run_job(
             if deadline <= now:
                 pending.remove((deadline, target))
                 if target.poll() is None:  # the preempted process outlived its grace
-                    _signal_group(target, signal.SIGKILL)
+                    kill_group(target, signal.SIGKILL)
         while next_event < len(trace) and trace[next_event][0] <= now:
             _, kind = trace[next_event]
             next_event += 1
             if kind == "kill":
-                _signal_group(proc, signal.SIGKILL)
+                kill_group(proc, signal.SIGKILL)
                 log.kills += 1
             else:
-                _signal_group(proc, signal.SIGTERM)
+                kill_group(proc, signal.SIGTERM)
                 pending.append((now + args.grace, proc))
                 log.preemptions += 1
 

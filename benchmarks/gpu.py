@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Results
 from harness import parser as harness_parser
+from harness.jobs import kill_group
 
 HERE = Path(__file__).resolve().parent
 JOB = REPO / "tests" / "cuda_job.py"
@@ -62,7 +63,7 @@ def run(command: list[str], timeout: float) -> int:
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_group(process)
         process.wait()
         print(f"=== timed out after {timeout:.0f} s: killed", flush=True)
         return -1

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ForeignLoad, Results, add_options, add_round_options, environment
 from harness import parser as harness_parser
-from harness.stats import median_ci, quartiles, rotated
+from harness.stats import median_ci, probed_rounds, quartiles, rotated
 from harness.workloads import (
     ImageDataset,
     RowDataset,
@@ -191,22 +191,16 @@ def epoch_rounds(runs, names, step, args) -> tuple[list[dict], list[float], int]
     """num_workers>0: rounds of one training epoch per loader, until ``args.worker_reps`` rounds
     were clean of other processes' load or ``args.max_rounds`` ran. Returns the rounds to use,
     every round's peak foreign load (cores) and how many rounds were clean."""
-    monitor = ForeignLoad()
-    rounds, clean = [], []
-    reps = args.worker_reps
-    while len(clean) < reps and len(rounds) < max(args.max_rounds, reps):
-        this_round, foreign = {}, 0.0
-        for name in rotated(names, len(rounds)):
-            loader, model, opt = runs[name]
-            before = monitor.snapshot()
-            wall, steps = run_epochs(loader, model, opt, step, 1)
-            foreign = max(foreign, ForeignLoad.cores(before, monitor.snapshot()))
-            this_round[name] = (wall / steps * 1e6, None)
-        rounds.append((foreign, this_round))
-        if foreign <= args.max_foreign:
-            clean.append(this_round)
-    used = clean if len(clean) >= min(3, reps) else [r for _, r in rounds]
-    return used, [f for f, _ in rounds], len(clean)
+
+    def one_epoch(name: str) -> tuple[float, None]:
+        loader, model, opt = runs[name]
+        wall, steps = run_epochs(loader, model, opt, step, 1)
+        return (wall / steps * 1e6, None)
+
+    return probed_rounds(
+        names, one_epoch, args.worker_reps, args.max_rounds, args.max_foreign, ForeignLoad(),
+        peak=True,
+    )  # fmt: skip
 
 
 def bench_loop(loop: str, workers: int, args, seed_cost: dict[str, float]):

@@ -374,38 +374,6 @@ def fresh_resume(name: str, args: argparse.Namespace, url: str, options: dict[st
 # --------------------------------------------------------------------------- counting requests
 
 
-class RequestCounter:
-    """Counts the S3 requests this process sends, by operation (``PutObject``, ``UploadPart``,
-    ``HeadObject``, ``ListObjectsV2``, ...), by wrapping aiobotocore's ``_send_request`` (retries
-    of one request count once). Each is stamped with the time it was sent, so that a background
-    save's requests can be told from those made before ``save`` returned."""
-
-    def __init__(self) -> None:
-        from aiobotocore.endpoint import AioEndpoint
-
-        self.sent: list[tuple[float, str]] = []
-        self._cls = AioEndpoint
-        self._original = AioEndpoint._send_request
-        sent, original = self.sent, self._original
-
-        async def counting(endpoint, request_dict, operation_model):
-            sent.append((time.perf_counter(), operation_model.name))
-            return await original(endpoint, request_dict, operation_model)
-
-        AioEndpoint._send_request = counting
-
-    def take(self, before: float = float("inf")) -> dict[str, int]:
-        """The requests sent before ``before`` (all by default), by operation; forgotten."""
-        counts: dict[str, int] = {}
-        for _, name in [e for e in self.sent if e[0] < before]:
-            counts[name] = counts.get(name, 0) + 1
-        self.sent[:] = [e for e in self.sent if e[0] >= before]
-        return dict(sorted(counts.items()))
-
-    def close(self) -> None:
-        self._cls._send_request = self._original
-
-
 @contextlib.contextmanager
 def _marking_thread_start():
     """The time at which a background save's writer thread is made (``BackgroundSave``), in
@@ -432,6 +400,8 @@ def _marking_thread_start():
 
 
 def count_requests(systems, step, model, optimizer, layers) -> dict[str, dict[str, Any]]:
+    from harness.s3 import RequestCounter
+
     counter = RequestCounter()
     found: dict[str, dict[str, Any]] = {}
     try:
@@ -459,11 +429,6 @@ def count_requests(systems, step, model, optimizer, layers) -> dict[str, dict[st
     finally:
         counter.close()
     return found
-
-
-def _requests(counts: dict[str, int]) -> str:
-    total = sum(counts.values())
-    return f"{total}: " + ", ".join(f"{k} {v}" for k, v in counts.items()) if counts else "0"
 
 
 # --------------------------------------------------------------------------- the run
@@ -496,6 +461,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     from harness import ForeignLoad, Results, environment
+    from harness.s3 import requests_text
     from harness.stats import median as _median
     from harness.stats import spread as _spread
 
@@ -709,14 +675,14 @@ def run(args: argparse.Namespace) -> None:
         for name, counts in requests.items():
             before = counts.get("save_before_return")
             notes.append(
-                f"{LABELS[name]}: S3 requests per save {_requests(counts['save'])}"
+                f"{LABELS[name]}: S3 requests per save {requests_text(counts['save'])}"
                 + (
                     f" (of which before its writer thread started, i.e. in the loop's stall: "
-                    f"{_requests(before)})"
+                    f"{requests_text(before)})"
                     if before is not None
                     else ""
                 )
-                + f"; per load {_requests(counts['load'])}"
+                + f"; per load {requests_text(counts['load'])}"
             )
     elif requests:
         notes.append(f"request count failed: {requests['error']}")

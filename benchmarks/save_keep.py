@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, add_options, environment, load_line
 from harness import parser as harness_parser
-from remote_checkpoint import RequestCounter
+from harness.s3 import RequestCounter
 
 from unbroken.checkpoint import Checkpointer
 

@@ -2,6 +2,9 @@
 
 How it measures, and what the numbers mean: ``docs/benchmarks/stream-peers.md``.
 
+Self-contained (no ``harness`` import): it runs in the peers' virtual environments, and a
+resume child's clock starts at its spawn, so it imports nothing it does not measure.
+
     python stream_peer_worker.py --library streaming|litdata|unbroken --endpoint URL \
         --remote s3://bench/NAME --work DIR [--samples N] [--phase main]
 """

@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Results, add_json_option, add_options
+from harness.jobs import kill_group, last_json
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "stream_peer_worker.py"
@@ -148,7 +149,7 @@ def run_worker(
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            kill_group(proc)
             out, _ = proc.communicate()
             return {"library": lib, "error": f"timed out after {timeout:.0f}s (log: {log})"}
     seconds = time.perf_counter() - t0
@@ -156,14 +157,7 @@ def run_worker(
     steps = [line for line in text.splitlines() if line.startswith(f"[{lib}]")]
     for line in steps:
         print("   " + line)
-    result = None
-    for line in reversed(out.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                result = json.loads(line)
-                break
-            except ValueError:
-                pass
+    result = last_json(out)
     if result is None:
         return {
             "library": lib,

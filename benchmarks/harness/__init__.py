@@ -1,7 +1,7 @@
 """The benchmarks' shared harness: machine metadata and load probes (``env``), JSON results
 (``results``), medians with intervals and interleaved rounds (``stats``), the workloads
-(``workloads``: imports torch), a worker under torchrun (``jobs``) and the one figure shape
-(``plot``: imports matplotlib).
+(``workloads``: imports torch), scripts and workers under torchrun (``jobs``), S3 request counts
+(``s3``) and the one figure shape (``plot``: imports matplotlib).
 
 Scripts put ``benchmarks/`` on ``sys.path`` and import from here; nothing is imported at
 package import but the standard library and numpy.

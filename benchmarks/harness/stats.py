@@ -81,18 +81,32 @@ def probed_rounds(
     max_foreign: float,
     monitor: ForeignLoad | None = None,
     more: Callable[[bool], bool] = lambda wanted: wanted,
+    peak: bool = False,
 ) -> tuple[list[dict[str, Any]], list[float], int]:
     """Interleaved rounds until ``want`` were clean of other processes' load (at most
     ``max_foreign`` cores) or ``most`` ran. Returns (rounds used, every round's foreign load,
     the number of clean rounds); with fewer than min(3, ``want``) clean rounds, all are used.
     ``monitor`` None: no probe (load 0; a rank other than 0); ``more``: how every rank agrees
-    on going on (identity in one process)."""
+    on going on (identity in one process); ``peak``: a round's load is the highest of its
+    systems' runs, each probed alone, instead of the mean over the round."""
     rounds: list[tuple[float, dict[str, Any]]] = []
     clean: list[dict[str, Any]] = []
-    while True:
+    loads: list[float] = []
+
+    def probed(name: str) -> Any:
         before = monitor.snapshot() if monitor else None
-        this = {name: run_one(name) for name in rotated(names, len(rounds))}
-        foreign = ForeignLoad.cores(before, monitor.snapshot()) if monitor and before else 0.0
+        value = run_one(name)
+        loads.append(ForeignLoad.cores(before, monitor.snapshot()) if monitor and before else 0.0)
+        return value
+
+    while True:
+        loads.clear()
+        before = monitor.snapshot() if monitor and not peak else None
+        this = {name: (probed if peak else run_one)(name) for name in rotated(names, len(rounds))}
+        if peak:
+            foreign = max(loads, default=0.0)
+        else:
+            foreign = ForeignLoad.cores(before, monitor.snapshot()) if monitor and before else 0.0
         rounds.append((foreign, this))
         if foreign <= max_foreign:
             clean.append(this)
