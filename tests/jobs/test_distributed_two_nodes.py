@@ -39,14 +39,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from locations import SUPPORT
 from test_just_in_time import assert_same_run, resumed_ticks, saved_just_in_time
 
 from unbroken.data.bijection import derive_key
 from unbroken.distributed.world import World
 from unbroken.train import jit
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 # Steps of 50 ms at least: a kill from outside lands at the moment the test chose.

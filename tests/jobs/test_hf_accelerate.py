@@ -18,8 +18,11 @@ import os
 import subprocess
 import sys
 
+import forked
+import hf_accelerate_job
 import pytest
 import torch
+from locations import SUPPORT
 from safetensors.torch import load_file
 
 import unbroken.distributed
@@ -28,11 +31,6 @@ import unbroken.hf.accelerate
 from unbroken.data.bijection import derive_key
 from unbroken.data.rng import batch_seeds
 from unbroken.errors import CorruptCheckpoint
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import forked  # noqa: E402
-import hf_accelerate_job  # noqa: E402
 
 N, BATCH, EPOCHS, SEED = (hf_accelerate_job.N, hf_accelerate_job.BATCH, 3, 7)
 STEPS = N // BATCH  # per epoch, on one process
@@ -154,7 +152,7 @@ def torchrun(
     ranks (each in a session of its own) as on a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
-    command += [os.path.join(HERE, job), "--out", out, *args]
+    command += [os.path.join(SUPPORT, job), "--out", out, *args]
     with open(out + ".log", "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=log)
         try:

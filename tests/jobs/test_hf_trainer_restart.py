@@ -9,19 +9,15 @@ rank: 4 steps an epoch on 3 ranks, 2 epochs, a checkpoint every 4 steps).
 from __future__ import annotations
 
 import os
-import sys
 
+import hf_trainer_job
 import pytest
 import torch
+from test_hf_accelerate import torchrun as accelerate_torchrun
+from test_hf_trainer import assert_same_run
 
 import unbroken.distributed
 import unbroken.hf
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import hf_trainer_job  # noqa: E402
-from test_hf_accelerate import torchrun as accelerate_torchrun  # noqa: E402
-from test_hf_trainer import assert_same_run  # noqa: E402
 
 
 def read(path: str) -> str:

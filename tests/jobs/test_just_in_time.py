@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from locations import SUPPORT
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, PerRank, Sharded
@@ -36,8 +37,7 @@ from unbroken.train.globalrng import TRAIN, VAL, seed_step
 from unbroken.train.progress import Progress, TrainerConfig
 from unbroken.train.rundir import RunDirectory
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 BASE = {"metrics": False, "log_every": 5, "val": True}
 

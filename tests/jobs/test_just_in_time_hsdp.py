@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, PerRank, Sharded
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 HSDP = {"hsdp": True, "metrics": False, "log_every": 5, "val": True, "epochs": 1}
 

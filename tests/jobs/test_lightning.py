@@ -23,6 +23,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from locations import SUPPORT
 
 import unbroken
 from unbroken import EXIT_CODE
@@ -32,7 +33,7 @@ from unbroken.lightning import AtomicCheckpointIO, ExactResume
 from unbroken.lightning.draws import crossed
 from unbroken.lightning.loops import Place
 
-JOB = Path(__file__).with_name("lightning_job.py")
+JOB = SUPPORT / "lightning_job.py"
 N, BATCH = 96, 8  # the job's dataset and batch size: 12 steps an epoch on one process
 
 
