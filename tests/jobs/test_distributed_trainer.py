@@ -5,7 +5,7 @@ once; two torchrun agents (two "nodes" on 127.0.0.1) train it like one.
 
 The bit-exact jobs run on 3 ranks: on 2, each element of a gradient all-reduce is one addition
 (a + b == b + a), which hides a sum whose order changed between the interrupted and the
-uninterrupted run. The job is tests/ddp_job.py; each torchrun start costs a few seconds, so the
+uninterrupted run. The job is tests/support/ddp_job.py; each torchrun start costs a few seconds, so the
 runs are shared module fixtures and the worlds have 1 to 3 ranks."""
 
 import collections

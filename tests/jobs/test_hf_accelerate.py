@@ -6,7 +6,7 @@ resumed by a new torchrun or by torchrun's own restart after one rank is SIGKILL
 group made by torch's own ``init_process_group`` is refused there, with the fix); the loader
 passed through ``prepare`` loses its place.
 
-The job is ``tests/hf_accelerate_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
+The job is ``tests/support/hf_accelerate_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
 save every 4 optimizer steps). Each run is a real process forked from a ``multiprocessing``
 forkserver that imported Accelerate once; torchrun runs the 3-rank jobs.
 """

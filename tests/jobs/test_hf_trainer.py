@@ -2,7 +2,7 @@
 for bit (weights, every trained sample and its augmentation, every logged value), where stock
 transformers does not; killed saves are skipped; SIGTERM saves and exits 75; 3 DDP ranks.
 
-The job is ``tests/hf_trainer_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
+The job is ``tests/support/hf_trainer_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
 checkpoint every 4 steps). Each run is a real process forked from a ``multiprocessing``
 forkserver that imported transformers once (a fresh interpreter would spend ~5 s importing it);
 torchrun runs the 3-rank jobs.

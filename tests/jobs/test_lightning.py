@@ -215,7 +215,7 @@ def test_ddp_three_processes_sigkill_resumes_bit_exactly(tmp_path):
 
 
 # The cuts issue 21 named, in real processes with 2 workers (every other cut of them, and these,
-# in one process each: tests/test_lightning_cuts.py).
+# in one process each: tests/jobs/test_lightning_cuts.py).
 
 
 def test_sigkill_after_a_periodic_checkpoint_at_an_epochs_last_batch(single, tmp_path):
