@@ -147,7 +147,7 @@ def torchrun(
     timeout: float = 300,
     job: str = "hf_accelerate_job.py",
 ) -> int:
-    """torchrun's exit status running ``tests/<job>``, its output in ``out + ".log"``. Past
+    """torchrun's exit status running ``tests/support/<job>``, its output in ``out + ".log"``. Past
     ``timeout`` seconds the test fails on the hang, after a SIGTERM to torchrun, which stops its
     ranks (each in a session of its own) as on a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
