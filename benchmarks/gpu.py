@@ -5,7 +5,7 @@ cost, and a bit-exact resume after SIGKILLs, on CUDA, in 450 seconds at most (``
    comparison in one process without DDP.
 2. ``ddp_reduction.py`` on CUDA with NCCL on 3 ranks (and on every GPU, if more): only with 3 or
    more GPUs, since exact_reduce changes nothing below 3 ranks; otherwise it says so.
-3. ``tests/cuda_job.py`` (bf16 autocast, then fp16 with a GradScaler) run to its end, then run
+3. ``tests/support/cuda_job.py`` (bf16 autocast, then fp16 with a GradScaler) run to its end, then run
    again, SIGKILLed at step boundaries and inside steps, restarted each time until it finishes:
    its final weights must equal the uninterrupted run's (``torch.equal``).
 
@@ -183,7 +183,7 @@ def main() -> None:
         results.tables += part.get("tables", [])
         results.notes += part.get("notes", [])
     results.show(
-        f"Bit-exact resume on {args.device} (tests/cuda_job.py, SIGKILLed {len(KILLS)} times)",
+        f"Bit-exact resume on {args.device} (tests/support/cuda_job.py, SIGKILLed {len(KILLS)} times)",
         ["precision", "runs (exit codes)", "final weights", "seconds"],
         [
             [

@@ -570,7 +570,7 @@ def main() -> None:
             )
         )
         notes.append(
-            "sweeps: tests/lightning_job.py --sweep saves|signals in one process (--every 7 "
+            "sweeps: tests/support/lightning_job.py --sweep saves|signals in one process (--every 7 "
             f"--epochs 2 and the sweep's options{'; --first kinds' if args.quick else ''}); a "
             "resume is exact when the records of the run it resumed from up to the checkpoint "
             "and its own are that run's, and its final weights, optimizer and scheduler states "

@@ -1,6 +1,6 @@
 """`make demo-hf`: a transformers.Trainer job killed twice and resumed, bit for bit.
 
-The job (``tests/hf_trainer_job.py``): a 3-layer MLP with dropout as a ``PreTrainedModel``, 96
+The job (``tests/support/hf_trainer_job.py``): a 3-layer MLP with dropout as a ``PreTrainedModel``, 96
 samples with a random augmentation, batch 8, 3 epochs, a checkpoint every 4 steps, trained by
 ``unbroken.hf.Trainer``. It runs once uninterrupted. Then it is SIGKILLed after step 10,
 restarted with the same command and SIGKILLed again inside the write of ``checkpoint-20``, and

@@ -1,5 +1,5 @@
-"""Suite-wide settings: Hypothesis without deadlines (worker processes start at their own pace),
-and the preemption signals at their default action."""
+"""Suite-wide settings: tests/support on the import path, Hypothesis without deadlines (worker
+processes start at their own pace), and the preemption signals at their default action."""
 
 import contextlib
 import hashlib
@@ -9,10 +9,17 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The shared helpers and job scripts (tests/support) import by bare name from any folder:
+# `from pipelines import Counting`, `from trainer_job import run`, `from locations import SUPPORT`.
+# Set here, not in pyproject.toml, so mutmut's copy of tests/ finds them too; a forkserver started
+# later inherits this sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 # Tests signal their own process; if unbroken failed to install its handlers, the default action
 # kills the test run loudly. A runner may have installed its own (mutmut's fork server makes

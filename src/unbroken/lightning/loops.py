@@ -3,7 +3,7 @@ and what it changes in it after a resume.
 
 Lightning 2.x decides where a resumed run goes on from its loops' progress counters. From most
 places a checkpoint can be taken it goes on exactly; from these it cannot, whatever the data
-loader does (each seen by running Lightning 2.6 in ``tests/test_lightning_cuts.py``):
+loader does (each seen by running Lightning 2.6 in ``tests/jobs/test_lightning_cuts.py``):
 
 - the end of a training batch after which Lightning validates: the resumed run skips that
   validation (its metrics, and what callbacks decide on them);

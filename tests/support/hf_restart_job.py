@@ -1,4 +1,4 @@
-"""``tests/hf_trainer_job.py``'s ``unbroken.hf.Trainer`` job for a restart of torchrun's own.
+"""``tests/support/hf_trainer_job.py``'s ``unbroken.hf.Trainer`` job for a restart of torchrun's own.
 
 The process group comes from ``unbroken.distributed.init_process_group("gloo")``, called before
 the ``TrainingArguments`` (whose construction starts Accelerate's state, which adopts the group);

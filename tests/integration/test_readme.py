@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import ROOT
 
 import unbroken
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = ROOT / "README.md"
 
 
 DOCS = sorted((README.parent / "docs").glob("**/*.md"))

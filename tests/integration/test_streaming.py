@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from locations import SUPPORT
 
 import unbroken
 from unbroken.data.bijection import IndexShuffle
@@ -401,7 +402,7 @@ def test_two_processes_share_one_cache_and_download_each_shard_once(s3, s3_ds, t
     import subprocess
     import sys
 
-    script = Path(__file__).with_name("streaming_job.py")
+    script = SUPPORT / "streaming_job.py"
     cache = tmp_path / "cache"
     options = json.dumps(s3.storage_options)
     jobs = [
@@ -425,7 +426,7 @@ def test_sigkill_during_a_download_leaves_nothing_that_is_read_later(s3, s3_ds, 
     import subprocess
     import sys
 
-    script = Path(__file__).with_name("streaming_job.py")
+    script = SUPPORT / "streaming_job.py"
     cache = tmp_path / "cache"
     options = json.dumps(s3.storage_options)
     # A process that shares the cache and lives on: it must not read the partial download.
@@ -467,7 +468,7 @@ def test_a_training_job_sigkilled_mid_epoch_resumes_bit_for_bit(s3, s3_ds, tmp_p
     import subprocess
     import sys
 
-    script = Path(__file__).with_name("streaming_job.py")
+    script = SUPPORT / "streaming_job.py"
     options = json.dumps(s3.storage_options)
 
     def run(directory: Path, kill_at: int, cache: Path) -> int:

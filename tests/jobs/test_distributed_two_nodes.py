@@ -1,7 +1,7 @@
 """A whole node dies: two torchrun agents on 127.0.0.1 are two nodes of 2 ranks each (c10d
 rendezvous), and one of them is SIGKILLed with its ranks, as a scheduler kills a node.
 
-The job is tests/ddp_job.py on 4 ranks (gloo, CPU), one epoch of 15 optimizer steps of 50 ms
+The job is tests/support/ddp_job.py on 4 ranks (gloo, CPU), one epoch of 15 optimizer steps of 50 ms
 (240 samples in global batches of 16), a periodic checkpoint every 5 steps, without its
 torchmetrics accuracy (a survivor cannot know another rank's metric state). The agent started
 first hosts the rendezvous store and, as node 0 (the lower pid on one machine), the store of the
@@ -39,14 +39,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
+from locations import SUPPORT
 from test_just_in_time import assert_same_run, resumed_ticks, saved_just_in_time
 
 from unbroken.data.keys import derive_key
 from unbroken.distributed.world import World
 from unbroken.train import jit
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 # Steps of 50 ms at least: a kill from outside lands at the moment the test chose.

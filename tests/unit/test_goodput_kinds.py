@@ -7,12 +7,12 @@ Python: about a second."""
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from locations import ROOT
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def load(name):

@@ -15,11 +15,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from locations import SUPPORT
 
 from unbroken.distributed import exact_reduce
 from unbroken.distributed.reduction import is_exact, rebuilt_layout
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +26,7 @@ def seen(tmp_path_factory):
     out = tmp_path_factory.mktemp("reduction")
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node=3", str(HERE / "reduction_job.py")]
+        [str(torchrun), "--standalone", "--nproc-per-node=3", str(SUPPORT / "reduction_job.py")]
         + [str(out)],
         capture_output=True,
         text=True,

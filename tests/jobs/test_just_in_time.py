@@ -2,7 +2,7 @@
 saves the whole job as of the last completed step, and the restarted job ends bit for bit as
 the uninterrupted one, having lost at most the step in flight.
 
-The job is tests/ddp_job.py on 3 ranks (gloo, CPU) without its torchmetrics accuracy (a
+The job is tests/support/ddp_job.py on 3 ranks (gloo, CPU) without its torchmetrics accuracy (a
 survivor cannot know another rank's metric state), with a validation loader and a log row every
 5 batches. Epoch 0 is ticks 1-20 (training) and 21-24 (validation), epoch 1 ticks 25-44 and
 45-48; a periodic checkpoint every 5 optimizer steps (ticks 5, 10, 15, 20, 29, 34, 39, 44).
@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from locations import SUPPORT
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, PerRank, Sharded
@@ -36,8 +37,7 @@ from unbroken.train.globalrng import TRAIN, VAL, seed_step
 from unbroken.train.progress import Progress, TrainerConfig
 from unbroken.train.rundir import RunDirectory
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 BASE = {"metrics": False, "log_every": 5, "val": True}
 

@@ -1,10 +1,10 @@
-"""A small CUDA training job for tests/test_cuda.py and benchmarks/gpu.py: a CNN on augmented
+"""A small CUDA training job for tests/jobs/test_cuda.py and benchmarks/gpu.py: a CNN on augmented
 images, a pinned multi-worker loader, mixed precision, deterministic kernels; optionally SIGKILLs
 itself (as a crash would) after a given number of optimizer steps (``kill_after``) or inside a
 step, after its forward (``kill_in_step``), leaving whatever checkpoints it wrote. ``device``:
 "cpu" runs the same job without a GPU (no pinned memory), for a dry run.
 
-    python tests/cuda_job.py DIR '{"precision": "bf16", "kill_after": 7}'
+    python tests/support/cuda_job.py DIR '{"precision": "bf16", "kill_after": 7}'
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 holding each shard writes it through DCP, and the restarted job ends bit for bit as the
 uninterrupted one, having lost at most the step in flight.
 
-The job is tests/ddp_job.py on 4 ranks (gloo, CPU), its model ``fully_shard``-ed over a 2x2 mesh
+The job is tests/support/ddp_job.py on 4 ranks (gloo, CPU), its model ``fully_shard``-ed over a 2x2 mesh
 (replicas {0, 1} and {2, 3}, each holding shards 0 and 1), one epoch without the torchmetrics
 accuracy, a validation loader and a log row every 5 batches: ticks 1-15 train, 16-18 validate;
 a periodic checkpoint every 5 optimizer steps (ticks 5, 10, 15) and at the end.
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, PerRank, Sharded
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 HSDP = {"hsdp": True, "metrics": False, "log_every": 5, "val": True, "epochs": 1}
 

@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 
 import unbroken
 from unbroken import Checkpointer, PerRank
 from unbroken.checkpoint.manifest import MANIFEST
 from unbroken.errors import StateMismatch
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,12 @@ def job(tmp_path_factory, s3):
     url = s3.make_bucket("dist-checkpoint") + "/ckpt"
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node=2", str(HERE / "dist_checkpoint_job.py")]
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node=2",
+            str(SUPPORT / "dist_checkpoint_job.py"),
+        ]
         + [str(out)],
         capture_output=True,
         text=True,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 from trainer_job import kill_seed
 
 import unbroken
@@ -27,7 +28,7 @@ from unbroken.checkpoint import FsspecStorage
 from unbroken.errors import DirectoryInUse
 from unbroken.testing import assert_same
 
-JOB = Path(__file__).with_name("trainer_job.py")
+JOB = SUPPORT / "trainer_job.py"
 LEASE = 1.5  # seconds a killed job's lock lasts: each restart waits about this long
 
 

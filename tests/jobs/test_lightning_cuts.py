@@ -39,10 +39,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 
 from unbroken.lightning.loops import Place
 
-JOB = Path(__file__).with_name("lightning_job.py")
+JOB = SUPPORT / "lightning_job.py"
 N, BATCH = 96, 8
 PER_EPOCH = N // BATCH  # 12 training batches an epoch; validation after the 6th and the 12th
 VAL_BATCHES = 32 // BATCH  # of the validation set

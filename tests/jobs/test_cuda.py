@@ -6,13 +6,13 @@ import os
 import random
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-JOB = Path(__file__).with_name("cuda_job.py")
+JOB = SUPPORT / "cuda_job.py"
 
 
 def _job(directory, **options):

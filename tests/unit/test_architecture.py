@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+from locations import ROOT
 from pipelines import Augmented, Positioned
 
 import unbroken
@@ -359,10 +360,8 @@ def test_no_module_grows_past_a_reading():
 
 
 def test_the_modules_mutation_testing_names_exist():
-    from pathlib import Path
-
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
     missing = [path for path in config["only_mutate"] if not (root / path).is_file()]
     assert not missing, f"pyproject.toml's [tool.mutmut] names modules that are gone: {missing}"
@@ -370,10 +369,9 @@ def test_the_modules_mutation_testing_names_exist():
 
 def test_the_public_names_are_sorted_and_the_demos_import_only_them():
     import ast
-    from pathlib import Path
 
     assert unbroken.__all__ == sorted(unbroken.__all__)
-    demos = Path(__file__).resolve().parent.parent / "demo"
+    demos = ROOT / "demo"
     for demo in sorted(demos.glob("*.py")):
         for node in ast.walk(ast.parse(demo.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("unbroken"):

@@ -2,7 +2,7 @@
 for bit (weights, every trained sample and its augmentation, every logged value), where stock
 transformers does not; killed saves are skipped; SIGTERM saves and exits 75; 3 DDP ranks.
 
-The job is ``tests/hf_trainer_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
+The job is ``tests/support/hf_trainer_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
 checkpoint every 4 steps). Each run is a real process forked from a ``multiprocessing``
 forkserver that imported transformers once (a fresh interpreter would spend ~5 s importing it);
 torchrun runs the 3-rank jobs.
@@ -17,19 +17,17 @@ import subprocess
 import sys
 import warnings
 
+import forked
+import hf_trainer_job
 import pytest
 import torch
+from locations import ROOT, SUPPORT
 
 import unbroken.hf
 from unbroken.errors import CorruptCheckpoint, StateMismatch
 from unbroken.hf import internals
 from unbroken.hf.seal import SEAL
 from unbroken.preemption import EXIT_CODE
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import forked  # noqa: E402
-import hf_trainer_job  # noqa: E402
 
 N, BATCH = hf_trainer_job.N, 8
 
@@ -216,7 +214,7 @@ def test_sigterm_saves_at_the_step_and_exits_75(job, reference, tmp_path, worker
 
 def torchrun(ranks: int, out: str, *args: str) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={ranks}", os.path.join(HERE, "hf_trainer_job.py")]
+    command += [f"--nproc-per-node={ranks}", os.path.join(SUPPORT, "hf_trainer_job.py")]
     with open(out + ".log", "ab") as log:
         done = subprocess.run([*command, "--out", out, *args], stdout=log, stderr=log, timeout=300)
     return done.returncode
@@ -288,7 +286,7 @@ def test_the_hf_extra_pins_the_tested_transformers_versions():
     newer, untested transformers when the pin was open-ended)."""
     import tomllib
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
         extra = tomllib.load(f)["project"]["optional-dependencies"]["hf"]
     (pin,) = [r for r in extra if r.startswith("transformers")]

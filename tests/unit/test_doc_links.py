@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 import pytest
+from locations import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "src" / "unbroken").glob("**/*.py"))
 
 # `the README's "Randomness" section`, `docs/guides/randomness.md#per-sample`,

@@ -23,6 +23,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from locations import SUPPORT
 
 import unbroken
 from unbroken import EXIT_CODE
@@ -32,7 +33,7 @@ from unbroken.lightning import AtomicCheckpointIO, ExactResume
 from unbroken.lightning.draws import crossed
 from unbroken.lightning.loops import Place
 
-JOB = Path(__file__).with_name("lightning_job.py")
+JOB = SUPPORT / "lightning_job.py"
 N, BATCH = 96, 8  # the job's dataset and batch size: 12 steps an epoch on one process
 
 
@@ -214,7 +215,7 @@ def test_ddp_three_processes_sigkill_resumes_bit_exactly(tmp_path):
 
 
 # The cuts issue 21 named, in real processes with 2 workers (every other cut of them, and these,
-# in one process each: tests/test_lightning_cuts.py).
+# in one process each: tests/jobs/test_lightning_cuts.py).
 
 
 def test_sigkill_after_a_periodic_checkpoint_at_an_epochs_last_batch(single, tmp_path):

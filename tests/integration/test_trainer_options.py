@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import get_type_hints
 
 import pytest
+from locations import ROOT
 from trainer_job import SignalAt, run
 
 import unbroken
@@ -116,7 +117,7 @@ def test_a_type_checker_checks_the_trainer_keywords(tmp_path):
         "unbroken.Trainer('d', max_epoch=1)\n"
         "unbroken.Trainer('d', max_epochs=1, callbacks=[object()], signals={15}, keep=3)\n"
     )
-    root = Path(__file__).parents[1]
+    root = ROOT
     found = subprocess.run(
         [sys.executable, "-m", "mypy", "--no-error-summary", str(script)],
         capture_output=True,

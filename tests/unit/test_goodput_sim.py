@@ -6,14 +6,14 @@ Daly interval for ``auto``, and the replay of a file of real runs. Pure Python: 
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from locations import ROOT
 
 from unbroken.train import schedule
 
-SIM = Path(__file__).resolve().parent.parent / "benchmarks" / "goodput_sim.py"
+SIM = ROOT / "benchmarks" / "goodput_sim.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A training loop of one's own with Accelerate, for tests/test_hf_accelerate.py.
+"""A training loop of one's own with Accelerate, for tests/jobs/test_hf_accelerate.py.
 
 The recipe of docs/accelerate.md: an MLP with dropout and AdamW prepared by an ``Accelerator``
 (CPU; DDP over gloo under torchrun), an ``unbroken.DataLoader`` kept out of ``prepare`` and

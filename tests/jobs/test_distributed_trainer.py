@@ -5,7 +5,7 @@ once; two torchrun agents (two "nodes" on 127.0.0.1) train it like one.
 
 The bit-exact jobs run on 3 ranks: on 2, each element of a gradient all-reduce is one addition
 (a + b == b + a), which hides a sum whose order changed between the interrupted and the
-uninterrupted run. The job is tests/ddp_job.py; each torchrun start costs a few seconds, so the
+uninterrupted run. The job is tests/support/ddp_job.py; each torchrun start costs a few seconds, so the
 runs are shared module fixtures and the worlds have 1 to 3 ranks."""
 
 import collections
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import ROOT, SUPPORT
 
 from unbroken.data.keys import derive_key
 from unbroken.train.lock import DirectoryLock
 
-HERE = Path(__file__).parent
-JOB = HERE / "ddp_job.py"
+JOB = SUPPORT / "ddp_job.py"
 N, EPOCHS = 240, 2  # as in ddp_job.py: 20 global batches of 3 x 4 samples per epoch on 3 ranks
 RANKS = 3
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -360,7 +360,7 @@ def test_a_run_directory_locked_by_another_job_is_refused_on_every_rank(tmp_path
 
 
 def test_the_readme_job_runs_under_torchrun_as_written(tmp_path):
-    readme = (HERE.parent / "docs" / "guides" / "data-parallel.md").read_text()
+    readme = (ROOT / "docs" / "guides" / "data-parallel.md").read_text()
     heading = "## A training job on several ranks"
     block = readme[readme.index(heading) :].split("```python\n", 1)[1].split("\n```", 1)[0]
     (tmp_path / "train.py").write_text(block)

@@ -16,10 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from locations import SUPPORT
+
 import unbroken
 from unbroken.checkpoint import FsspecStorage
 
-JOB = Path(__file__).with_name("trainer_job.py")
+JOB = SUPPORT / "trainer_job.py"
 CONFIG = {"workers": 0, "checkpoint_every_steps": 2, "pace": 0.05}
 
 

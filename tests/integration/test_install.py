@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from locations import ROOT
 
 import unbroken
 
-ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 EXTRAS = set(
     tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 
 import unbroken
@@ -20,7 +21,7 @@ from unbroken.preemption import EXIT_CODE
 from unbroken.testing import assert_same
 from unbroken.train.csvlog import HEADER
 
-JOB = Path(__file__).with_name("trainer_job.py")
+JOB = SUPPORT / "trainer_job.py"
 
 
 def _same_run(directory: Path, reference: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from locations import SUPPORT
 from trainer_job import Crash, CrashAt, SignalAt, kill_seed, run
 
 import unbroken
@@ -20,7 +21,7 @@ import unbroken.train.checkpointing
 from unbroken import DirectoryInUse
 from unbroken.preemption import EXIT_CODE
 
-JOB = Path(__file__).with_name("trainer_job.py")
+JOB = SUPPORT / "trainer_job.py"
 TEST_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

@@ -2,26 +2,22 @@
 for bit when the script made the group with ``unbroken.distributed.init_process_group``, and a
 group made by transformers' ``TrainingArguments`` (torch's own call) is refused at construction.
 
-The job is ``tests/hf_restart_job.py``: ``tests/hf_trainer_job.py``'s (96 samples, batch 8 per
+The job is ``tests/support/hf_restart_job.py``: ``tests/support/hf_trainer_job.py``'s (96 samples, batch 8 per
 rank: 4 steps an epoch on 3 ranks, 2 epochs, a checkpoint every 4 steps).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
+import hf_trainer_job
 import pytest
 import torch
+from test_hf_accelerate import torchrun as accelerate_torchrun
+from test_hf_trainer import assert_same_run
 
 import unbroken.distributed
 import unbroken.hf
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import hf_trainer_job  # noqa: E402
-from test_hf_accelerate import torchrun as accelerate_torchrun  # noqa: E402
-from test_hf_trainer import assert_same_run  # noqa: E402
 
 
 def read(path: str) -> str:
@@ -30,7 +26,7 @@ def read(path: str) -> str:
 
 
 def torchrun(out: str, *args: str, restarts: int = 0) -> int:
-    """3 ranks of ``tests/hf_restart_job.py`` (``test_hf_accelerate.torchrun``: a hang fails)."""
+    """3 ranks of ``tests/support/hf_restart_job.py`` (``test_hf_accelerate.torchrun``: a hang fails)."""
     return accelerate_torchrun(
         3, out, *args, restarts=restarts, timeout=180, job="hf_restart_job.py"
     )

@@ -6,7 +6,7 @@ resumed by a new torchrun or by torchrun's own restart after one rank is SIGKILL
 group made by torch's own ``init_process_group`` is refused there, with the fix); the loader
 passed through ``prepare`` loses its place.
 
-The job is ``tests/hf_accelerate_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
+The job is ``tests/support/hf_accelerate_job.py`` (96 samples, batch 8: 12 steps an epoch, 3 epochs, a
 save every 4 optimizer steps). Each run is a real process forked from a ``multiprocessing``
 forkserver that imported Accelerate once; torchrun runs the 3-rank jobs.
 """
@@ -18,8 +18,11 @@ import os
 import subprocess
 import sys
 
+import forked
+import hf_accelerate_job
 import pytest
 import torch
+from locations import SUPPORT
 from safetensors.torch import load_file
 
 import unbroken.distributed
@@ -28,11 +31,6 @@ import unbroken.hf.accelerate
 from unbroken.data.keys import derive_key
 from unbroken.data.rng import batch_seeds
 from unbroken.errors import CorruptCheckpoint
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import forked  # noqa: E402
-import hf_accelerate_job  # noqa: E402
 
 N, BATCH, EPOCHS, SEED = (hf_accelerate_job.N, hf_accelerate_job.BATCH, 3, 7)
 STEPS = N // BATCH  # per epoch, on one process
@@ -149,12 +147,12 @@ def torchrun(
     timeout: float = 300,
     job: str = "hf_accelerate_job.py",
 ) -> int:
-    """torchrun's exit status running ``tests/<job>``, its output in ``out + ".log"``. Past
+    """torchrun's exit status running ``tests/support/<job>``, its output in ``out + ".log"``. Past
     ``timeout`` seconds the test fails on the hang, after a SIGTERM to torchrun, which stops its
     ranks (each in a session of its own) as on a failure."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += [f"--nproc-per-node={ranks}", f"--max-restarts={restarts}"]
-    command += [os.path.join(HERE, job), "--out", out, *args]
+    command += [os.path.join(SUPPORT, job), "--out", out, *args]
     with open(out + ".log", "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=log)
         try:
