@@ -25,7 +25,7 @@ from torch import nn
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, FsspecStorage
-from unbroken.checkpoint.copies import Copies
+from unbroken.checkpoint.transfer import Copies
 
 MEMORY = fsspec.filesystem("memory")  # one per process: each test takes a root of its own
 

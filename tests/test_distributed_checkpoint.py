@@ -19,7 +19,7 @@ import torch
 
 import unbroken
 from unbroken import Checkpointer, PerRank
-from unbroken.checkpoint.manifest import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST
 from unbroken.errors import StateMismatch
 
 HERE = Path(__file__).parent

@@ -23,7 +23,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from .files import basename, parent
+from .storage import basename, parent
 
 _unseen: set[BackgroundSave] = set()  # saves whose outcome no caller has been handed yet
 _lock = threading.Lock()

@@ -24,12 +24,10 @@ import torch
 
 from .._state import has_state
 from ..errors import StateMismatch
-from .files import Digest, join
-from .manifest import dcp_folder, file_name, load_entry_file, verify_file
+from .layout import EntrySpec, Manifest, dcp_folder, file_name, load_entry_file, verify_file
 from .per_rank import SKIP, PerRank, resized, unwrap
-from .schema import EntrySpec, Manifest
 from .sharded import Sharded, save_state, written_by
-from .storage import Storage
+from .storage import Digest, Storage, join
 from .weights_only import checked_copy
 
 

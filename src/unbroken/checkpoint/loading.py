@@ -20,15 +20,13 @@ from .._state import has_state
 from ..distributed.reduction import is_exact, warn_inexact
 from ..errors import CorruptCheckpoint
 from . import layout
-from .defaults import CopiedDirectory
 from .entries import ABSENT, Reading, check_loadable, kind_in
 from .group import CheckpointGroup, attempt
-from .manifest import read_manifest
+from .layout import Manifest, read_manifest
 from .per_rank import SKIP, unwrap
 from .restore import Restored, restore
-from .schema import Manifest
 from .sharded import Sharded
-from .storage import Storage
+from .storage import CopiedDirectory, Storage
 from .writing import Writing
 
 

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from .._files import atomic_write, sync_directory
-from .files import Digest, Entry, Stat, basename, join, parent, sha256
-from .storage import Storage
+from .storage import Digest, Entry, Stat, Storage, basename, join, parent, sha256
 
 __all__ = ["LocalStorage"]
 

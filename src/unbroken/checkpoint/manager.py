@@ -46,17 +46,14 @@ from ..errors import RemoteUnavailable
 from . import layout
 from .background import BackgroundSave
 from .entries import Kind, Part, kind_of
-from .files import join
-from .fsspec_storage import REMOTE_TIMEOUT
+from .fsspec_storage import REMOTE_TIMEOUT, storage_for
 from .group import CheckpointGroup, attempt
+from .layout import FORMAT, MANIFEST, VERSION, ParamShapes, param_shapes
 from .loading import Loading
-from .manifest import param_shapes
 from .per_rank import PerRank
 from .restore import Restored
-from .schema import FORMAT, MANIFEST, VERSION, ParamShapes
 from .sharded import Sharded
-from .storage import Storage
-from .stores import storage_for
+from .storage import Storage, join
 from .writing import Staged, Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]

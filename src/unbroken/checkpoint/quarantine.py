@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .files import basename, join
-from .storage import Storage
+from .storage import Storage, basename, join
 
 __all__ = ["DIRECTORY", "KEEP", "REASON", "Damaged", "listed", "move_aside"]
 

@@ -21,7 +21,7 @@ import torch
 
 from .._state import has_state
 from ..errors import CorruptState, StateMismatch
-from .schema import EntrySpec, ParamShapes
+from .layout import EntrySpec, ParamShapes
 
 
 @dataclass(frozen=True, eq=False, repr=False)

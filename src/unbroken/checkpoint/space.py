@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from .._units import human
-from .files import join
-from .storage import Storage
+from .storage import Storage, join
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
 

@@ -31,10 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import CorruptCheckpoint, RemoteUnavailable, StateMismatch
-from .files import join
-from .manifest import load_entry_file, read_manifest, verify_file
-from .schema import MANIFEST, Manifest, validate
-from .storage import Storage
+from .layout import MANIFEST, Manifest, load_entry_file, read_manifest, validate, verify_file
+from .storage import Storage, join
 
 Status = Literal["ok", "corrupt", "unsupported"]
 Keep = Callable[[Manifest, str, str, Any], None]

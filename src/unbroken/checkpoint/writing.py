@@ -27,13 +27,11 @@ import torch
 
 from . import layout, quarantine
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
-from .files import Digest, basename, join
 from .group import CheckpointGroup, attempt
-from .manifest import param_shapes, seal
-from .schema import MANIFEST, EntrySpec, ParamShapes
+from .layout import MANIFEST, EntrySpec, ParamShapes, param_shapes, seal
 from .sharded import Sharded
 from .space import FULL, disk_full
-from .storage import Storage
+from .storage import Digest, Storage, basename, join
 
 Written = dict[str, Part]  # one rank's files, by entry name
 

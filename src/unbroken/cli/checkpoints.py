@@ -11,10 +11,9 @@ from datetime import timezone
 from typing import Any, TypedDict, cast
 
 from ..checkpoint import layout, quarantine
-from ..checkpoint.files import basename, join, parent
-from ..checkpoint.schema import MANIFEST, Manifest
-from ..checkpoint.storage import Storage
-from ..checkpoint.stores import is_url
+from ..checkpoint.fsspec_storage import is_url
+from ..checkpoint.layout import MANIFEST, Manifest
+from ..checkpoint.storage import Storage, basename, join, parent
 from ..checkpoint.verdict import classify
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
 from ..train.checkpointing import LOG, PROGRESS, TRAIN_LOADER, VAL_LOADER
