@@ -8,9 +8,9 @@
   ``entries`` (one class per kind of entry: how it is written, described and read back).
 - ``layout``: a checkpoint on disk: the names in its directory and what they say after a kill,
   the sealed manifest that makes it verifiable, its format, and the checks of one read back.
-- The read path: ``loading`` (the newest whole checkpoint, every rank together), ``verdict``
-  (the one judgement of a checkpoint, shared with ``unbroken verify``), ``quarantine`` (a
-  damaged one moved aside, never deleted).
+- The read path: ``loading`` (the newest whole checkpoint, every rank together, restored into
+  the live objects: ``Restored``), ``verdict`` (the one judgement of a checkpoint, shared with
+  ``unbroken verify``, and a damaged one moved aside, never deleted).
 - ``storage``: every operation on where checkpoints live, as the protocol ``Storage`` that a
   backend subclasses, with the commit protocol as its methods, what its composite operations do
   by default, and the values they take and give; ``local``: ``LocalStorage`` (fsynced writes,
@@ -20,14 +20,14 @@
   copies ``FsspecStorage`` keeps, and what differs between fsspec's filesystems; ``space``: how
   much a checkpoint needs, and the error that says the disk is full.
 - ``background``: asynchronous saves; ``weights_only``: copies that ``torch.load(weights_only=
-  True)`` can read back; ``restore``: loading entries into live objects (``Restored``).
+  True)`` can read back.
 """
 
 from .fsspec_storage import FsspecStorage, storage_for
+from .loading import Restored
 from .local import LocalStorage
 from .manager import Checkpointer
 from .per_rank import PerRank
-from .restore import Restored
 from .sharded import Sharded
 from .storage import Storage
 

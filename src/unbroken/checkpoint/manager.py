@@ -49,9 +49,8 @@ from .entries import Kind, Part, kind_of
 from .fsspec_storage import REMOTE_TIMEOUT, storage_for
 from .group import CheckpointGroup, attempt
 from .layout import FORMAT, MANIFEST, VERSION, ParamShapes, param_shapes
-from .loading import Loading
+from .loading import Loading, Restored
 from .per_rank import PerRank
-from .restore import Restored
 from .sharded import Sharded
 from .storage import Storage, join
 from .writing import Staged, Writing

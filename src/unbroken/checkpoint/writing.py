@@ -25,13 +25,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import layout, quarantine
+from . import layout
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
 from .group import CheckpointGroup, attempt
 from .layout import MANIFEST, EntrySpec, ParamShapes, param_shapes, seal
 from .sharded import Sharded
 from .space import FULL, disk_full
 from .storage import Digest, Storage, basename, join
+from .verdict import move_aside
 
 Written = dict[str, Part]  # one rank's files, by entry name
 
@@ -183,7 +184,7 @@ class Writing:
         """Rank 0: move each checkpoint found damaged into ``damaged/``; never deleted."""
         for path, problems in list(self.damaged.items()):
             if self.storage.exists(path):
-                quarantine.move_aside(self.storage, self.root, path, problems)
+                move_aside(self.storage, self.root, path, problems)
             del self.damaged[path]
 
     def _refuse_newer(self, step: int) -> None:

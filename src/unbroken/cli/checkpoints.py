@@ -10,7 +10,8 @@ import re
 from datetime import timezone
 from typing import Any, TypedDict, cast
 
-from ..checkpoint import layout, quarantine
+from ..checkpoint import layout
+from ..checkpoint import verdict as quarantine
 from ..checkpoint.fsspec_storage import is_url
 from ..checkpoint.layout import MANIFEST, Manifest
 from ..checkpoint.storage import Storage, basename, join, parent

@@ -22,7 +22,7 @@ import os
 import shutil
 
 from ..checkpoint.local import LocalStorage
-from ..checkpoint.quarantine import move_aside
+from ..checkpoint.verdict import move_aside
 from .seal import Verdict, check
 
 log = logging.getLogger(__name__)

@@ -229,7 +229,7 @@ def prune(
             continue
         elif verdict is not None and verdict.status == "damaged":
             from ..checkpoint.local import LocalStorage  # torch's import, only for this
-            from ..checkpoint.quarantine import move_aside
+            from ..checkpoint.verdict import move_aside
 
             move_aside(LocalStorage(), directory, folder, verdict.problems)
         else:
