@@ -35,10 +35,9 @@ from .._state import has_state
 from ..distributed.reduction import is_exact, warn_inexact
 from ..errors import CorruptCheckpoint, CorruptState, StateMismatch
 from . import layout
-from .entries import ABSENT, Reading, check_loadable, kind_in
+from .entries import ABSENT, SKIP, Reading, check_loadable, kind_in, unwrap
 from .group import CheckpointGroup, attempt
 from .layout import EntrySpec, Manifest, ParamShapes, read_manifest
-from .per_rank import SKIP, unwrap
 from .sharded import Sharded
 from .storage import CopiedDirectory, Storage
 from .writing import Writing

@@ -44,16 +44,14 @@ import torch
 from .._checks import check_keep, is_int, is_number
 from ..errors import RemoteUnavailable
 from . import layout
-from .background import BackgroundSave
-from .entries import Kind, Part, kind_of
+from .entries import Kind, Part, PerRank, kind_of
 from .fsspec_storage import REMOTE_TIMEOUT, storage_for
 from .group import CheckpointGroup, attempt
 from .layout import FORMAT, MANIFEST, VERSION, ParamShapes, param_shapes
 from .loading import Loading, Restored
-from .per_rank import PerRank
 from .sharded import Sharded
 from .storage import Storage, join
-from .writing import Staged, Writing
+from .writing import BackgroundSave, Staged, Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
 
