@@ -293,7 +293,7 @@ class FsspecStorage(Storage):
 
     def rename(self, source: str, target: str) -> None:
         # Not atomic here: the commit protocol never renames on a store; tools and
-        # ``quarantine`` do. Each object is copied (in the store), then the source deleted,
+        # ``verdict.move_aside`` do. Each object is copied (in the store), then the source deleted,
         # its manifest first: a move cut short leaves the source whole or out of view. Object
         # by object: s3fs's recursive ``mv`` of a prefix fails on the prefix itself.
         self._fenced()

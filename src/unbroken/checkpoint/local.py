@@ -7,7 +7,7 @@ its files in place (no copy). Costs: one fsync per file and per directory entry 
 
 ``torch.save`` turns an error of the file it writes into ``RuntimeError: [enforce fail at
 inline_container.cc] unexpected pos``; ``LocalStorage.write`` keeps the real ``OSError`` (ENOSPC
-included, which ``space.disk_full`` turns into a message) and raises that instead.
+included, which ``writing.disk_full`` turns into a message) and raises that instead.
 
 ``os.fsync`` and ``open`` are looked up when called, not bound at import, so that tests (and
 tools) that patch them see every call.

@@ -150,7 +150,7 @@ def locate(directory: str, storage: Storage) -> tuple[str, str, list[tuple[int, 
 
 
 def damaged(storage: Storage, root: str) -> list[DamagedReport]:
-    """The checkpoints moved aside from ``root`` as damaged (``checkpoint.quarantine``), the
+    """The checkpoints moved aside from ``root`` as damaged (``checkpoint.verdict``), the
     oldest moved first: out of a resume's view, so listed, never judged again."""
     return [
         DamagedReport(
