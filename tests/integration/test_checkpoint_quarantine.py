@@ -15,7 +15,7 @@ import fsspec
 import pytest
 
 from unbroken.checkpoint import Checkpointer, FsspecStorage
-from unbroken.checkpoint.quarantine import DIRECTORY, KEEP, REASON
+from unbroken.checkpoint.verdict import DIRECTORY, KEEP, REASON
 from unbroken.cli import main
 
 MEMORY = fsspec.filesystem("memory")

@@ -30,7 +30,7 @@ import unbroken
 from unbroken import cli
 from unbroken._units import human
 from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint.schema import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST
 from unbroken.cli import checkpoints
 from unbroken.errors import CorruptState, StateMismatch
 from unbroken.preemption import EXIT_CODE
@@ -632,7 +632,7 @@ def test_a_damaged_older_checkpoint_does_not_fail_verify(saves, tmp_path, capsys
 
 
 def test_a_manifest_of_another_format_version_fails_rather_than_is_skipped(saves, tmp_path, capsys):
-    from unbroken.checkpoint.schema import SEAL, seal_of
+    from unbroken.checkpoint.layout import SEAL, seal_of
 
     directory = _copy(saves[0], tmp_path)
     path = directory / "step-000000012" / MANIFEST

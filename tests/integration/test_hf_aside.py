@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 import unbroken.hf.accelerate
-from unbroken.checkpoint.quarantine import DIRECTORY, REASON
+from unbroken.checkpoint.verdict import DIRECTORY, REASON
 from unbroken.cli import main
 from unbroken.hf.seal import seal
 from unbroken.hf.state import FORMAT, VERSION, state_file

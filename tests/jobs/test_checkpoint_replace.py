@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from unbroken.checkpoint import Checkpointer, FsspecStorage, LocalStorage, layout
-from unbroken.checkpoint.files import basename
+from unbroken.checkpoint.storage import basename
 
 
 def _killed_while(save: Callable[[], object]) -> None:

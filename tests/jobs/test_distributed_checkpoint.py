@@ -20,7 +20,7 @@ from locations import SUPPORT
 
 import unbroken
 from unbroken import Checkpointer, PerRank
-from unbroken.checkpoint.manifest import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST
 from unbroken.errors import StateMismatch
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, Restored
-from unbroken.checkpoint.schema import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST
 from unbroken.checkpoint.writing import Writing
 
 

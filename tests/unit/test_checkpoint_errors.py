@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from unbroken.checkpoint import Checkpointer, LocalStorage
-from unbroken.checkpoint.manifest import read
-from unbroken.checkpoint.schema import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST, read
 from unbroken.errors import CorruptCheckpoint, CorruptState, StateMismatch
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint.schema import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST
 
 
 def _state(fill=0.0):

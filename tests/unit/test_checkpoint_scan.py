@@ -15,7 +15,7 @@ from torch import nn
 import unbroken.cli
 from unbroken import PerRank
 from unbroken.checkpoint import Checkpointer, LocalStorage
-from unbroken.checkpoint.manifest import MANIFEST
+from unbroken.checkpoint.layout import MANIFEST
 from unbroken.checkpoint.verdict import classify
 
 

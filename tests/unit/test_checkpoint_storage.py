@@ -18,7 +18,7 @@ from torch import nn
 
 from unbroken import PerRank
 from unbroken.checkpoint import Checkpointer, Storage
-from unbroken.checkpoint.files import Digest, Entry
+from unbroken.checkpoint.storage import Digest, Entry
 from unbroken.checkpoint.verdict import classify
 
 ROOT = "mem://bucket/runs/ckpt"

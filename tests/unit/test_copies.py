@@ -1,4 +1,4 @@
-"""The local copies ``FsspecStorage`` keeps of checkpoint files (``checkpoint.copies``), against
+"""The local copies ``FsspecStorage`` keeps of checkpoint files (``checkpoint.transfer``), against
 fsspec's in-memory store (``memory://``: no server, so these run in every tier).
 
 A copy is best effort: a cache disk that fills up (a real 1 MiB tmpfs when this runs as root,
@@ -25,7 +25,7 @@ from torch import nn
 
 import unbroken
 from unbroken.checkpoint import Checkpointer, FsspecStorage
-from unbroken.checkpoint.copies import Copies
+from unbroken.checkpoint.transfer import Copies
 
 MEMORY = fsspec.filesystem("memory")  # one per process: each test takes a root of its own
 

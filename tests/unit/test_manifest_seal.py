@@ -12,7 +12,7 @@ from conftest import reseal
 
 import unbroken.cli
 from unbroken.checkpoint import Checkpointer, LocalStorage
-from unbroken.checkpoint.manifest import MANIFEST, SEAL, read_manifest
+from unbroken.checkpoint.layout import MANIFEST, SEAL, read_manifest
 from unbroken.errors import CorruptCheckpoint
 
 

@@ -1,7 +1,7 @@
 """``FsspecStorage``: ``Storage`` on any fsspec filesystem (S3, GCS, Azure, MinIO, ``memory://``).
 
 fsspec is the extension point for remote stores: any URL whose filesystem is installed goes
-through this one class (what differs between protocols is in ``protocols``). A store has no
+through this one class (what differs between protocols is in ``transfer``). A store has no
 rename that moves a directory in one step, so a checkpoint commits differently from a local
 disk (``LocalStorage``), with the same guarantee, "whole and verified, or not there":
 
@@ -28,12 +28,18 @@ disk (``LocalStorage``), with the same guarantee, "whole and verified, or not th
   without progress (``retry``: the client's timeouts, and a deadline on the whole operation,
   its retries included). The checkpoint's own code tells "could not read" (``RemoteUnavailable``:
   a resume fails, naming the store) from "read, and damaged" (skipped).
-- **Local copies** of what this machine uploaded or downloaded serve later reads (``copies``;
+- **Local copies** of what this machine uploaded or downloaded serve later reads (``transfer``;
   ``cache=False``: none).
 
 The filesystem is made lazily in each process (an fsspec filesystem made before a fork is not
 used after it) with botocore's own retries off, as for ``StreamingDataset`` (``retry``: they
 draw from the user's ``random``).
+
+
+``storage_for`` picks the ``Storage`` of a directory: ``LocalStorage`` for a path,
+``FsspecStorage`` for a URL. Any fsspec URL (``s3://``, ``gs://``, ``memory://``, ...) goes
+through the one ``FsspecStorage``; a ``file://`` URL is a local path. Costs: for a URL, one
+request that reaches its bucket.
 """
 
 from __future__ import annotations
@@ -47,14 +53,14 @@ from functools import partial
 from typing import Any, BinaryIO, TypeVar, cast
 
 from ..retry import Deadline, filesystem, retrying
-from . import protocols
-from .copies import Copies
-from .files import Digest, Entry, Stat, join
-from .schema import MANIFEST
-from .storage import Storage
-from .transfer import Hashing, discard, download
+from . import transfer
+from .layout import MANIFEST
+from .local import LocalStorage
+from .storage import Digest, Entry, Stat, Storage, join
+from .transfer import Copies, Hashing, discard, download
 
-__all__ = ["REMOTE_TIMEOUT", "FsspecStorage"]
+__all__ = ["FsspecStorage", "REMOTE_TIMEOUT", "is_url", "storage_for"]
+
 
 T = TypeVar("T")
 
@@ -287,7 +293,7 @@ class FsspecStorage(Storage):
 
     def rename(self, source: str, target: str) -> None:
         # Not atomic here: the commit protocol never renames on a store; tools and
-        # ``quarantine`` do. Each object is copied (in the store), then the source deleted,
+        # ``verdict.move_aside`` do. Each object is copied (in the store), then the source deleted,
         # its manifest first: a move cut short leaves the source whole or out of view. Object
         # by object: s3fs's recursive ``mv`` of a prefix fails on the prefix itself.
         self._fenced()
@@ -314,13 +320,13 @@ class FsspecStorage(Storage):
 
     def abort_uploads(self, prefix: str) -> None:
         """Abort the uploads that writers killed mid-upload left under ``prefix``, where the
-        store keeps them (``protocols``). Call it when no upload of this job is under way.
+        store keeps them (``transfer``). Call it when no upload of this job is under way.
 
         Args:
             prefix: The path under which uploads are aborted.
         """
         self._fenced()
-        protocols.abort_uploads(self.protocol, self.fs, prefix, self._call)
+        transfer.abort_uploads(self.protocol, self.fs, prefix, self._call)
 
     # The commit protocol: the manifest, written last, commits a checkpoint written in place.
     def stage(self, target: str, temporary: str) -> str:
@@ -390,9 +396,58 @@ class FsspecStorage(Storage):
             info = dict(self.fs.info(path))
             from fsspec.utils import tokenize  # here: `import unbroken` imports no fsspec
 
-            return Stat(protocols.modified(self.protocol, self.fs, path, info), tokenize(info))
+            return Stat(transfer.modified(self.protocol, self.fs, path, info), tokenize(info))
 
         return self._call("look at", path, look)
 
     def tree_size(self, path: str) -> int:
         return int(self._call("measure", path, lambda: self.fs.du(path)))
+
+
+def is_url(directory: str) -> bool:
+    """Whether ``directory`` names a store other than the local filesystem.
+
+    Args:
+        directory: A path or a URL.
+
+    Returns:
+        True for a URL of any protocol but ``file://``.
+    """
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(directory)[0]
+    return protocol not in (None, "file", "local")
+
+
+def storage_for(
+    directory: str,
+    storage_options: dict[str, Any] | None = None,
+    cache: bool = True,
+    timeout: float = REMOTE_TIMEOUT,
+) -> tuple[Storage, str]:
+    """The ``Storage`` of ``directory`` and the path it takes there.
+
+    Args:
+        directory: A local path (or ``file://`` URL), or a URL of any fsspec protocol.
+        storage_options: The fsspec options of a URL's filesystem.
+        cache: Whether a URL's storage keeps local copies (``unbroken verify``: no, it checks
+            the store itself).
+        timeout: Seconds an operation on a store may go without progress.
+
+    Returns:
+        ``(LocalStorage(), path)`` for a path; ``(FsspecStorage, url)`` for a URL, checked at
+        once, before anything is trained.
+
+    Raises:
+        ValueError: ``storage_options`` for a local path; a protocol fsspec does not know.
+    """
+    if not is_url(directory):
+        if storage_options:
+            raise ValueError(
+                f"storage_options are for a URL such as 's3://bucket/run', and {directory!r} is "
+                "a local path: leave them out"
+            )
+        return LocalStorage(), directory.removeprefix("file://")
+    storage = FsspecStorage(directory, storage_options, cache=cache, timeout=timeout)
+    storage.check()
+    return storage, directory.rstrip("/")

@@ -33,9 +33,8 @@ import torch.distributed as dist
 
 from ..distributed.world import World
 from ..errors import DirectoryNotShared, RankFailure
-from .files import join
 from .layout import SHARED
-from .storage import Storage
+from .storage import Storage, join
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ its files in place (no copy). Costs: one fsync per file and per directory entry 
 
 ``torch.save`` turns an error of the file it writes into ``RuntimeError: [enforce fail at
 inline_container.cc] unexpected pos``; ``LocalStorage.write`` keeps the real ``OSError`` (ENOSPC
-included, which ``space.disk_full`` turns into a message) and raises that instead.
+included, which ``writing.disk_full`` turns into a message) and raises that instead.
 
 ``os.fsync`` and ``open`` are looked up when called, not bound at import, so that tests (and
 tools) that patch them see every call.
@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 
 from .._files import atomic_write, sync_directory
-from .files import Digest, Entry, Stat, basename, join, parent, sha256
-from .storage import Storage
+from .storage import Digest, Entry, Stat, Storage, basename, join, parent, sha256
 
 __all__ = ["LocalStorage"]
 

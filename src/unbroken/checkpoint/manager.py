@@ -8,7 +8,7 @@ Layout of ``save(123, {"model": ..., "optimizer": ...})``::
                                                   sha256 and size of every file, its own sha256
     <directory>/.tmp-step-000000123-<pid>-<hex>/  a save in progress, or a killed one: ignored
     <directory>/damaged/<time>-step-000000130/    one load_latest found damaged, moved aside by
-                                                  the next save (``quarantine``): never deleted
+                                                  the next save (``verdict``): never deleted
 
 Everything is written and fsynced in the hidden ``.tmp-*`` directory, the manifest last; the
 directory is then renamed into place, so a SIGKILL at any instant leaves the previous
@@ -22,11 +22,12 @@ writes each entry once (every rank its ``PerRank`` entries), and the manifest on
 files are durable. A rank's failure raises on every rank (``group``) and commits nothing; a
 checkpoint any rank finds corrupt is skipped by all, so ranks never load different steps.
 
-The parts: ``layout`` (names, cleanup), ``entries`` (replicated, per rank, DCP), ``writing``
-and ``loading`` (the write and read paths), ``weights_only``, ``storage`` (the ``Storage``
-protocol, with the commit protocol: another backend is one new class; ``local``,
-``fsspec_storage``), ``space``, ``manifest``, ``group`` (how ranks agree), ``per_rank``,
-``background``, ``restore``, ``quarantine`` (damaged checkpoints moved aside).
+The parts: ``writing`` (the write path: stage, write, seal, commit; background saves; the
+disk-full error) and ``loading`` (the read path: list, verify, load, restore), ``entries``
+(replicated, per rank, DCP; ``PerRank``), ``layout`` (names, cleanup, the manifest and its
+checks), ``verdict`` (the judgement of a checkpoint; damaged ones moved aside), ``storage`` (the
+``Storage`` protocol, with the commit protocol: another backend is one new class; ``local``,
+``fsspec_storage``), ``weights_only``, ``group`` (how ranks agree), ``sharded``.
 
 Costs: a save writes each byte once, hashed on the way (sha256: ~1 GB/s a core), one fsync per
 file, two per directory; ``blocking=False`` blocks while the state is copied to CPU memory.
@@ -44,20 +45,14 @@ import torch
 from .._checks import check_keep, is_int, is_number
 from ..errors import RemoteUnavailable
 from . import layout
-from .background import BackgroundSave
-from .entries import Kind, Part, kind_of
-from .files import join
-from .fsspec_storage import REMOTE_TIMEOUT
+from .entries import Kind, Part, PerRank, kind_of
+from .fsspec_storage import REMOTE_TIMEOUT, storage_for
 from .group import CheckpointGroup, attempt
-from .loading import Loading
-from .manifest import param_shapes
-from .per_rank import PerRank
-from .restore import Restored
-from .schema import FORMAT, MANIFEST, VERSION, ParamShapes
+from .layout import FORMAT, MANIFEST, VERSION, ParamShapes, param_shapes
+from .loading import Loading, Restored
 from .sharded import Sharded
-from .storage import Storage
-from .stores import storage_for
-from .writing import Staged, Writing
+from .storage import Storage, join
+from .writing import BackgroundSave, Staged, Writing
 
 __all__ = ["FORMAT", "MANIFEST", "VERSION", "Checkpointer", "PerRank", "Restored"]
 

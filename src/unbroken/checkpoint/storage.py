@@ -1,19 +1,45 @@
 """``Storage``: every operation on where checkpoints and run directories live, a protocol that
 a backend subclasses. It implements the primitives and inherits or overrides the rest: the commit
-protocol (by default a directory renamed into place: ``defaults``), DCP's local directories, the
-hooks, whole small objects with the store's time of each. No caller asks a storage's class.
+protocol (by default a directory renamed into place), DCP's local directories, the hooks, whole
+small objects with the store's time of each. No caller asks a storage's class.
+
+What the composite operations do by default, built on the primitives: a checkpoint committed by
+a rename (a disk's), and the local directories that DCP reads and writes, served through a copy
+(any backend's). A backend overrides what it does better (``LocalStorage`` lets DCP work in
+place; ``FsspecStorage`` commits by the manifest).
+
+The values the operations take and give: ``Digest`` (what a write wrote), ``Entry`` (a
+directory's entry), ``Stat`` (an object's time by the store's clock, and its version);
+``join``, ``parent``, ``parents`` and ``basename`` work alike on local paths and URLs (always
+``/``); ``sha256`` reads a file through a storage.
+
+Costs: a copy through a temporary directory holds each file on the local disk once.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import BinaryIO, Protocol
+from datetime import datetime
+from functools import partial
+from typing import BinaryIO, NamedTuple, Protocol
 
-from . import defaults
-from .files import Digest, Entry, Stat
-
-__all__ = ["Storage"]
+__all__ = [
+    "CopiedDirectory",
+    "Digest",
+    "Entry",
+    "Stat",
+    "Storage",
+    "basename",
+    "join",
+    "parent",
+    "parents",
+    "sha256",
+]
 
 
 class Storage(Protocol):
@@ -176,7 +202,7 @@ class Storage(Protocol):
             target: Where the checkpoint appears, replacing one there.
             aside: A free name where the old checkpoint is moved during the swap.
         """
-        defaults.rename_into_place(self, staged, target, aside)
+        rename_into_place(self, staged, target, aside)
 
     def abandon(self, staged: str) -> None:
         """Remove what a save that failed wrote at ``staged``, unless it was committed.
@@ -193,7 +219,7 @@ class Storage(Protocol):
             path: The checkpoint's directory.
             aside: A free name out of view; by default it is renamed there first.
         """
-        defaults.rename_and_remove(self, path, aside)
+        rename_and_remove(self, path, aside)
 
     def is_committed(self, path: str) -> bool:
         """Whether the checkpoint directory ``path`` (named ``step-*``) was committed.
@@ -227,7 +253,7 @@ class Storage(Protocol):
         Returns:
             The file in the way, or None (a directory there, or nothing yet).
         """
-        return defaults.file_in_the_way(self, path)
+        return file_in_the_way(self, path)
 
     def write_directory(
         self, path: str, fill: Callable[[str], Sequence[str]]
@@ -241,7 +267,7 @@ class Storage(Protocol):
         Returns:
             Each kept file's name and digest.
         """
-        return defaults.copied_in(self, path, fill)
+        return copied_in(self, path, fill)
 
     def readable_directory(
         self, path: str, files: Sequence[str], mine: Sequence[str], verify: Callable[[str], None]
@@ -257,7 +283,7 @@ class Storage(Protocol):
         Returns:
             The local directory; by default a ``CopiedDirectory`` (``remove()`` it once read).
         """
-        return defaults.copied_out(self, path, files, verify)
+        return copied_out(self, path, files, verify)
 
     def abort_uploads(self, prefix: str) -> None:
         """Abort what writers killed mid-upload left under ``prefix`` (by default, nothing).
@@ -359,4 +385,146 @@ class Storage(Protocol):
         Returns:
             Their sum.
         """
-        return defaults.summed_sizes(self, path)
+        return summed_sizes(self, path)
+
+
+class CopiedDirectory(str):
+    """The path of a local copy of a directory (``readable_directory``): remove it once read."""
+
+    def remove(self) -> None:
+        """Delete the copy."""
+        shutil.rmtree(self, ignore_errors=True)
+
+
+def rename_into_place(storage: Storage, staged: str, target: str, aside: str) -> None:
+    """``staged`` renamed to ``target``, one there first moved ``aside`` (put back if the
+    commit failed, deleted once it is done), and the rename made durable."""
+    old = None
+    try:
+        if storage.exists(target):  # a directory cannot be renamed over a non-empty one
+            storage.rename(target, aside)
+            old = aside
+        storage.rename(staged, target)  # the commit
+        storage.sync_directory(parent(target))
+    except BaseException:
+        if old is not None and not storage.exists(target):
+            storage.rename(old, target)
+        raise
+    if old is not None:
+        storage.remove_tree(old)
+
+
+def rename_and_remove(storage: Storage, path: str, aside: str) -> None:
+    """``path`` renamed ``aside``, out of view, then removed: no reader sees a part of it."""
+    storage.rename(path, aside)
+    storage.remove_tree(aside)
+
+
+def file_in_the_way(storage: Storage, path: str) -> str | None:
+    """A file at ``path`` or above it, where a directory is wanted."""
+    if storage.is_directory(path):
+        return None
+    for above in parents(path):
+        if storage.exists(above) and not storage.is_directory(above):
+            return above
+    return path if storage.exists(path) else None
+
+
+def copied_in(
+    storage: Storage, path: str, fill: Callable[[str], Sequence[str]]
+) -> list[tuple[str, Digest]]:
+    """What ``fill`` wrote into a local temporary directory, written under ``path``."""
+    with tempfile.TemporaryDirectory(prefix="unbroken-dcp-") as local:
+        return [
+            (name, storage.write(join(path, name), partial(_copy, os.path.join(local, name))))
+            for name in fill(local)
+        ]
+
+
+def copied_out(
+    storage: Storage, path: str, files: Sequence[str], verify: Callable[[str], None]
+) -> CopiedDirectory:
+    """``files`` of ``path``, each verified, copied into a local temporary directory (the read
+    that hashed a file serves its copy: ``FsspecStorage`` keeps the last download)."""
+    local = CopiedDirectory(tempfile.mkdtemp(prefix="unbroken-dcp-"))
+    try:
+        for name in files:
+            verify(name)
+            with (
+                storage.open_read(join(path, name)) as opened,
+                open(os.path.join(local, name), "wb") as out,
+            ):
+                shutil.copyfileobj(opened, out, 1 << 22)
+    except BaseException:  # a damaged or unreadable file: nothing of it stays on the disk
+        local.remove()
+        raise
+    return local
+
+
+def summed_sizes(storage: Storage, path: str) -> int:
+    """The bytes of every file under ``path``, listed one directory at a time."""
+    if not storage.is_directory(path):
+        return storage.size(path)
+    return sum(
+        summed_sizes(storage, join(path, entry.name)) for entry in storage.list_directory(path)
+    )
+
+
+def _copy(path: str, out: BinaryIO) -> None:
+    with open(path, "rb") as source:
+        shutil.copyfileobj(source, out, 1 << 22)
+
+
+class Digest(NamedTuple):
+    """What ``Storage.write`` wrote: the sha256 (hex) and the size in bytes."""
+
+    sha256: str
+    size: int
+
+
+class Entry(NamedTuple):
+    """An entry of a directory: its name (not its path) and whether it is a directory."""
+
+    name: str
+    is_directory: bool
+
+
+class Stat(NamedTuple):
+    """What ``Storage.stat`` says of an object: ``modified``, its last write by the store's
+    clock (UTC); ``version``, a value that changes with every write of it."""
+
+    modified: datetime
+    version: str
+
+
+def sha256(storage: Storage, path: str) -> str:
+    """The sha256 (hex) of file ``path``, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with storage.open_read(path) as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def parent(path: str) -> str:
+    """The directory holding ``path`` (a local path or a URI)."""
+    head = path.rstrip("/").rpartition("/")[0]
+    return head if head else ("/" if path.startswith("/") else ".")
+
+
+def parents(path: str) -> list[str]:
+    """Every directory above ``path``, the outermost first (``/``, or a URI's first part)."""
+    found, current = [], path.rstrip("/")
+    while "/" in current.strip("/"):
+        current = parent(current)
+        found.append(current)
+    return found[::-1]
+
+
+def basename(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2]
+
+
+def join(directory: str, name: str) -> str:
+    """``directory/name`` with "/", which local paths and URIs both take."""
+    return f"{directory.rstrip('/')}/{name}" if directory.rstrip("/") else f"/{name}"

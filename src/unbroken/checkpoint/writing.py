@@ -1,39 +1,67 @@
-"""Writing a checkpoint, every rank together: rank 0 opens the temporary directory, each rank
-writes its entries' files into it (``entries``: one class per kind), rank 0 seals the manifest
-once all are durable, commits it through the storage and drops what is no longer kept. A
-survivor's save for a rank that died writes every rank's files alone (``write_alone``), after
-one holder of each shard of a sharded entry wrote it into the staged directory (``stage``,
-``write_shards``).
+"""Writing a checkpoint, every rank together: rank 0 opens the temporary directory, each rank writes
+its entries' files into it (``entries``: one class per kind), rank 0 seals the manifest
+(``layout.seal``) once all are durable, commits it through the storage (``Storage.commit``) and
+drops what is no longer kept. A survivor's save for a rank that died writes every rank's files
+alone (``write_alone``), after one holder of each shard of a sharded entry wrote it into the staged
+directory (``stage``, ``write_shards``).
 
 A checkpoint that ``load_latest`` read and found damaged (``Writing.damaged``) is never deleted:
-the next save moves it into ``damaged/`` beside the checkpoints (``quarantine``), the evidence
-of what damaged it. A checkpoint of a larger step than the one saved that was not found damaged
-(one that could not be read, a store that did not answer, or one never read, a new
+the next save moves it into ``damaged/`` beside the checkpoints (``verdict.move_aside``), the
+evidence of what damaged it. A checkpoint of a larger step than the one saved that was not found
+damaged (one that could not be read, a store that did not answer, or one never read, a new
 Checkpointer's save into a directory of a later run) may be good, so the save is refused before
-anything is written, naming it. The check lists the directory only when a larger step may be
-there: before the first save that follows no listing, and when saving below the largest step
-seen.
+anything is written, naming it. The check lists the directory only when a larger step may be there:
+before the first save that follows no listing, and when saving below the largest step seen.
 
 A save asks which checkpoints are committed with one listing (``Storage.committed_among``; an
 object store lists every object under the directory at once, 1,000 a request), never once per
-checkpoint kept, so its requests do not grow with ``keep``."""
+checkpoint kept, so its requests do not grow with ``keep``.
+
+**Background saves** (``BackgroundSave``): a thread per save, whose error reaches the caller or,
+failing that, stderr. A ``save(blocking=False)`` that fails is raised by the Checkpointer's next
+``save``, ``wait``, ``load_latest`` or ``close``. A script that calls none of these before it ends
+would lose the failure silently, so every background save stays in a registry until its outcome was
+handed over (or it was forgotten: a rank it needs died, ``Checkpointer.forget_background``), and an
+``atexit`` hook (registered by the first background save, not at import) prints each failure nobody
+saw to stderr: the checkpoint, the error with its traceback, and how to have it raised instead.
+Python joins the writer threads (they are not daemons) before it runs atexit hooks, so a pending
+save is finished by then, never cut off.
+
+The exit status stays what the script made it. An atexit hook can change it only with
+``os._exit``, which would skip the rest of the interpreter's shutdown (other libraries' exit
+hooks, flushing files the script left open) and overwrite a status the script chose, such as a
+requeue code after a preemption. Nothing is lost on disk: the directory still holds the earlier
+checkpoints, and ``load_latest`` resumes from the newest of them.
+
+**Room for a checkpoint**: how much one needs, and an error that says so when the disk is full.
+``disk_full`` turns ENOSPC (and EDQUOT) into an ``OSError`` of the same errno that says the disk is
+full, how much the checkpoint needs, how much is free and how much the kept checkpoints take.
+``estimate_size`` walks the state once (no copy, no serialization); it runs only after a save
+failed for want of space.
+"""
 
 from __future__ import annotations
 
+import atexit
+import errno
+import os
+import sys
+import threading
+import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from . import layout, quarantine
+from .._units import human
+from . import layout
 from .entries import EACH_RANK, KINDS, REPLICATED, THROUGH_DCP, Kind, Part
-from .files import Digest, basename, join
 from .group import CheckpointGroup, attempt
-from .manifest import param_shapes, seal
-from .schema import MANIFEST, EntrySpec, ParamShapes
+from .layout import MANIFEST, EntrySpec, ParamShapes, param_shapes, seal
 from .sharded import Sharded
-from .space import FULL, disk_full
-from .storage import Storage
+from .storage import Digest, Storage, basename, join, parent
+from .verdict import move_aside
 
 Written = dict[str, Part]  # one rank's files, by entry name
 
@@ -54,7 +82,7 @@ class Writing:
         self.storage, self.root, self.group, self.keep = storage, root, group, keep
         self.damaged: dict[str, list[str]] = {}
         """Checkpoints that ``load_latest`` read and skipped as corrupt, with why: the next save
-        moves them aside (``quarantine``)."""
+        moves them aside (``verdict.move_aside``)."""
         self.newest: int | None = None  # the largest committed step seen (None: not listed)
 
     def seen(self, steps: list[int]) -> None:
@@ -185,7 +213,7 @@ class Writing:
         """Rank 0: move each checkpoint found damaged into ``damaged/``; never deleted."""
         for path, problems in list(self.damaged.items()):
             if self.storage.exists(path):
-                quarantine.move_aside(self.storage, self.root, path, problems)
+                move_aside(self.storage, self.root, path, problems)
             del self.damaged[path]
 
     def _refuse_newer(self, step: int) -> None:
@@ -268,3 +296,159 @@ class Writing:
         for path in doomed:
             layout.retire(storage, root, path)
         storage.prune_cache([path for _, path in committed if path not in doomed])
+
+
+_unseen: set[BackgroundSave] = set()  # saves whose outcome no caller has been handed yet
+_lock = threading.Lock()
+_hooked = False
+
+
+class BackgroundSave:
+    """Runs ``write()`` in a thread; ``result()`` waits for it and raises what it raised."""
+
+    def __init__(self, final: str, write: Callable[[], None]) -> None:
+        global _hooked
+        self.final = final
+        self._write: Callable[[], None] | None = write
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{basename(final)}")
+        with _lock:
+            if not _hooked:
+                atexit.register(_report_unseen)
+                _hooked = True
+            _unseen.add(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        write, self._write = self._write, None
+        assert write is not None  # each thread runs once
+        try:
+            write()
+        except BaseException as error:  # handed to the caller's thread by result()
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(f"raised by the background save of {self.final}")
+            # The frames hold the CPU copy of the state, possibly gigabytes, for as long as
+            # the error lives: until result() or the end of the process.
+            traceback.clear_frames(error.__traceback__)
+            self._error = error
+        else:
+            _unseen.discard(self)
+        finally:
+            del write
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def forget(self) -> None:
+        """No one will wait for it (``Checkpointer.forget_background``): its failure, expected,
+        is not reported at exit."""
+        with _lock:
+            _unseen.discard(self)
+
+    def result(self) -> None:
+        self._thread.join()
+        _unseen.discard(self)
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def _report_unseen() -> None:
+    stream = sys.stderr or sys.__stderr__
+    for save in sorted(_unseen, key=lambda save: str(save.final)):
+        save._thread.join()
+        error = save._error
+        if error is None or stream is None:
+            continue
+        stream.write(
+            f"\nunbroken.Checkpointer: the background save of checkpoint {save.final} FAILED, "
+            "and the script ended without calling wait() or close() (or another save or "
+            "load_latest) on its Checkpointer, which would have raised it:\n"
+            + "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            + f"The checkpoint was not written: load_latest resumes from the newest earlier "
+            f"one in {parent(save.final)}. Call checkpointer.close() before the script ends, "
+            "or use `with Checkpointer(...) as checkpointer:`, to have such a failure raised.\n"
+        )
+        stream.flush()
+    _unseen.clear()
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(
+    error: OSError,
+    storage: Storage,
+    directory: str,
+    step: int,
+    entries: dict,
+    keep: int,
+    kept: list[str],
+) -> OSError:
+    """``error`` (ENOSPC or EDQUOT) as an ``OSError`` that says what to do; call it after the
+    temporary directory is removed, so that what is free is what a new save would have."""
+    assert error.errno is not None  # FULL holds it
+    # Each file adds its zip directory (about 1 kB); the manifest adds about as much.
+    needed = sum(estimate_size(value) + 1024 for value in entries.values()) + 1024
+    free: int | None
+    try:
+        free = storage.free_space(directory)
+    except OSError:
+        free = None
+    used = sum(_du(storage, path) for path in kept)
+    where = (
+        f"the disk holding {directory} is full"
+        if error.errno == errno.ENOSPC
+        else f"the disk quota that holds {directory} is used up"
+    )
+    message = (
+        f"{os.strerror(error.errno)}: checkpoint step {step} was not saved, as {where}. It "
+        f"needs about {human(needed)} ({needed} bytes, an estimate from the sizes of its "
+        "tensors and values)"
+        + (f" and {human(free)} ({free} bytes) are free there" if free is not None else "")
+        + (
+            f"; the {len(kept)} checkpoint{'s' * (len(kept) > 1)} kept there take"
+            f"{'s' * (len(kept) == 1)} {human(used)}"
+            if kept
+            else ""
+        )
+        + f". Free space on that disk or give the Checkpointer a directory on a larger one (it "
+        f"needs room for keep={keep} checkpoints plus the one being written). Nothing was "
+        "changed: the earlier checkpoints are as they were."
+    )
+    return OSError(error.errno, message)
+
+
+def estimate_size(value: Any, seen: set | None = None) -> int:
+    """About how many bytes ``torch.save`` writes for ``value``: tensors' storages (each once,
+    as torch.save writes them) plus its plain values, and a little for each container."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        try:
+            storage = value.untyped_storage()
+            key = (storage.device, storage.data_ptr(), storage.nbytes())
+            if key in seen:
+                return 0
+            seen.add(key)
+            return storage.nbytes() + 400
+        except (NotImplementedError, RuntimeError):  # sparse and others: an upper bound
+            return value.numel() * value.element_size() + 400
+    if isinstance(value, dict):
+        return 16 + sum(estimate_size(k, seen) + estimate_size(v, seen) for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return 16 + sum(estimate_size(item, seen) for item in value)
+    if isinstance(value, (str, bytes, bytearray)):
+        return 8 + len(value)
+    return 16 if not isinstance(value, int) else 8 + value.bit_length() // 8
+
+
+def _du(storage: Storage, directory: str) -> int:
+    """The bytes of the files directly in ``directory`` (a checkpoint has no subdirectories)."""
+    try:
+        return sum(
+            storage.size(join(directory, entry.name))
+            for entry in storage.list_directory(directory)
+            if not entry.is_directory
+        )
+    except OSError:
+        return 0

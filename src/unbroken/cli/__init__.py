@@ -8,7 +8,7 @@ directory; a local path, or a URL in object storage (``s3://bucket/runs/exp1``, 
 ``--storage-options '{"endpoint_url": ...}'`` for its filesystem, or the ``AWS_*`` environment
 variables). Nothing is changed on disk: leftovers of killed writers (``.tmp-*``) are ignored, and
 a checkpoint moved aside (``.old-step-*``) is listed where ``load_latest`` would consider it.
-Checkpoints moved into ``damaged/`` as damaged (``checkpoint.quarantine``) are listed apart,
+Checkpoints moved into ``damaged/`` as damaged (``checkpoint.verdict``) are listed apart,
 with why; they never fail ``verify``, since no resume reads them.
 
 ``DIR`` may also be, on a local disk, a Hugging Face output directory (``transformers.Trainer``'s

@@ -10,11 +10,11 @@ import re
 from datetime import timezone
 from typing import Any, TypedDict, cast
 
-from ..checkpoint import layout, quarantine
-from ..checkpoint.files import basename, join, parent
-from ..checkpoint.schema import MANIFEST, Manifest
-from ..checkpoint.storage import Storage
-from ..checkpoint.stores import is_url
+from ..checkpoint import layout
+from ..checkpoint import verdict as quarantine
+from ..checkpoint.fsspec_storage import is_url
+from ..checkpoint.layout import MANIFEST, Manifest
+from ..checkpoint.storage import Storage, basename, join, parent
 from ..checkpoint.verdict import classify
 from ..data.states import COMBINED, LOADER, RESUMABLE, SHUFFLE_BUFFER
 from ..train.checkpointing import LOG, PROGRESS, TRAIN_LOADER, VAL_LOADER
@@ -150,7 +150,7 @@ def locate(directory: str, storage: Storage) -> tuple[str, str, list[tuple[int, 
 
 
 def damaged(storage: Storage, root: str) -> list[DamagedReport]:
-    """The checkpoints moved aside from ``root`` as damaged (``checkpoint.quarantine``), the
+    """The checkpoints moved aside from ``root`` as damaged (``checkpoint.verdict``), the
     oldest moved first: out of a resume's view, so listed, never judged again."""
     return [
         DamagedReport(

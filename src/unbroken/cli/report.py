@@ -13,10 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._units import human
-from ..checkpoint import quarantine
-from ..checkpoint.files import basename, join, parent
-from ..checkpoint.storage import Storage
-from ..checkpoint.stores import is_url, storage_for
+from ..checkpoint import verdict as quarantine
+from ..checkpoint.fsspec_storage import is_url, storage_for
+from ..checkpoint.storage import Storage, basename, join, parent
 from ..train.csvlog import read_sha256
 from ..train.rundir import CHECKPOINTS, METRICS
 from . import hf

@@ -2,7 +2,7 @@
 
 Each is judged by its seal (``seal.check``). A *damaged* one (a seal whose files changed or went
 missing) is evidence of what damaged it: it is moved into ``<output_dir>/damaged/``
-(``unbroken.checkpoint.quarantine``: the newest 3 stay there, ``unbroken verify`` lists them),
+(``unbroken.checkpoint.verdict``: the newest 3 stay there, ``unbroken verify`` lists them),
 never deleted. An *unsealed* one is a save that never finished (a process killed mid-save, the
 expected end of a preemption): nothing in it is evidence, so it is removed. A *sealed* one is
 whole, newer than a checkpoint the user chose to resume from: the resumed run writes its step
@@ -22,7 +22,7 @@ import os
 import shutil
 
 from ..checkpoint.local import LocalStorage
-from ..checkpoint.quarantine import move_aside
+from ..checkpoint.verdict import move_aside
 from .seal import Verdict, check
 
 log = logging.getLogger(__name__)

@@ -215,7 +215,7 @@ def prune(
     any unsealed one among them (a save that never finished), but never ``spare`` (transformers'
     best checkpoint). Sealed folders are judged by their sizes: each was hashed when sealed. One
     judged damaged among them (a file missing or of another size) is evidence: it is moved into
-    ``directory/damaged/`` (``unbroken.checkpoint.quarantine``), never deleted.
+    ``directory/damaged/`` (``unbroken.checkpoint.verdict``), never deleted.
     Returns the folders removed."""
     spared = os.path.realpath(spare) if spare else None
     kept, removed = 0, []
@@ -229,7 +229,7 @@ def prune(
             continue
         elif verdict is not None and verdict.status == "damaged":
             from ..checkpoint.local import LocalStorage  # torch's import, only for this
-            from ..checkpoint.quarantine import move_aside
+            from ..checkpoint.verdict import move_aside
 
             move_aside(LocalStorage(), directory, folder, verdict.problems)
         else:

@@ -24,7 +24,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from .._files import atomic_write
 from ..checkpoint import FsspecStorage, LocalStorage
-from ..checkpoint.stores import is_url
+from ..checkpoint.fsspec_storage import is_url
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -35,7 +35,7 @@ import torch
 from .._checks import is_int
 from .._state import has_state
 from ..checkpoint import Checkpointer, PerRank, Restored, Sharded
-from ..checkpoint.per_rank import unwrap
+from ..checkpoint.entries import unwrap
 from ..data.keys import derive_key
 from ..errors import CorruptState, StateMismatch
 from .csvlog import CSVLog

@@ -18,9 +18,9 @@ import sys
 from collections.abc import Callable, Iterable
 
 from .._log import logger
-from ..checkpoint.files import join
 from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
+from ..checkpoint.storage import join
 from .csvlog import RunLog
 from .progress import Progress
 

@@ -69,9 +69,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.entries import PerRank, unwrap
 from ..checkpoint.layout import final_name
 from ..checkpoint.manager import Checkpointer
-from ..checkpoint.per_rank import PerRank, unwrap
 from ..checkpoint.sharded import Sharded, replica_shard
 from ..checkpoint.writing import Staged
 from ..data.loader import DataLoader

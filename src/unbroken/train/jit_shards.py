@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ..checkpoint.files import Digest
 from ..checkpoint.layout import final_name
+from ..checkpoint.storage import Digest
 from ..checkpoint.writing import Staged
 from .checkpointing import LOG, MODEL
 from .progress import say

@@ -62,8 +62,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from ..checkpoint.files import Stat, join
-from ..checkpoint.storage import Storage
+from ..checkpoint.storage import Stat, Storage, join
 from ..errors import DirectoryInUse
 from .lock import describe, gone, identity
 from .progress import say

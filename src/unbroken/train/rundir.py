@@ -27,10 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.files import join
-from ..checkpoint.fsspec_storage import REMOTE_TIMEOUT
-from ..checkpoint.storage import Storage
-from ..checkpoint.stores import is_url, storage_for
+from ..checkpoint.fsspec_storage import REMOTE_TIMEOUT, is_url, storage_for
+from ..checkpoint.storage import Storage, join
 from .agreement import Agreement
 from .lease import Lease
 from .lock import DirectoryLock, Lock, held_by_every_rank, not_writable
