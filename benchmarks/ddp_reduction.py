@@ -28,16 +28,22 @@ from harness.jobs import parse_or_work, send_back, torchrun_worker
 
 import unbroken.distributed
 from unbroken.distributed import exact_reduce
+from unbroken.distributed.reduction import reduction_of
 
 RANKS = (3, 4, 5)  # exact_reduce matters from 3 ranks on (the docs say why)
-VARIANTS = ("DDP (stock)", "DDP + exact_reduce")
+STOCK, TORCH_HOOK = "DDP (stock)", "DDP + torch's allreduce_hook"
+EXACT, PREDIVIDED = "DDP + exact_reduce", "DDP + exact_reduce, predivided"
+# torch's own Python hook (torch.distributed.algorithms.ddp_comm_hooks) is the control: what
+# any Python communication hook costs against DDP's C++ path. "predivided" is the Trainer's
+# way: the loss divided by the world size, the hook only sums (ExactReduction.predivided).
+VARIANTS = (STOCK, TORCH_HOOK, EXACT, PREDIVIDED)
 # An exact_reduce with chunk_mb cuts its own chunks; one without keeps DDP's buckets. The
 # script measures either.
 HAS_CHUNK_MB = "chunk_mb" in inspect.signature(exact_reduce).parameters
 
 
 def build(
-    layers: int, width: int, exact: bool, chunk_mb: float, device: torch.device
+    layers: int, width: int, variant: str, chunk_mb: float, device: torch.device
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     blocks: list[torch.nn.Module] = []
@@ -47,8 +53,16 @@ def build(
     model = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(*blocks).to(device), device_ids=ids
     )
-    if exact:
+    if variant == TORCH_HOOK:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
+    elif variant in (EXACT, PREDIVIDED):
         exact_reduce(model, **({"chunk_mb": chunk_mb} if HAS_CHUNK_MB else {}))
+        if variant == PREDIVIDED:
+            reduction = reduction_of(model)
+            assert reduction is not None and hasattr(reduction, "predivided")
+            reduction.predivided = True
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
@@ -61,29 +75,29 @@ def worker(args: argparse.Namespace) -> None:
     # A step's time is the device's: wait for its kernels (a no-op on CPU).
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     unbroken.distributed.init_process_group(args.backend)
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     sizes = {"small": 2, "large": args.layers}
     times: dict[str, list[float]] = {}
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
     x = x.to(device)
     for size, layers in sizes.items():
-        built = {
-            name: build(layers, args.width, exact, args.chunk_mb, device)
-            for name, exact in zip(VARIANTS, (False, True))
-        }
-        for model, optimizer in built.values():  # warm-up: DDP rebuilds its buckets here
+        built = {name: build(layers, args.width, name, args.chunk_mb, device) for name in VARIANTS}
+        # The predivided variant's loss carries the 1 / world size its hook leaves out.
+        divisor = {name: world if name == PREDIVIDED else 1 for name in VARIANTS}
+        for name, (model, optimizer) in built.items():  # warm-up: DDP rebuilds its buckets here
             for _ in range(2):
-                model(x).square().mean().backward()
+                (model(x).square().mean() / divisor[name]).backward()
                 optimizer.step()
                 optimizer.zero_grad()
         for round_ in range(args.rounds):
-            for name in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
+            shift = round_ % len(VARIANTS)  # each variant first in turn
+            for name in VARIANTS[shift:] + VARIANTS[:shift]:
                 model, optimizer = built[name]
                 dist.barrier()
                 sync()
                 for _ in range(args.steps):
                     start = time.perf_counter()
-                    model(x).square().mean().backward()
+                    (model(x).square().mean() / divisor[name]).backward()
                     optimizer.step()
                     optimizer.zero_grad()
                     sync()
@@ -135,16 +149,18 @@ def main() -> None:
                 [
                     str(ranks),
                     f"{layers} x Linear({args.width}, {args.width}) ({parameters * 4 / 1e6:.0f} MB)",
-                    f"{step[VARIANTS[0]]:.1f}",
-                    f"{step[VARIANTS[1]]:.1f}",
-                    f"{step[VARIANTS[1]] / step[VARIANTS[0]]:.2f}x",
+                    *(f"{step[name]:.1f}" for name in VARIANTS),
+                    f"{step[EXACT] / step[STOCK]:.2f}x",
+                    f"{step[PREDIVIDED] / step[STOCK]:.2f}x",
+                    f"{step[PREDIVIDED] / step[TORCH_HOOK]:.2f}x",
                 ]
             )
     print()
     worlds = ", ".join(map(str, args.ranks))
     title = f"A DDP training step on {worlds} ranks ({args.backend}, {args.device}), ms (medians)"
     results.show(title, [
-        "ranks", "model", "DDP (ms)", "DDP + exact_reduce (ms)", "exact / stock",
+        "ranks", "model", "DDP (ms)", "torch's hook (ms)", "exact_reduce (ms)",
+        "predivided (ms)", "exact / stock", "predivided / stock", "predivided / torch's hook",
     ], rows, left=2)  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     note = (

@@ -9,6 +9,7 @@ How it measures, and what the numbers mean: ``docs/benchmarks/trainer-overhead.m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import os
 import shutil
@@ -36,6 +37,7 @@ from harness.workloads import (
 )
 
 import unbroken
+import unbroken.train
 from unbroken.train.globalrng import TRAIN, seed_step
 
 # --------------------------------------------------------------------------- workloads
@@ -88,9 +90,18 @@ NO_CHECKPOINTS = "Trainer, checkpoint_every_steps=None"
 # rows over it, what the rest of the Trainer costs.
 CONTROL = "control: plain loop + the Trainer's per-step seeding"
 SEEDED = "seeded"  # the control's "options"
-HAS_TENSORBOARD_ARG = "tensorboard" in inspect.signature(unbroken.Trainer).parameters
-_LOG_EVERY = inspect.signature(unbroken.Trainer).parameters.get("log_every")
-LOG_EVERY = _LOG_EVERY.default if _LOG_EVERY is not None else None  # None: every batch
+# The Trainer's options, read where they are declared (its keywords are **options: Unpack of
+# them, which a signature does not list); older versions took them as plain parameters.
+_TRAINER_OPTIONS = getattr(unbroken.train, "TrainerOptions", None)
+if _TRAINER_OPTIONS is not None and dataclasses.is_dataclass(_TRAINER_OPTIONS):
+    _OPTIONS = {field.name: field.default for field in dataclasses.fields(_TRAINER_OPTIONS)}
+else:
+    _OPTIONS = {
+        name: parameter.default
+        for name, parameter in inspect.signature(unbroken.Trainer).parameters.items()
+    }
+HAS_TENSORBOARD_ARG = "tensorboard" in _OPTIONS
+LOG_EVERY = _OPTIONS.get("log_every")  # None: every batch
 
 
 def variants(tensorboard: str) -> list[tuple[str, dict | str | None]]:
