@@ -116,6 +116,13 @@ for cap, chunks, target in ((25, [[5, 4, 3, 2, 1, 0]], 0), (0.002, [[5, 4, 3, 2]
     first, rebuilt, steady = gradients(model, 0, 3, carry=True)
     assert same(first, rebuilt) and same(rebuilt, steady), f"cap {cap}: carrying depends on it"
     assert reduction_of(model).copied == 1 and reduction_of(model).target == target
+    # A row carried but not read, then a backward that carries nothing (its zeros overwrite the
+    # reused buffer): no sum to read, rather than that backward's zeros as the row's.
+    reduction_of(model).carry(row(1))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    gradients(model, 0, 1)
+    assert reduction_of(model).carried() is None, "a backward without a row left a sum"
     reference = [None] * len(local)
     for index, chunk in enumerate(chunks):
         flat = torch.cat([local[i].reshape(-1) for i in chunk]) / WORLD

@@ -168,6 +168,7 @@ class ExactReduction:
         self._views: dict[int, torch.Tensor] = {}
         self._pending: list[torch.futures.Future[None]] = []
         self._out: torch.Tensor | None = None
+        self._packed: torch.Tensor | None = None  # the row's chunk and the row, reused
         self._sent: tuple[torch.futures.Future[Any], torch.Tensor] | None = None
 
     def _noter(self, index: int) -> Any:
@@ -241,7 +242,17 @@ class ExactReduction:
             The all-reduce's future, and the divided gradients (a view of its tensor).
         """
         size = gradients.numel()
-        packed = gradients.new_empty(size + self.carry_bytes)
+        # One buffer for every backward: a new one of a megabyte or more a step would be a
+        # fresh mapping of zeroed pages each time. The last one is done with: DDP copied the
+        # gradients out, and carried() copied the row's sum, before this backward began.
+        packed = self._packed
+        if (
+            packed is None
+            or packed.numel() != size + self.carry_bytes
+            or packed.dtype != gradients.dtype
+            or packed.device != gradients.device
+        ):
+            packed = self._packed = gradients.new_empty(size + self.carry_bytes)
         divided = packed[:size]
         if self.predivided:
             divided.copy_(gradients)
@@ -254,8 +265,8 @@ class ExactReduction:
         else:
             tail.copy_(row)
         reduced = self._all_reduce(packed)
-        if row is not None:
-            self._sent = (reduced, tail)
+        # A backward that carried nothing leaves nothing to read: its zeros overwrote the tail.
+        self._sent = (reduced, tail) if row is not None else None
         return reduced, divided
 
     def _chunk_of(
