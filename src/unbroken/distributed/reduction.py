@@ -41,7 +41,9 @@ way, with no collective of their own per step: one copy of the smallest chunk a 
 (``benchmarks/ddp_reduction.py``), and a pass over the gradients to divide them by the world
 size, which DDP's C++ path fuses into its copy. A loop that divides its loss by the world size
 instead saves that pass: set ``predivided`` (the Trainer does, without gradient accumulation).
-One copy of the gradients each way in a process's first step. **Scope.** Dense gradients of one DDP model. ``Trainer`` registers it on a DDP model of 2
+One copy of the gradients each way in a process's first step.
+
+**Scope.** Dense gradients of one DDP model. ``Trainer`` registers it on a DDP model of 2
 or more ranks; ``lightning.ExactResume`` on Lightning's DDP of 3 or more. In your own loop,
 call ``exact_reduce(model)`` once, after wrapping the model, before its first backward.
 """
