@@ -50,7 +50,9 @@ EPOCHS, BATCH, VAL_BATCH, SEED = 3, 16, 56, 7
 # no rank repeats a sample to fill the last one (the loader would, as DistributedSampler pads).
 TRAIN, VAL = 1440, 336
 PER_EPOCH = TRAIN // (2 * BATCH)  # 45 global batches per epoch on 2 ranks
-PREEMPT_AT = PER_EPOCH + 21  # epoch 1, batch 21: 768 samples left, 16 global batches on 3 ranks
+# The ranks agree on a signal with the next batch's gradients, so the signal after epoch 1's
+# batch 20 is saved after its batch 21: 768 samples left, 16 global batches on 3 ranks.
+PREEMPT_AT = PER_EPOCH + 20
 KILLED_RANK = 1
 
 
