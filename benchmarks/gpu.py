@@ -38,7 +38,7 @@ from harness import parser as harness_parser
 from harness.jobs import kill_group
 
 HERE = Path(__file__).resolve().parent
-JOB = REPO / "tests" / "cuda_job.py"
+JOB = REPO / "tests" / "support" / "cuda_job.py"
 # (option, value) per killed run, each restarted from the checkpoints the last one left; the
 # counts are this process's steps (the job has 36 and saves every 2), so the job finishes after
 # the last one. kill_after: at a step's end; kill_in_step: after a step's forward.

@@ -23,7 +23,7 @@ from harness import REPO, Results, environment, load_line, table
 from harness import parser as harness_parser
 
 HERE = Path(__file__).resolve().parent
-JOB = REPO / "tests" / "hf_trainer_job.py"
+JOB = REPO / "tests" / "support" / "hf_trainer_job.py"
 WORKER = HERE / "hf_resume_job.py"
 N, STEPS = 96, 12  # the exactness job: samples, steps an epoch
 SYSTEMS = {

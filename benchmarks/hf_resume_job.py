@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))
 import hf_trainer_job  # noqa: E402
 
 STEPS_PER_EPOCH = hf_trainer_job.N // 8

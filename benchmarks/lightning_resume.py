@@ -32,7 +32,7 @@ from harness.workloads import weights_equal
 
 from unbroken.lightning.loops import Place
 
-JOB = REPO / "tests" / "lightning_job.py"
+JOB = REPO / "tests" / "support" / "lightning_job.py"
 N, BATCH, EPOCHS = 96, 8, 3  # the job's dataset, batch size and epochs
 PER_EPOCH = N // BATCH
 TOTAL = PER_EPOCH * EPOCHS

@@ -22,7 +22,7 @@ import tempfile
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(HERE, "..", "tests", "hf_trainer_job.py")
+JOB = os.path.join(HERE, "..", "tests", "support", "hf_trainer_job.py")
 
 
 def run(out: str, *args: str) -> int:
