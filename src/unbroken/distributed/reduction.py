@@ -194,7 +194,8 @@ class ExactReduction:
 
     def carried(self) -> torch.Tensor | None:
         """The byte-wise sum over the ranks (at most 255) of what ``carry`` was given, if the
-        last backward reduced it; else None (no backward reduced gradients since).
+        last backward reduced it; else None (no backward reduced gradients since, or the last
+        one was given no row).
 
         Raises:
             RuntimeError: the all-reduce that carried it failed.
@@ -218,9 +219,7 @@ class ExactReduction:
             reduced, result = self._with_row(buffer)
             futures.append(reduced)
         elif chunk is not None:
-            if not self.predivided:
-                buffer.div_(self.size)
-            futures.append(self._all_reduce(buffer))
+            futures.append(self._all_reduce(self._divided(buffer)))
         else:
             for parameter, gradient in zip(parameters, bucket.gradients()):
                 self._views[id(parameter)] = gradient
@@ -344,9 +343,7 @@ class ExactReduction:
             if index == self.target and self.carry_bytes:  # as reduce() does: the row after it
                 reduced, flat = self._with_row(flat)
             else:
-                if not self.predivided:
-                    flat.div_(self.size)
-                reduced = self._all_reduce(flat)
+                reduced = self._all_reduce(self._divided(flat))
             works.append(reduced.then(partial(_unflatten, flat=flat, views=present)))
 
         pending = self._pending
@@ -374,6 +371,10 @@ class ExactReduction:
         sizes = [(_nbytes(p), (p.dtype, p.device)) for p in ordered]
         self._learn([[ordered[i] for i in b] for b in rebuilt_layout(sizes, self.limits)])
         log.debug("exact_reduce: %d chunks in the gradients' ready order", len(self.chunks or []))
+
+    def _divided(self, gradients: torch.Tensor) -> torch.Tensor:
+        """``gradients``, divided by the world size in place unless they arrive so."""
+        return gradients if self.predivided else gradients.div_(self.size)
 
     def _all_reduce(self, tensor: torch.Tensor) -> torch.futures.Future[Any]:
         return dist.all_reduce(tensor, group=self.group, async_op=True).get_future()

@@ -26,7 +26,7 @@ from typing_extensions import Unpack
 
 from ..checkpoint.manager import Checkpointer
 from ..distributed.process_group import refuse_unrestartable_group
-from ..distributed.reduction import ensure_exact, reduction_of
+from ..distributed.reduction import ExactReduction, ensure_exact, reduction_of
 from ..errors import RemoteUnavailable
 from ..preemption import EXIT_CODE, Preemption, exit_to_be_requeued
 from .agreement import Agreement, Boundary, Carrier, exit_if_preempted
@@ -153,7 +153,8 @@ class Trainer:
             # DDP: gradients summed in an order its bucket rebuild cannot change (3+ ranks),
             # and a reduction the ranks' per-batch agreement rides on (2+ ranks).
             ensure_exact(model, "unbroken.Trainer", Carrier.width(self.world.size))
-            self._loss_divisor = self._divisor(model)
+            self._reduction = self._own_reduction(model)
+            self._loss_divisor = self._divisor()
             with self.preemption, determinism(self.options.deterministic, model):
                 exit_if_preempted(self.agreement, self.preemption)
                 self.run.open(self.options.remote_timeout)
@@ -220,10 +221,10 @@ class Trainer:
             self.jit = JustInTime(
                 wanted, agreement, progress, self.entries, checkpointer, run, self.run_log, every
             )
-            reduction = reduction_of(self.model)
-            carrier = None  # without one that carries this row (the user's exact_reduce): gathered
-            if reduction is not None and reduction.carry_bytes == Carrier.width(self.world.size):
-                carrier = Carrier(reduction, self.world, agreement.device)
+            # Without the Trainer's own reduction (no DDP, the user's exact_reduce): gathered.
+            carrier = None
+            if self._reduction is not None:
+                carrier = Carrier(self._reduction, self.world, agreement.device)
             self.boundary = Boundary(
                 agreement, self.preemption, self.schedule, self.jit, every, carrier
             )
@@ -313,15 +314,24 @@ class Trainer:
             jit.changing()
             self.scheduler.step()
 
-    def _divisor(self, model: torch.nn.Module) -> int:
+    def _own_reduction(self, model: torch.nn.Module) -> ExactReduction | None:
+        """The reduction ``ensure_exact`` registered for the Trainer (carrying its row): the
+        agreement rides on it, and it may leave the division to the loss (``_divisor``). None
+        without DDP, or on the user's own ``exact_reduce``, which carries nothing and divides."""
+        reduction = reduction_of(model)
+        if reduction is None or reduction.carry_bytes != Carrier.width(self.world.size):
+            return None
+        return reduction
+
+    def _divisor(self) -> int:
         """What a batch's loss is divided by before its backward: the accumulation window's
         length; or, on the Trainer's own DDP reduction without accumulation, the world size.
         That reduction then only sums (``ExactReduction.predivided``): DDP's mean with no pass
         over the gradients to divide them. Accumulated gradients are summed again by each
         backward's reduction, so that hook divides them itself."""
-        accumulate, reduction = self.options.accumulate, reduction_of(model)
-        if reduction is None or reduction.carry_bytes != Carrier.width(self.world.size):
-            return accumulate  # no DDP, or the user's own exact_reduce: it divides
+        accumulate, reduction = self.options.accumulate, self._reduction
+        if reduction is None:
+            return accumulate
         reduction.predivided = accumulate == 1
         return self.world.size if reduction.predivided else accumulate
 
