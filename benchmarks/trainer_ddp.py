@@ -10,7 +10,11 @@ Each world size is one torchrun job (gloo on CPU, NCCL on CUDA; one thread per r
 it, rounds alternate three variants, the first variant rotated every round: the hand loop
 (torch's ``DistributedSampler`` and ``DataLoader``, DDP, SGD), ``unbroken.Trainer`` with its
 defaults, and ``Trainer(just_in_time=False)``. ``--single`` adds the same comparison in one
-process, without torch.distributed or DDP.
+process, without torch.distributed or DDP. ``--parts`` adds three hand loops between them, each
+with one more of the Trainer's exactness parts: ``exact_reduce``; then ``unbroken.DataLoader``
+and the per-step seeding; then the Trainer's own reduction, carrying the agreement's row. Each
+row's excess over the one before it is what that part costs; the Trainer's over the last of
+them, what its loop's own bookkeeping costs.
 """
 
 from __future__ import annotations
@@ -38,9 +42,22 @@ from harness.jobs import parse_or_work, send_back, torchrun_worker
 
 import unbroken
 import unbroken.distributed
+from unbroken.train.agreement import Carrier
+from unbroken.train.globalrng import TRAIN, seed_step
 
 HAND, TRAINER, NO_JIT = "hand loop", "Trainer()", "Trainer(just_in_time=False)"
 VARIANTS = (HAND, TRAINER, NO_JIT)
+# --parts: hand loops with the Trainer's parts, one more each (the Trainer's rows come last).
+EXACT = "hand + exact_reduce"
+DATA = "hand + exact_reduce + seeded data"
+ROW = "hand + agreement row + seeded data"
+PARTS = {EXACT: {"exact"}, DATA: {"exact", "data"}, ROW: {"row", "data"}}
+
+
+def variants(args: argparse.Namespace) -> tuple[str, ...]:
+    return (HAND, *PARTS, NO_JIT, TRAINER) if args.parts else VARIANTS
+
+
 WIDTH, LAYERS = 512, 4
 # The automatic interval's first save comes 2 s into a fresh run, inside the timed window: a
 # fixed interval this long keeps the wall-clock check of every batch and saves only at the end.
@@ -134,10 +151,32 @@ class Bench:
     def clock(self) -> Clock:
         return Clock(self.args.warmup, self.steps, self.sync)
 
-    def hand(self) -> Clock:
+    def hand(self, parts: frozenset[str] = frozenset()) -> Clock:
+        """The hand loop; with ``parts`` (``PARTS``), the Trainer's exactness parts in it:
+        ``exact``: ``exact_reduce``; ``data``: ``unbroken.DataLoader`` and the Trainer's
+        seeding before each step; ``row``: the Trainer's own reduction instead of
+        ``exact_reduce`` (its loss divided by the world size, the hook only summing), carrying
+        a row as wide as the Trainer's agreement, read after each backward."""
         model = self.model()
         optimizer = torch.optim.SGD(model.parameters(), lr=self.args.lr)
-        if self.distributed:
+        reduction, row, divisor = None, None, 1
+        if self.distributed and "exact" in parts:
+            unbroken.distributed.exact_reduce(model)
+        if self.distributed and "row" in parts:
+            # What Trainer.fit registers (through ensure_exact): not a public API.
+            from unbroken.distributed.reduction import _register, reduction_of
+
+            width = Carrier.width(self.world)
+            _register(model, carry_bytes=width)
+            reduction = reduction_of(model)
+            assert reduction is not None
+            reduction.predivided, divisor = True, self.world
+            row = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        if "data" in parts:
+            loader: Any = unbroken.DataLoader(
+                self.dataset, batch_size=self.args.batch, shuffle=True, seed=0
+            )
+        elif self.distributed:
             sampler = torch.utils.data.DistributedSampler(self.dataset, shuffle=True, seed=0)
             sampler.set_epoch(0)
             loader = torch.utils.data.DataLoader(
@@ -149,9 +188,17 @@ class Bench:
                 self.dataset, batch_size=self.args.batch, shuffle=True, generator=generator
             )
         clock = self.clock()
+        seeded = "data" in parts
         for batch in loader:
+            if seeded:  # as the Trainer seeds a step: seed 0, epoch 0, the step, the rank
+                seed_step(0, TRAIN, 0, clock.steps, self.rank)
             loss = self.step(model, batch)
+            if reduction is not None:
+                reduction.carry(row)  # type: ignore[arg-type]  # set with the reduction
+                loss = loss / divisor
             loss.backward()
+            if reduction is not None:
+                reduction.carried()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             clock.stepped()
@@ -181,6 +228,8 @@ class Bench:
             dist.barrier()  # every rank starts the variant together, outside the window
         if variant == HAND:
             return self.hand()
+        if variant in PARTS:
+            return self.hand(frozenset(PARTS[variant]))
         return self.trainer(directory, **({"just_in_time": False} if variant == NO_JIT else {}))
 
 
@@ -191,15 +240,16 @@ def measure(args: argparse.Namespace, distributed: bool, out: Path) -> dict[str,
     # rank 0 counts every rank as its own: torchrun's agent, their parent, is the root
     monitor = ForeignLoad(root=os.getppid() if distributed else None)
     monitor.available &= bench.rank == 0
-    ms: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    saves: dict[str, list[int]] = {v: [] for v in VARIANTS}
-    jit: dict[str, list[bool | None]] = {v: [] for v in VARIANTS}
+    chosen = variants(args)
+    ms: dict[str, list[float]] = {v: [] for v in chosen}
+    cpu: dict[str, list[float]] = {v: [] for v in chosen}
+    saves: dict[str, list[int]] = {v: [] for v in chosen}
+    jit: dict[str, list[bool | None]] = {v: [] for v in chosen}
     foreign: list[float] = []
     for index in range(-1, args.rounds):  # round -1: a warm-up, untimed
         before = monitor.snapshot()
-        for variant in rotated(VARIANTS, max(index, 0)):
-            directory = out / f"round{index + 1}-{VARIANTS.index(variant)}"
+        for variant in rotated(chosen, max(index, 0)):
+            directory = out / f"round{index + 1}-{chosen.index(variant)}"
             clock = bench.run(variant, directory)
             spent = torch.tensor(clock.cpu_ms_per_step(), dtype=torch.float64)
             if distributed:  # every rank's CPU time: the mean over the ranks, after the window
@@ -244,7 +294,7 @@ def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], di
     """The table's rows for one world, and the same numbers for the JSON."""
     ms, rows, entry = measured["ms"], [], {"world": measured["world"], "variants": {}}
     cpu = measured["cpu"]
-    for variant in VARIANTS:
+    for variant in ms:
         ratio = [t / h for t, h in zip(ms[variant], ms[HAND])]
         cpu_ratio = [t / h for t, h in zip(cpu[variant], cpu[HAND])]
         low, high = quartiles(ms[variant])
@@ -288,6 +338,11 @@ def main() -> None:
     parser.add_argument(
         "--single", action="store_true", help="also one process without DDP (no torchrun)"
     )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also hand loops with the Trainer's exactness parts, one more each (see above)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--backend", default="", help="default: gloo on cpu, nccl on cuda")
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and step")
@@ -309,7 +364,7 @@ def main() -> None:
         args.warmup, args.steps, args.rounds = 2, 5, 2
     results = Results("trainer_ddp", args.json, args)
     print("\n".join(environment()), flush=True)
-    flags = ("device", "backend", "batch", "warmup", "steps", "rounds", "lr")
+    flags = ("device", "backend", "batch", "warmup", "steps", "rounds", "lr", "parts")
     runs: list[tuple[str, dict[str, Any]]] = []
     if args.single:
         quiet()
@@ -348,7 +403,7 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     notes = [
         f"medians over {args.rounds} rounds (after 1 warm-up round) of {args.steps} timed steps "
-        f"after {args.warmup} untimed ones, per variant; ratio: a Trainer's time over the hand "
+        f"after {args.warmup} untimed ones, per variant; ratio: a loop's time over the hand "
         "loop's in the same round, median and min-max over rounds; ms: rank 0's wall clock; "
         "CPU ms: each process's CPU time (all its threads: gloo's, autograd's), the mean over "
         "the ranks, taken at the same two moments",
@@ -382,7 +437,7 @@ def main() -> None:
                 f"{', '.join(map(str, oversubscribed))} ranks on {cores} cores: oversubscribed, "
                 "the ranks take turns on the cores"
             )
-    results.finish(notes, {"runs": entries, "variants": list(VARIANTS)})
+    results.finish(notes, {"runs": entries, "variants": list(variants(args))})
 
 
 if __name__ == "__main__":

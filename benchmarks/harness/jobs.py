@@ -33,11 +33,16 @@ PARTS_ENV = "UNBROKEN_BENCH_PARTS"
 
 
 def torchrun_worker(script: str, ranks: int, args: argparse.Namespace, *flags: str) -> Any:
-    """Run ``script``'s worker on ``ranks`` ranks with ``args``' ``flags`` (attribute names)."""
+    """Run ``script``'s worker on ``ranks`` ranks with ``args``' ``flags`` (attribute names; a
+    boolean one is a ``store_true`` option, passed only when true)."""
     out = tempfile.mkdtemp(prefix=f"{Path(script).stem}-", dir=REPO)
     command = [TORCHRUN, "--standalone", f"--nproc-per-node={ranks}", script, "--worker"]
     for flag in flags:
-        command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        value, option = getattr(args, flag), f"--{flag.replace('_', '-')}"
+        if isinstance(value, bool):
+            command += [option] if value else []
+        else:
+            command += [option, str(value)]
     try:
         env = dict(os.environ, OMP_NUM_THREADS="1")
         subprocess.run([*command, "--out", out], check=True, env=env)

@@ -171,6 +171,21 @@ def test_rank_0_killed_anywhere_costs_at_most_the_step_in_flight(reference, tmp_
     assert_same_run(run, reference)
 
 
+def test_a_rank_killed_inside_an_accumulation_window_resumes_at_the_windows_start(tmp_path):
+    # accumulate=2: ticks 15 and 16 make step 8. Rank 2 dies inside tick 16, after tick 15's
+    # backward added every rank's loss to the running sums: a survivor saves tick 14 (step 7,
+    # not a periodic checkpoint) with the sums as they were there, without tick 15's losses.
+    reference = tmp_path / "reference"
+    torchrun(reference, {"accumulate": 2})
+    run = tmp_path / "run"
+    kill = [{"rank": 2, "phase": "train", "at": 16}]
+    output = torchrun(run, {"accumulate": 2, "kill_in_step": kill}, restarts=1)
+    assert output.count("exitcode: -9") == 1, output[-3000:]
+    assert saved_just_in_time(output) == [14], output[-3000:]
+    assert resumed_ticks(output) == [14], output[-3000:]
+    assert_same_run(run, reference)
+
+
 def test_a_step_that_does_not_log_reads_nothing_on_the_host_and_runs_no_collective(
     reference, tmp_path
 ):

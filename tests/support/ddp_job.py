@@ -3,7 +3,7 @@
 ``python ddp_job.py RUN_DIR OPTIONS_JSON``: a DDP MLP with dropout trained by unbroken.Trainer
 over a map-style dataset split by unbroken.DataLoader, with a torchmetrics accuracy. OPTIONS:
 
-- ``epochs``, ``every_steps``: Trainer settings.
+- ``epochs``, ``every_steps``, ``accumulate``: Trainer settings.
 - ``kill``: {"rank": r, "at": [tick, ...]}: that rank SIGKILLs itself after those training
   ticks, each once over all restarts (a marker file per kill), as a crashed node would.
 - ``kill_in_hook``: [{"rank": r, "hook": name, "at": tick, "ms": m}, ...]: that rank spends
@@ -271,6 +271,7 @@ trainer = unbroken.Trainer(
     lease_seconds=OPTIONS.get("lease_seconds", 30.0),
     max_epochs=OPTIONS.get("epochs", 2),
     checkpoint_every_steps=OPTIONS.get("every_steps", 5),
+    accumulate=OPTIONS.get("accumulate", 1),
     checkpoint_every_seconds=None,
     progress_bar=False,
     tensorboard=False,

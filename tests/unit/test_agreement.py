@@ -71,6 +71,23 @@ def test_the_ranks_rows_summed_byte_by_byte_give_every_loss_bit_for_bit():
     assert received.preempted and not received.time_due and received.log_bytes == 77
 
 
+def test_a_loss_of_every_floating_dtype_rides_in_float64_exactly():
+    # Each value is one its dtype holds exactly, so its float64 is known; a loss that requires
+    # grad and has a shape of one element, as a step may return it.
+    for dtype, value in [
+        (torch.float16, 0.333251953125),
+        (torch.float32, 1 / 3),
+        (torch.float64, 1 / 3),
+        (torch.bfloat16, 0.333984375),
+    ]:
+        reduction = Reduction()
+        carrier = Carrier(reduction, World(rank=1, size=2), torch.device("cpu"))
+        loss = torch.tensor(value, dtype=dtype, requires_grad=True)
+        carrier.send(False, False, 0, rows=0, ticks=1, loss=loss.reshape(1) * 1)
+        losses, _ = carrier.receive()
+        assert losses.tolist() == [0.0, float(loss.detach().to(torch.float64))], dtype
+
+
 def test_no_reduction_since_the_send_gives_nothing_to_agree_on():
     carrier = Carrier(Reduction(), World(rank=0, size=2), torch.device("cpu"))
     assert carrier.receive() is None  # e.g. a validation batch: the loop falls back

@@ -155,7 +155,7 @@ class JustInTime:
 
     def phase_started(self) -> None:
         """A phase's running losses start from zero, as ``Progress.start_phase`` does."""
-        self.sums.zero_()
+        self.sums = torch.zeros_like(self.sums)  # never in place: a record may hold the last
 
     def log_bytes(self) -> int:
         """Rank 0's CSV log size now (0 on the other ranks), for the next agreement."""
@@ -166,7 +166,9 @@ class JustInTime:
         its sum on the device; and, once the host has it, rank 0's log size as it was sent."""
         if not self.enabled:
             return
-        self.sums += losses
+        # A new tensor, never an in-place add: the record holds the last one as it is, with
+        # no copy of its own each batch (``take``).
+        self.sums = self.sums + losses
         self.losses = (self.progress.ticks, losses)
         if received is None:
             return
@@ -217,7 +219,7 @@ class JustInTime:
         self.record = Record(
             self.progress.ticks,
             self.progress.state_with(0.0),
-            self.sums.clone(),
+            self.sums,  # replaced, never changed in place (``agreed_on``): no copy needed
             states,
             log_bytes,
             base,
