@@ -88,7 +88,7 @@ demo-hf: $(HF_STAMP)
 # `make bench-quick`: the same with every script's --quick (~12 min, 3 of them stream_peers.py's,
 # 3.5 goodput.py's, 2.5 goodput_ranks.py's; checks the pipeline, its numbers are noise).
 # BENCH_FLAGS: more flags for every script; BENCHMARKS="a b": only those.
-BENCHMARKS := overhead resume_latency trainer_overhead trainer_ddp loader_tiny lightning_resume hf_resume checkpoint_blocking \
+BENCHMARKS := overhead resume_latency trainer_overhead trainer_ddp cold_calls loader_tiny lightning_resume hf_resume checkpoint_blocking \
 	stream_overhead ddp_loader ddp_checkpoint ddp_reduction stream_peers remote_checkpoint goodput \
 	goodput_ranks unit_costs save_keep
 BENCH_FLAGS ?=
