@@ -59,6 +59,15 @@ def test_a_predivided_reduction_only_sums_and_a_resumed_loop_ends_bit_exact(seen
     assert seen["predivided resumed equal"] and seen["predivided max diff"] == 0.0
 
 
+def test_backwards_under_no_sync_before_the_first_reduced_one_leave_the_chunks_as_they_are(seen):
+    # The chunks of a loop whose first backwards accumulate under no_sync: each parameter once,
+    # in the reduced backward's order, as for a process whose first backward is reduced; and
+    # only the first step copies. (Learnt from every backward's order, each parameter came
+    # twice, and every step took the copying way in a layout no other process had.)
+    assert seen["no_sync first: chunks"] == seen["reduced first: chunks"] == [[5, 4, 3, 2], [1, 0]]
+    assert seen["no_sync first: copies"] == 1
+
+
 def test_the_trainers_ddp_step_is_the_ranks_mean_gradient_with_and_without_accumulation(seen):
     # The job checked it (allclose): its reduction sums gradients of a loss it divided by the
     # world size, or divides accumulated gradients itself.

@@ -226,6 +226,30 @@ for name, wrap, ddp in (
     seen[f"{name} max diff"] = max((a - b).abs().max().item() for a, b in zip(whole, resumed))
 
 
+# 2b. A user's loop accumulating under no_sync: a window's first backwards reduce nothing (no
+# hook call), and the chunks come from the first reduced backward's order alone. A process
+# whose first backward is reduced (one resumed at a window's last batch) learns the same
+# chunks, and from then on DDP's buckets are the chunks: no copy.
+def chunk_indices(model):
+    index = {id(p): i for i, p in enumerate(model.module.parameters())}
+    return [[index[id(p)] for p in chunk] for chunk in reduction_of(model).chunks]
+
+
+quiet_first = exact_reduce(DDP(net(), bucket_cap_mb=0.002))
+reduced_first = exact_reduce(DDP(net(), bucket_cap_mb=0.002))
+for step in range(3):
+    x, y = batch(step)
+    for model, accumulates in ((quiet_first, True), (reduced_first, step > 0)):
+        if accumulates:
+            with model.no_sync():
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.zero_grad(set_to_none=True)
+seen["no_sync first: chunks"] = chunk_indices(quiet_first)
+seen["reduced first: chunks"] = chunk_indices(reduced_first)
+seen["no_sync first: copies"] = reduction_of(quiet_first).copied
+
+
 # 3. The Trainer's DDP step: one optimizer step of SGD (lr 1) moves the weights by the ranks'
 # mean gradient, with and without accumulation (its reduction sums loss-divided gradients in
 # the first case, divides them itself in the second).

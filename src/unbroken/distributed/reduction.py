@@ -160,7 +160,10 @@ class ExactReduction:
         self.carry_bytes, self.predivided = carry_bytes, predivided
         self.target: int | None = None  # the chunk the row rides with, once chunks are learnt
         self._known: dict[tuple[int, ...], int] = {}  # a bucket's key -> its chunk, or -1
-        self._ready: list[int] = []  # the first backward's ready order, as module indices
+        # The ready order of the backward in progress, as module indices: a backward under
+        # no_sync reduces nothing and calls no hook, so the first reduced one's order is kept.
+        self._ready: list[int] = []
+        self._readied: set[int] = set()
         self._hooks: list[Any] = []
         if rebuilds:
             for i, parameter in enumerate(self.parameters):
@@ -174,7 +177,13 @@ class ExactReduction:
         self._sent: tuple[torch.futures.Future[Any], torch.Tensor] | None = None
 
     def _noter(self, index: int) -> Any:
-        return lambda _parameter: self._ready.append(index)
+        def note(_parameter: torch.Tensor) -> None:
+            if index in self._readied:  # a gradient ready twice: a new backward began
+                self._ready, self._readied = [], set()
+            self._ready.append(index)
+            self._readied.add(index)
+
+        return note
 
     def close(self) -> None:
         """Remove the ready-order hooks (a model the hook could not be registered on)."""
