@@ -10,7 +10,8 @@ first layout where the uninterrupted run used the rebuilt one, so its weights dr
 
 **How.** A communication hook (``ExactReduction``) that sums every step of every process in
 one layout, the rebuilt one, whatever DDP's buckets hold at that step. In a process's first
-backward it notes the order the gradients become ready (``register_post_accumulate_grad_hook``)
+reduced backward (backwards under ``no_sync`` before it reduce nothing) it notes the order the
+gradients become ready (``register_post_accumulate_grad_hook``), as DDP does for its rebuild,
 and cuts that order into *chunks* exactly as DDP cuts its rebuilt buckets (``rebuilt_layout``:
 the same size limits, the same rule). From then on:
 
