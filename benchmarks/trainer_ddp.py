@@ -163,11 +163,11 @@ class Bench:
         if self.distributed and "exact" in parts:
             unbroken.distributed.exact_reduce(model)
         if self.distributed and "row" in parts:
-            # What Trainer.fit registers (through ensure_exact): not a public API.
-            from unbroken.distributed.reduction import _register, reduction_of
+            # What Trainer.fit registers, by the same call: not a public API.
+            from unbroken.distributed.reduction import ensure_exact, reduction_of
 
             width = Carrier.width(self.world)
-            _register(model, carry_bytes=width)
+            ensure_exact(model, "trainer_ddp.py", width)
             reduction = reduction_of(model)
             assert reduction is not None
             reduction.predivided, divisor = True, self.world
