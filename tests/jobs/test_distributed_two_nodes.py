@@ -10,8 +10,8 @@ ranks, which elects the survivor that saves just in time. What is checked:
 - the other node dies and is started again: a survivor saves the last completed step; with
   torch 2.13 the new agent cannot join the surviving one (below), so the job is restarted on
   both nodes, and it resumes from that step. Then the node of the stores dies: no survivor can
-  be elected, each says so in one line, and the job restarted on both nodes resumes from the
-  last periodic checkpoint. It ends with the weights and the log of the uninterrupted job;
+  be elected, a survivor says so in one line, and the job restarted on both nodes resumes from
+  the last periodic checkpoint. It ends with the weights and the log of the uninterrupted job;
 - with ``--nnodes=1:2`` the other node dies and is not replaced: the survivor's agent goes on
   alone, on 2 ranks, from the step saved just in time, with the same samples in the same
   global order (the documented contract for another number of ranks).
@@ -275,7 +275,11 @@ def test_a_node_killed_costs_at_most_a_step_and_the_stores_node_killed_the_last_
     first.kill()
     assert nodes.finish([second], seconds=60) == [1], nodes.tails()  # ends on its own
     lines = [line for line in second.output().splitlines() if "just-in-time" in line]
-    assert len(lines) == 2, nodes.tails()  # one a survivor: ranks 2 and 3
+    # Ranks 2 and 3 each say it once their collective fails. The agent, whose store died too,
+    # stops its ranks (SIGTERM, then SIGKILL 30 s later): a rank still waiting in its
+    # collective then (on the other survivor, not the dead node) ends without a line. CI on
+    # 2 busy cores saw one line once in about ten runs.
+    assert 1 <= len(lines) <= 2, nodes.tails()
     for line in lines:
         assert "no just-in-time save: torchrun's store did not answer" in line, lines
         assert "resumes from its last checkpoint, step-000000010" in line, lines
