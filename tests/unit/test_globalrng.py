@@ -3,6 +3,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unbroken.train.globalrng import GlobalRNG
 
@@ -113,3 +115,33 @@ def test_each_validation_batch_draws_from_its_seed_epoch_and_index_not_the_train
     assert len({str(draws) for draws in drawn.values()}) == len(drawn)  # no two alike
     # Twice as many training steps before each validation: the same validation draws.
     assert _validation_draws(tmp_path / "long", train_batches=4) == drawn
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**70),
+    phase=st.sampled_from([1, 2]),
+    epoch=st.integers(0, 2**20),
+    step=st.integers(0, 2**40),
+    rank=st.integers(0, 4096),
+)
+def test_a_steps_seeds_are_the_documented_derivation_of_its_five_parts(
+    seed, phase, epoch, step, rank
+):
+    """``seed_step`` seeds from ``derive_key(seed mod 2**64, phase, epoch, step, rank)``, however
+    it computes it: another derivation would draw other numbers after an upgrade's resume. The
+    same (seed, phase, epoch) is asked twice, with other steps between, to reach any cache."""
+    from unbroken.data.keys import derive_key
+    from unbroken.train.globalrng import seed_step
+
+    key = derive_key(seed % 2**64, phase, epoch, step, rank)
+    random.seed(key)
+    np.random.seed(key % 2**32)
+    torch.default_generator.manual_seed(key % 2**63)
+    expected = _draws()
+    for other in (step + 1, step):
+        _scramble()
+        seed_step(seed, phase, epoch, other, rank)
+    _assert_same_draws(_draws(), expected)
+    seed_step(seed, 3 - phase, epoch, step, rank)  # the other phase: other draws
+    assert not torch.equal(_draws()[0], expected[0])

@@ -20,13 +20,14 @@ torch knows (rows ``seed_step`` and ``torch_manual_seed`` of the unit costs).
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any, cast
 
 import numpy as np
 import torch
 
-from ..data.keys import derive_key
+from ..data.keys import derive_key, mix64
 from ..errors import CorruptState, StateMismatch
 
 TRAIN, VAL = 1, 2  # the phase in a step's seed
@@ -118,9 +119,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@functools.lru_cache(maxsize=8)
+def _phase_key(seed: int, phase: int, epoch: int) -> int:
+    """``derive_key(seed, phase, epoch)``: the same for every step of a phase's epoch."""
+    return derive_key(seed % 2**64, phase, epoch)
+
+
 def seed_step(seed: int, phase: int, epoch: int, step: int, rank: int) -> None:
-    """Seed the process RNGs for one step (``phase``: ``TRAIN`` or ``VAL``) of one rank."""
-    key = derive_key(seed % 2**64, phase, epoch, step, rank)
+    """Seed the process RNGs for one step (``phase``: ``TRAIN`` or ``VAL``) of one rank, from
+    ``derive_key(seed, phase, epoch, step, rank)``. The key folds its parts in order, so the
+    epoch's prefix is derived once and each step mixes in only its step and rank."""
+    key = mix64(mix64(_phase_key(seed, phase, epoch) ^ step) ^ rank)
     random.seed(key)
     np.random.seed(key % 2**32)
     torch.default_generator.manual_seed(key % 2**63)
