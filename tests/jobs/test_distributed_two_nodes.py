@@ -275,11 +275,11 @@ def test_a_node_killed_costs_at_most_a_step_and_the_stores_node_killed_the_last_
     first.kill()
     assert nodes.finish([second], seconds=60) == [1], nodes.tails()  # ends on its own
     lines = [line for line in second.output().splitlines() if "just-in-time" in line]
-    # Ranks 2 and 3 each say it once their collective fails. The agent, whose store died too,
-    # stops its ranks (SIGTERM, then SIGKILL 30 s later): a rank still waiting in its
-    # collective then (on the other survivor, not the dead node) ends without a line. CI on
-    # 2 busy cores saw one line once in about ten runs.
-    assert 1 <= len(lines) <= 2, nodes.tails()
+    # A survivor says it when it has a step newer than checkpoint 10 to lose. One whose last
+    # step is 10 (its step 11 needed a last message of the dead node, which rank 2's did not)
+    # has none and says nothing; CI on 2 busy cores saw one line once in about ten runs.
+    newer = [rank for rank in (2, 3) if trained(nodes.run, rank)[-1][0] > 10]
+    assert 2 in newer and 1 <= len(lines) <= len(newer), (newer, nodes.tails())
     for line in lines:
         assert "no just-in-time save: torchrun's store did not answer" in line, lines
         assert "resumes from its last checkpoint, step-000000010" in line, lines
