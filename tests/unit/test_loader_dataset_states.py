@@ -1,7 +1,9 @@
 """Datasets' own states as torchdata's tests write them: non-str keys, state set up in __iter__,
 unsaveable states, and streams that became shorter than the saved position."""
 
+import gc
 import json
+import multiprocessing
 
 import pytest
 import torch
@@ -233,6 +235,31 @@ def test_a_stateless_stream_shorter_than_the_saved_position_is_a_clear_error(cls
     )
     with pytest.raises(ValueError, match=match):
         list(shorter)
+
+
+@pytest.mark.filterwarnings(REPLAY_WARNING)
+def test_an_iteration_a_workers_error_ended_stops_its_workers_while_the_error_is_held():
+    """The error keeps its traceback, as pytest, a debugger or a retry loop keep it, and no
+    garbage collection comes: the iteration's workers are stopped before it reaches the loop.
+    Left to a collection, each would cost a 5 s join at whatever step the collection came."""
+    loader = unbroken.DataLoader(SamplerPattern(12), batch_size=2, num_workers=2, seed=0)
+    iterator = iter(loader)
+    for _ in range(4):
+        next(iterator)
+    state = loader.state_dict()
+    iterator.close()
+    shorter = unbroken.DataLoader(SamplerPattern(3), batch_size=2, num_workers=2, seed=0)
+    shorter.load_state_dict(state)
+    before = set(multiprocessing.active_children())
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="shorter") as held:
+            list(shorter)
+        left = set(multiprocessing.active_children()) - before
+    finally:
+        gc.enable()
+    assert held.value.__traceback__ is not None
+    assert not left, left
 
 
 @pytest.mark.filterwarnings(REPLAY_WARNING)
