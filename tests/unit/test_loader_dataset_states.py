@@ -1,9 +1,11 @@
 """Datasets' own states as torchdata's tests write them: non-str keys, state set up in __iter__,
 unsaveable states, and streams that became shorter than the saved position."""
 
+import functools
 import gc
 import json
 import multiprocessing
+import multiprocessing.util
 
 import pytest
 import torch
@@ -260,6 +262,33 @@ def test_an_iteration_a_workers_error_ended_stops_its_workers_while_the_error_is
         gc.enable()
     assert held.value.__traceback__ is not None
     assert not left, left
+
+
+def _note_a_clean_exit(directory, worker_id):
+    """worker_init_fn: the worker writes a file named for it if it exits by its loop's end;
+    killed (or ended by the SIGTERM torch sends when a join timed out), it writes none."""
+    note = (directory / str(worker_id)).touch
+    multiprocessing.util.Finalize(None, note, exitpriority=0)
+
+
+def test_an_iteration_the_garbage_collector_frees_stops_its_workers_at_once(tmp_path):
+    """An iteration caught in a reference cycle is freed by a collection. Its workers must
+    end as told (the loop's end) within that collection, not be terminated after a join that
+    timed out because the collection had closed their queues first."""
+    loader = unbroken.DataLoader(
+        list(range(12)),
+        batch_size=2,
+        num_workers=2,
+        seed=0,
+        worker_init_fn=functools.partial(_note_a_clean_exit, tmp_path),
+    )
+    iterator = iter(loader)
+    next(iterator)
+    cycle = {"iterator": iterator}
+    cycle["itself"] = cycle
+    del iterator, cycle
+    gc.collect()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["0", "1"]
 
 
 @pytest.mark.filterwarnings(REPLAY_WARNING)

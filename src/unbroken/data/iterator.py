@@ -19,6 +19,9 @@ iterations; the position taken at the first ``next()``), and adds what torch's i
   iterator raising, which cannot go on after it) ends this iteration with the position where
   it was: the next ``iter()`` continues from the last batch received, as a resumed run would.
   Its workers are stopped before the error reaches the caller, even one that keeps the error.
+- **Workers stop at once when an iteration ends** (unless ``persistent_workers``), however it
+  ends: exhausted, closed, dropped, failed, or freed by the garbage collector from a reference
+  cycle (``_stop``).
   A dead worker is reported with torch's message ("DataLoader worker (pid N) is killed by
   signal: ..."), also when a batch it had queued found it gone first (``workers``).
 
@@ -31,6 +34,7 @@ Cost per batch: the source's ``receive``, moving the cursor and one report to th
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 from .epochs import EpochIterable, Iteration, upcoming
@@ -63,9 +67,13 @@ class LoaderIterator:
         # With workers, start them now for the place an iteration would take now (torch starts
         # its workers in iter()); __next__ checks that it is still the one it takes.
         self._primed: Started | None = None
+        # The iterations on workers, held from weakref.finalize's registry too: see _stop.
+        self._on_workers: list[Started] = []
         if inner.num_workers > 0:
             cursor, epoch = upcoming(loader)
             self._primed = inner.start(loader.seed, epoch, cursor, None)
+            self._on_workers.append(self._primed)
+            weakref.finalize(self, _stop, self._on_workers)
 
     def __iter__(self) -> LoaderIterator:
         return self
@@ -117,6 +125,8 @@ class LoaderIterator:
         seed, epoch, cursor = loader.seed, iteration.epoch, iteration.position
         self._cursor = cursor  # an iteration's position object is its own to the end
         started = inner.start(seed, epoch, cursor, primed)
+        if inner.num_workers > 0:
+            self._on_workers[:] = [started]  # primed, or primed closed and this one started
         self._started, self._reported = started, inner.reported_length
         inner.plan_reads(started, seed, epoch, cursor)
         return started
@@ -126,6 +136,7 @@ class LoaderIterator:
         self._started, self._over = None, True
         if started is not None:
             started.close()
+        self._on_workers.clear()
         if iteration is not None:
             report(iteration)
 
@@ -134,6 +145,7 @@ class LoaderIterator:
         self._primed = None
         if self._started is not None:
             self._end(Iteration.abandoned)
+        _stop(self._on_workers)  # workers primed for an iteration that never began
 
     def __del__(self) -> None:
         # An iteration dropped after it yielded ends its epoch there (``epochs``), as when
@@ -157,6 +169,20 @@ class LoaderIterator:
                 "for examples."
             )
         warnings.warn(message, stacklevel=4)
+
+
+def _stop(on_workers: list[Started]) -> None:
+    """Close the iterations on workers: torch's iterators, freed, stop their workers.
+
+    Also run by ``weakref.finalize`` when the garbage collector frees a ``LoaderIterator``
+    (one caught in a reference cycle: a frame an exception keeps, say). The finalizer's
+    registry holds ``on_workers``, so torch's iterator and its queues are never garbage
+    themselves. Were they, the collection would run the queues' finalizers before the
+    iterator's ``__del__``: the workers would never get the signal to stop, and each would
+    cost a 5 s join, at whatever training step the collection came."""
+    for started in on_workers:
+        started.close()
+    on_workers.clear()
 
 
 def _release_torch_frames(error: BaseException) -> None:
