@@ -19,11 +19,11 @@ iterations; the position taken at the first ``next()``), and adds what torch's i
   iterator raising, which cannot go on after it) ends this iteration with the position where
   it was: the next ``iter()`` continues from the last batch received, as a resumed run would.
   Its workers are stopped before the error reaches the caller, even one that keeps the error.
+  A dead worker is reported with torch's message ("DataLoader worker (pid N) is killed by
+  signal: ..."), also when a batch it had queued found it gone first (``workers``).
 - **Workers stop at once when an iteration ends** (unless ``persistent_workers``), however it
   ends: exhausted, closed, dropped, failed, or freed by the garbage collector from a reference
   cycle (``_stop``).
-  A dead worker is reported with torch's message ("DataLoader worker (pid N) is killed by
-  signal: ..."), also when a batch it had queued found it gone first (``workers``).
 
 It starts torch's loader through the loader's ``InnerLoader`` (``inner``) and reports to the
 epoch bookkeeping through an ``epochs.Iteration``; it reads no private attribute of the loader.
@@ -73,7 +73,8 @@ class LoaderIterator:
             cursor, epoch = upcoming(loader)
             self._primed = inner.start(loader.seed, epoch, cursor, None)
             self._on_workers.append(self._primed)
-            weakref.finalize(self, _stop, self._on_workers)
+            # At exit, torch's and multiprocessing's own handlers end the workers, as before.
+            weakref.finalize(self, _stop, self._on_workers).atexit = False
 
     def __iter__(self) -> LoaderIterator:
         return self
