@@ -264,6 +264,52 @@ def test_an_iteration_a_workers_error_ended_stops_its_workers_while_the_error_is
     assert not left, left
 
 
+class _RaisesAt(torch.utils.data.Sampler):
+    """Yields 0..39, and raises ``error`` in place of ``at``."""
+
+    def __init__(self, at, error):
+        self.at, self.error = at, error
+
+    def __len__(self):
+        return 40
+
+    def __iter__(self):
+        for index in range(40):
+            if index == self.at:
+                raise self.error
+            yield index
+
+
+def test_stopping_the_workers_of_a_failed_iteration_leaves_the_users_frames_alone():
+    """Only torch's frames of the error's traceback are cleared. A sampler raising an error
+    kept from earlier keeps the locals of its frame, and the user's generator that kept the
+    error, paused since, goes on: its frame is in that traceback too."""
+    kept = []
+
+    def paused():
+        try:
+            raise KeyError("kept")
+        except KeyError as error:
+            kept.append(error)
+        yield "a"
+        yield "b"
+
+    generator = paused()
+    assert next(generator) == "a"
+    loader = unbroken.DataLoader(
+        list(range(40)), batch_size=2, sampler=_RaisesAt(15, kept[0]), num_workers=2, seed=0
+    )
+    with pytest.raises(KeyError, match="kept") as held:
+        list(loader)
+    assert next(generator) == "b"
+    entry, sampler_locals = held.value.__traceback__, None
+    while entry is not None:
+        if entry.tb_frame.f_code is _RaisesAt.__iter__.__code__:
+            sampler_locals = entry.tb_frame.f_locals
+        entry = entry.tb_next
+    assert sampler_locals is not None and sampler_locals["index"] == 15
+
+
 def _note_a_clean_exit(directory, worker_id):
     """worker_init_fn: the worker writes a file named for it if it exits by its loop's end;
     killed (or ended by the SIGTERM torch sends when a join timed out), it writes none."""

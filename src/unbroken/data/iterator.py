@@ -22,8 +22,8 @@ iterations; the position taken at the first ``next()``), and adds what torch's i
   A dead worker is reported with torch's message ("DataLoader worker (pid N) is killed by
   signal: ..."), also when a batch it had queued found it gone first (``workers``).
 - **Workers stop at once when an iteration ends** (unless ``persistent_workers``), however it
-  ends: exhausted, closed, dropped, failed, or freed by the garbage collector from a reference
-  cycle (``_stop``).
+  ends: exhausted, closed, dropped, failed in ``next()``, or freed by the garbage collector
+  from a reference cycle (``_stop``).
 
 It starts torch's loader through the loader's ``InnerLoader`` (``inner``) and reports to the
 epoch bookkeeping through an ``epochs.Iteration``; it reads no private attribute of the loader.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from types import FrameType, FunctionType
 from typing import Any
 
 from .epochs import EpochIterable, Iteration, upcoming
@@ -97,13 +98,15 @@ class LoaderIterator:
                 self._end(Iteration.finished)
                 raise
             except BaseException as error:
+                holding = _frames_holding(error, started.batches) if self._inner.num_workers else []
                 try:
                     if self._inner.num_workers > 0:
                         await_death_report(error)  # torch's message for a dead worker
                 finally:
                     self._end(Iteration.interrupted)
-                    if self._inner.num_workers > 0:
-                        _release_torch_frames(error)  # its workers stop now
+                    for frame in holding:  # torch's iterator is freed: its workers stop now
+                        frame.clear()
+                    del holding
                 raise
             before = (cursor.samples, cursor.batches, cursor.source)  # receive replaces source
             batch = started.receive(cursor, batch)  # the cursor moves when the user receives it
@@ -186,21 +189,29 @@ def _stop(on_workers: list[Started]) -> None:
     on_workers.clear()
 
 
-def _release_torch_frames(error: BaseException) -> None:
-    """Clear the locals of the ended frames below this iterator's in ``error``'s traceback.
+def _frames_holding(error: BaseException, torch_iterator: Any) -> list[FrameType]:
+    """The ended frames of ``error``'s traceback that run a method of ``torch_iterator``'s
+    class: torch's own frames, to clear once the iteration ended (``frame.clear()``).
 
-    With workers, those frames are torch's iterator's (the worker's own traceback is in the
-    message), and they hold that iterator. Without this, the exception keeps it alive, in a
-    cycle only the garbage collector frees. Inside a collection, its queues' finalizers run
-    before its ``__del__``: its workers never get the signal to stop, and each costs a 5 s
-    join, at whatever step the collection comes. Freed now, it stops them at once. The
-    traceback keeps its lines; without workers the frames are the user's, and stay as they are.
+    They hold torch's iterator as long as the exception lives. Left so, it is freed only by a
+    garbage collection, in which its queues' finalizers run before its ``__del__``: its workers
+    never get the signal to stop, and each costs a 5 s join, at whatever step the collection
+    comes. Only these frames are cleared: the traceback keeps its lines, and any other frame
+    (the user's sampler, a paused generator of an exception raised again) keeps its locals.
+    They are found by their code, not by reading their locals: Python before 3.13 keeps a copy
+    of the locals it was asked for, which ``frame.clear()`` leaves.
     """
+    methods = {
+        function.__code__
+        for kind in type(torch_iterator).__mro__
+        for function in vars(kind).values()
+        if isinstance(function, FunctionType)
+    }
+    frames = []
     entry = error.__traceback__
     entry = entry.tb_next if entry is not None else None  # the first is __next__'s, running
     while entry is not None:
-        try:
-            entry.tb_frame.clear()
-        except RuntimeError:  # still running (not seen on this path): leave it
-            pass
+        if entry.tb_frame.f_code in methods:
+            frames.append(entry.tb_frame)
         entry = entry.tb_next
+    return frames
