@@ -220,17 +220,24 @@ class SamplerPattern(IterableDataset):
         return next(self.sampler_iter)
 
 
-@pytest.mark.filterwarnings(REPLAY_WARNING)
-@pytest.mark.parametrize("cls", [Replayed, SamplerPattern])
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_stateless_stream_shorter_than_the_saved_position_is_a_clear_error(cls, workers):
+def _shorter_than_saved(cls, workers):
+    """A loader of a 3-item ``cls`` stream given the state of one that yielded 8 items."""
     loader = unbroken.DataLoader(cls(12), batch_size=2, num_workers=workers, seed=0)
     iterator = iter(loader)
     for _ in range(4):
         next(iterator)
     state = loader.state_dict()
+    iterator.close()
     shorter = unbroken.DataLoader(cls(3), batch_size=2, num_workers=workers, seed=0)
     shorter.load_state_dict(state)
+    return shorter
+
+
+@pytest.mark.filterwarnings(REPLAY_WARNING)
+@pytest.mark.parametrize("cls", [Replayed, SamplerPattern])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateless_stream_shorter_than_the_saved_position_is_a_clear_error(cls, workers):
+    shorter = _shorter_than_saved(cls, workers)
     match = (
         r"the state says worker 0 of .* had (yielded \d+ items|drawn \d+ sampler indices) "
         r"this epoch, but it now yields only \d+; .*not deterministic, or shorter"
@@ -244,14 +251,7 @@ def test_an_iteration_a_workers_error_ended_stops_its_workers_while_the_error_is
     """The error keeps its traceback, as pytest, a debugger or a retry loop keep it, and no
     garbage collection comes: the iteration's workers are stopped before it reaches the loop.
     Left to a collection, each would cost a 5 s join at whatever step the collection came."""
-    loader = unbroken.DataLoader(SamplerPattern(12), batch_size=2, num_workers=2, seed=0)
-    iterator = iter(loader)
-    for _ in range(4):
-        next(iterator)
-    state = loader.state_dict()
-    iterator.close()
-    shorter = unbroken.DataLoader(SamplerPattern(3), batch_size=2, num_workers=2, seed=0)
-    shorter.load_state_dict(state)
+    shorter = _shorter_than_saved(SamplerPattern, 2)
     before = set(multiprocessing.active_children())
     gc.disable()
     try:

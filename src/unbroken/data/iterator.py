@@ -98,9 +98,10 @@ class LoaderIterator:
                 self._end(Iteration.finished)
                 raise
             except BaseException as error:
-                holding = _frames_holding(error, started.batches) if self._inner.num_workers else []
+                workers = self._inner.num_workers > 0
+                holding = _frames_holding(error, started.batches) if workers else []
                 try:
-                    if self._inner.num_workers > 0:
+                    if workers:
                         await_death_report(error)  # torch's message for a dead worker
                 finally:
                     self._end(Iteration.interrupted)

@@ -38,7 +38,12 @@ def mix64(x: int) -> int:
 
 def derive_key(*parts: int) -> int:
     """Hash a tuple of ints in [0, 2**64) (seed, epoch, ...) into one 64-bit key."""
-    key = 0x6A09E667F3BCC908
+    return extend_key(0x6A09E667F3BCC908, *parts)
+
+
+def extend_key(key: int, *parts: int) -> int:
+    """Fold more ``parts`` into a key: ``extend_key(derive_key(*a), *b) == derive_key(*a, *b)``,
+    so a prefix used many times (an epoch's) is derived once."""
     for part in parts:
         key = mix64(key ^ part)
     return key

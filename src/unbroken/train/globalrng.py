@@ -27,7 +27,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..data.keys import derive_key, mix64
+from ..data.keys import derive_key, extend_key
 from ..errors import CorruptState, StateMismatch
 
 TRAIN, VAL = 1, 2  # the phase in a step's seed
@@ -127,9 +127,8 @@ def _phase_key(seed: int, phase: int, epoch: int) -> int:
 
 def seed_step(seed: int, phase: int, epoch: int, step: int, rank: int) -> None:
     """Seed the process RNGs for one step (``phase``: ``TRAIN`` or ``VAL``) of one rank, from
-    ``derive_key(seed, phase, epoch, step, rank)``. The key folds its parts in order, so the
-    epoch's prefix is derived once and each step mixes in only its step and rank."""
-    key = mix64(mix64(_phase_key(seed, phase, epoch) ^ step) ^ rank)
+    ``derive_key(seed, phase, epoch, step, rank)``: the epoch's prefix is derived once."""
+    key = extend_key(_phase_key(seed, phase, epoch), step, rank)
     random.seed(key)
     np.random.seed(key % 2**32)
     torch.default_generator.manual_seed(key % 2**63)
