@@ -29,6 +29,7 @@ from harness import Results, environment
 from harness import parser as harness_parser
 
 import unbroken
+from unbroken.data.keys import derive_key, extend_key
 from unbroken.train.globalrng import TRAIN, seed_step
 
 WIDTH, LAYERS, BATCH = 512, 4, 16
@@ -44,11 +45,16 @@ def calls() -> dict[str, Callable[[], object]]:
     iterator = iter(loader)
     next(iterator)
     steps = iter(range(1 << 62))
+    prefix = derive_key(0, TRAIN, 0)  # an epoch's: the same for each of its steps
     return {
         "clamp and convert 48 floats (torch)": lambda: row.clamp(max=255).to(torch.uint8),
         "add 1 to 48 floats in place (torch)": lambda: small.add_(1),
         "unbroken.DataLoader.state_dict()": loader.state_dict,
         "seed_step (torch, numpy, random)": lambda: seed_step(0, TRAIN, 0, next(steps), 0),
+        # seed_step's key, both ways: all five parts each step, or the epoch's prefix kept
+        # (seed_step keeps it in an lru_cache, whose lookup this row leaves out).
+        "step key: derive_key of 5 parts": lambda: derive_key(0, TRAIN, 0, next(steps), 0),
+        "step key: extend_key of the prefix": lambda: extend_key(prefix, next(steps), 0),
     }
 
 
