@@ -23,12 +23,13 @@ from unbroken.checkpoint import Checkpointer, FsspecStorage, layout
 from unbroken.errors import RemoteUnavailable
 from unbroken.testing import assert_same
 
-TIMEOUT = 1.5  # remote_timeout here: seconds an operation may go without progress
-BOUND = TIMEOUT + 6.0  # when the failure must be reported by, on a loaded machine
-THAW_AFTER = 60.0  # the safety timer: a frozen server is continued after this long anyway
-# A whole Trainer run's remote_timeout: its start, right after a test thawed the server (which
-# then answers the requests it held first), may take longer than TIMEOUT on a loaded machine.
+TIMEOUT = 1.5  # remote_timeout where nothing must succeed: seconds without progress
+# remote_timeout where the store must answer first (a start, a listing, a first part, a lease):
+# right after a test thawed the server, which then answers the requests it held first, or on a
+# loaded machine, an answer that normally takes milliseconds may take longer than TIMEOUT.
 RUN_TIMEOUT = 2 * TIMEOUT
+BOUND = RUN_TIMEOUT + 6.0  # when a failure must be reported by, on a loaded machine
+THAW_AFTER = 60.0  # the safety timer: a frozen server is continued after this long anyway
 
 
 class Freezer:
@@ -123,7 +124,7 @@ def test_a_store_frozen_during_a_download_fails_it_and_deletes_nothing(
         return found
 
     monkeypatch.setattr(layout, "candidates", listed_then_frozen)
-    checkpointer = Checkpointer(checkpoints, storage_options=options, remote_timeout=TIMEOUT)
+    checkpointer = Checkpointer(checkpoints, storage_options=options, remote_timeout=RUN_TIMEOUT)
     began = time.monotonic()
     with pytest.raises(RemoteUnavailable, match="could not read the checkpoints in") as raised:
         checkpointer.load_latest({"w": None})
@@ -136,7 +137,7 @@ def test_a_store_frozen_during_a_download_fails_it_and_deletes_nothing(
 
 def test_a_store_frozen_during_an_upload_fails_it_and_the_upload_is_aborted(server, freezer):
     url = _url(server, "upload")
-    storage = FsspecStorage(url, _options(server), timeout=TIMEOUT, cache=False)
+    storage = FsspecStorage(url, _options(server), timeout=RUN_TIMEOUT, cache=False)
 
     def fill(out):
         out.write(os.urandom(6 << 20))  # the multipart upload begins, its first part goes
@@ -198,7 +199,7 @@ def test_a_periodic_save_meeting_a_frozen_store_is_reported_and_training_goes_on
         epochs=2,
         callbacks=[freeze],
         storage_options=_options(server),
-        remote_timeout=TIMEOUT,
+        remote_timeout=RUN_TIMEOUT,
         async_save=async_save,
     )
     assert freeze.frozen
@@ -226,7 +227,7 @@ def test_a_store_frozen_during_the_leases_renewal_fails_its_fence_in_time_not_a_
     from unbroken.train.lease import Lease
 
     url = _url(server, "lease")
-    storage = FsspecStorage(url, server.storage_options, timeout=TIMEOUT)
+    storage = FsspecStorage(url, server.storage_options, timeout=RUN_TIMEOUT)
     lease = Lease(storage, url, seconds=3.0)
     lease.acquire()
     try:
