@@ -33,10 +33,14 @@ from unbroken.distributed.reduction import reduction_of
 RANKS = (3, 4, 5)  # exact_reduce matters from 3 ranks on (the docs say why)
 STOCK, TORCH_HOOK = "DDP (stock)", "DDP + torch's allreduce_hook"
 EXACT, PREDIVIDED = "DDP + exact_reduce", "DDP + exact_reduce, predivided"
+UNUSED = "DDP, find_unused_parameters=True"
 # torch's own Python hook (torch.distributed.algorithms.ddp_comm_hooks) is the control: what
 # any Python communication hook costs against DDP's C++ path. "predivided" is the Trainer's
 # way: the loss divided by the world size, the hook only sums (ExactReduction.predivided).
-VARIANTS = (STOCK, TORCH_HOOK, EXACT, PREDIVIDED)
+# find_unused_parameters=True is the one public way to exactness without a hook: DDP then
+# never rebuilds its buckets, so every step of every process sums in one layout; it pays a
+# walk of the autograd graph and an all-reduce of the used parameters' map every step.
+VARIANTS = (STOCK, TORCH_HOOK, EXACT, PREDIVIDED, UNUSED)
 # An exact_reduce with chunk_mb cuts its own chunks; one without keeps DDP's buckets. The
 # script measures either.
 HAS_CHUNK_MB = "chunk_mb" in inspect.signature(exact_reduce).parameters
@@ -51,7 +55,9 @@ def build(
         blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     ids = [device.index] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(
-        torch.nn.Sequential(*blocks).to(device), device_ids=ids
+        torch.nn.Sequential(*blocks).to(device),
+        device_ids=ids,
+        find_unused_parameters=variant == UNUSED,
     )
     if variant == TORCH_HOOK:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -153,6 +159,7 @@ def main() -> None:
                     f"{step[EXACT] / step[STOCK]:.2f}x",
                     f"{step[PREDIVIDED] / step[STOCK]:.2f}x",
                     f"{step[PREDIVIDED] / step[TORCH_HOOK]:.2f}x",
+                    f"{step[UNUSED] / step[STOCK]:.2f}x",
                 ]
             )
     print()
@@ -160,7 +167,8 @@ def main() -> None:
     title = f"A DDP training step on {worlds} ranks ({args.backend}, {args.device}), ms (medians)"
     results.show(title, [
         "ranks", "model", "DDP (ms)", "torch's hook (ms)", "exact_reduce (ms)",
-        "predivided (ms)", "exact / stock", "predivided / stock", "predivided / torch's hook",
+        "predivided (ms)", "find_unused (ms)", "exact / stock", "predivided / stock",
+        "predivided / torch's hook", "find_unused / stock",
     ], rows, left=2)  # fmt: skip
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     note = (

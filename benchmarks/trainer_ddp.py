@@ -14,7 +14,9 @@ process, without torch.distributed or DDP. ``--parts`` adds three hand loops bet
 with one more of the Trainer's exactness parts: ``exact_reduce``; then ``unbroken.DataLoader``
 and the per-step seeding; then the Trainer's own reduction, carrying the agreement's row. Each
 row's excess over the one before it is what that part costs; the Trainer's over the last of
-them, what its loop's own bookkeeping costs.
+them, what its loop's own bookkeeping costs. A control comes first: the hand loop with torch's
+own Python all-reduce hook (``default_hooks.allreduce_hook``), what DDP costs with any
+communication hook written in Python, before the hook does anything of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, ForeignLoad, Results, environment, quartiles, rotated
@@ -47,11 +50,13 @@ from unbroken.train.globalrng import TRAIN, seed_step
 
 HAND, TRAINER, NO_JIT = "hand loop", "Trainer()", "Trainer(just_in_time=False)"
 VARIANTS = (HAND, TRAINER, NO_JIT)
-# --parts: hand loops with the Trainer's parts, one more each (the Trainer's rows come last).
+# --parts: a control, torch's own Python hook; then hand loops with the Trainer's parts, one
+# more each (the Trainer's rows come last).
+HOOK = "hand + torch's Python allreduce_hook"
 EXACT = "hand + exact_reduce"
 DATA = "hand + exact_reduce + seeded data"
 ROW = "hand + agreement row + seeded data"
-PARTS = {EXACT: {"exact"}, DATA: {"exact", "data"}, ROW: {"row", "data"}}
+PARTS = {HOOK: {"hook"}, EXACT: {"exact"}, DATA: {"exact", "data"}, ROW: {"row", "data"}}
 
 
 def variants(args: argparse.Namespace) -> tuple[str, ...]:
@@ -152,14 +157,17 @@ class Bench:
         return Clock(self.args.warmup, self.steps, self.sync)
 
     def hand(self, parts: frozenset[str] = frozenset()) -> Clock:
-        """The hand loop; with ``parts`` (``PARTS``), the Trainer's exactness parts in it:
-        ``exact``: ``exact_reduce``; ``data``: ``unbroken.DataLoader`` and the Trainer's
+        """The hand loop; with ``parts`` (``PARTS``), the Trainer's exactness parts in it, or
+        the control: ``hook``: torch's ``allreduce_hook``, which divides and all-reduces each
+        bucket as DDP does without a hook, from Python; ``exact``: ``exact_reduce``; ``data``: ``unbroken.DataLoader`` and the Trainer's
         seeding before each step; ``row``: the Trainer's own reduction instead of
         ``exact_reduce`` (its loss divided by the world size, the hook only summing), carrying
         a row as wide as the Trainer's agreement, read after each backward."""
         model = self.model()
         optimizer = torch.optim.SGD(model.parameters(), lr=self.args.lr)
         reduction, row, divisor = None, None, 1
+        if self.distributed and "hook" in parts:
+            model.register_comm_hook(None, default_hooks.allreduce_hook)  # type: ignore[operator]
         if self.distributed and "exact" in parts:
             unbroken.distributed.exact_reduce(model)
         if self.distributed and "row" in parts:
