@@ -177,7 +177,11 @@ def main() -> None:
         + (f"exact_reduce chunk_mb={args.chunk_mb}; " if HAS_CHUNK_MB else "")
         + "command: .venv/bin/python "
         f"benchmarks/ddp_reduction.py --ranks {' '.join(map(str, args.ranks))}"
-        + (f" --device {args.device}" if args.device != "cpu" else "")
+        + "".join(
+            f" --{flag.replace('_', '-')} {getattr(args, flag)}"
+            for flag in ("layers", "width", "batch", "steps", "rounds", "chunk_mb", "device")
+            if getattr(args, flag) != parser.get_default(flag) and not args.quick
+        )
     )
     print(f"\n{note}")
     results.notes.append(note)

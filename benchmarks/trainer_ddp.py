@@ -337,6 +337,18 @@ def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], di
     return rows, entry
 
 
+def over_control(label: str, measured: dict[str, Any]) -> list[list[str]]:
+    """``--parts``: each loop after the control over the control, round by round."""
+    rows = []
+    for variant in (EXACT, DATA, ROW, NO_JIT, TRAINER):
+        cells = [label, variant]
+        for kind in ("ms", "cpu"):
+            ratio = [t / h for t, h in zip(measured[kind][variant], measured[kind][HOOK])]
+            cells += [f"{statistics.median(ratio):.3f}", f"{min(ratio):.3f}-{max(ratio):.3f}"]
+        rows.append(cells)
+    return rows
+
+
 QUICK = "2 rounds of 2 + 5 steps"
 
 
@@ -408,6 +420,15 @@ def main() -> None:
         rows,
         left=2,
     )
+    if args.parts:
+        print()
+        results.show(
+            "The same rounds over the control (a loop's time over the hand loop with torch's "
+            "Python hook, in the same round): median and min-max over the rounds",
+            ["ranks", "loop", "wall ratio", "wall min-max", "CPU ratio", "CPU min-max"],
+            [row for label, measured in runs for row in over_control(label, measured)],
+            left=2,
+        )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     notes = [
         f"medians over {args.rounds} rounds (after 1 warm-up round) of {args.steps} timed steps "
