@@ -6,6 +6,7 @@ import gc
 import json
 import multiprocessing
 import multiprocessing.util
+import weakref
 
 import pytest
 import torch
@@ -261,6 +262,33 @@ def test_an_iteration_a_workers_error_ended_stops_its_workers_while_the_error_is
     finally:
         gc.enable()
     assert held.value.__traceback__ is not None
+    assert not left, left
+
+
+def test_a_failed_iteration_leaves_no_cycle_that_holds_its_loader():
+    """Once the error that ended an iteration on workers is dropped, nothing of the library's
+    holds the loader: dropped by the user, it and its persistent workers go at once. A cycle
+    would keep them to a garbage collection, which then waits 5 s for each worker."""
+    loader = unbroken.DataLoader(
+        list(range(10)), batch_size=2, num_workers=1, persistent_workers=True, seed=0
+    )
+    before = set(multiprocessing.active_children())
+    gc.disable()
+    try:
+        first = iter(loader)
+        next(first)
+        second = iter(loader)  # takes the persistent workers over: first fails at its next
+        next(second)
+        with pytest.raises(RuntimeError, match="persistent_workers=True"):
+            next(first)
+        assert [b.tolist() for b in second] == [[2, 3], [4, 5], [6, 7], [8, 9]]
+        dropped = weakref.ref(loader)
+        del loader, first, second
+        alive = dropped() is not None
+        left = set(multiprocessing.active_children()) - before
+    finally:
+        gc.enable()
+    assert not alive, "a cycle holds the loader"
     assert not left, left
 
 

@@ -105,9 +105,11 @@ class LoaderIterator:
                         await_death_report(error)  # torch's message for a dead worker
                 finally:
                     self._end(Iteration.interrupted)
-                    for frame in holding:  # torch's iterator is freed: its workers stop now
-                        frame.clear()
-                    del holding
+                    # torch's iterator is freed: its workers stop now. Popped, not looped over:
+                    # a loop variable would keep the last frame, whose f_back is this frame, a
+                    # cycle holding this iterator (and its loader's workers) until a collection.
+                    while holding:
+                        holding.pop().clear()
                 raise
             before = (cursor.samples, cursor.batches, cursor.source)  # receive replaces source
             batch = started.receive(cursor, batch)  # the cursor moves when the user receives it
