@@ -159,8 +159,8 @@ class Bench:
     def hand(self, parts: frozenset[str] = frozenset()) -> Clock:
         """The hand loop; with ``parts`` (``PARTS``), the Trainer's exactness parts in it, or
         the control: ``hook``: torch's ``allreduce_hook``, which divides and all-reduces each
-        bucket as DDP does without a hook, from Python; ``exact``: ``exact_reduce``; ``data``: ``unbroken.DataLoader`` and the Trainer's
-        seeding before each step; ``row``: the Trainer's own reduction instead of
+        bucket as DDP does without a hook, from Python; ``exact``: ``exact_reduce``;
+        ``data``: ``unbroken.DataLoader`` and the Trainer's seeding before each step; ``row``: the Trainer's own reduction instead of
         ``exact_reduce`` (its loss divided by the world size, the hook only summing), carrying
         a row as wide as the Trainer's agreement, read after each backward."""
         model = self.model()
@@ -339,8 +339,8 @@ def summarize(label: str, measured: dict[str, Any]) -> tuple[list[list[str]], di
 
 def over_control(label: str, measured: dict[str, Any]) -> list[list[str]]:
     """``--parts``: each loop after the control over the control, round by round."""
-    rows = []
-    for variant in (EXACT, DATA, ROW, NO_JIT, TRAINER):
+    rows, measured_in_order = [], list(measured["ms"])  # the variants, in ``variants()`` order
+    for variant in measured_in_order[measured_in_order.index(HOOK) + 1 :]:
         cells = [label, variant]
         for kind in ("ms", "cpu"):
             ratio = [t / h for t, h in zip(measured[kind][variant], measured[kind][HOOK])]
